@@ -1,0 +1,15 @@
+"""nvoffload: train models larger than GPU and CPU memory on one server.
+
+Parameters, optimizer states and activations live on NVMe SSDs and stream
+through pinned host memory to the device; the CPU Adam step overlaps SSD I/O and
+backward compute.
+
+Subpackages:
+
+- :mod:`nvoffload.io` -- async O_DIRECT I/O engine, aligned buffers, tensor store.
+- :mod:`nvoffload.optim` -- fused CPU Adam/AdamW and the NVMe-offloaded optimizer.
+- :mod:`nvoffload.activations` -- saved-tensor offload for activations.
+- :mod:`nvoffload.device` -- the thin CUDA layer (everything else is device-neutral).
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,21 @@
+import importlib.util
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_KVIKIO = HAS_CUDA and importlib.util.find_spec("kvikio") is not None
+
+# Devices found at import: tests parametrized over DEVICES run on the CPU
+# everywhere and on the GPU where there is one.
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_gds = pytest.mark.skip(reason="needs CUDA and kvikio")
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_cuda)
+        if "gds" in item.keywords and not HAS_KVIKIO:
+            item.add_marker(skip_gds)
