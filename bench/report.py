@@ -1,0 +1,100 @@
+"""Shared reporting for the benchmarks in ``bench/``.
+
+Every benchmark ends with :func:`save_report`, which writes
+``bench/results/<name>.json`` (the machine, the settings and every row),
+``<name>.md`` (a markdown table) and ``<name>.png`` (a bar chart of one column).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict:
+    """What the figures were measured on."""
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+    return info
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Rows of equal keys as a markdown table; floats get 3 significant digits."""
+    if not rows:
+        return ""
+    keys = list(rows[0])
+
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def save_report(
+    name: str,
+    rows: list[dict],
+    *,
+    settings: dict,
+    plot_column: str,
+    label_column: str = "case",
+    notes: str = "",
+    results_dir: Path = RESULTS_DIR,
+) -> Path:
+    """Write the JSON, markdown and plot for one benchmark run; print the table.
+
+    Returns the path of the JSON file. ``plot_column`` names the numeric column
+    drawn as bars, one per row, labelled by ``label_column``.
+    """
+    results_dir.mkdir(parents=True, exist_ok=True)
+    record = {"benchmark": name, "machine": machine_info(), "settings": settings, "rows": rows, "notes": notes}
+    json_path = results_dir / f"{name}.json"
+    json_path.write_text(json.dumps(record, indent=2) + "\n")
+
+    table = markdown_table(rows)
+    md = [f"# {name}", "", f"Machine: {record['machine']}", "", f"Settings: `{json.dumps(settings)}`", "", table]
+    if notes:
+        md += ["", notes]
+    (results_dir / f"{name}.md").write_text("\n".join(md) + "\n")
+    print(table)
+    if notes:
+        print(notes)
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written (pip install -e '.[bench]')")
+        return json_path
+    plotted = [r for r in rows if isinstance(r.get(plot_column), (int, float))]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(plotted)), 4))
+    ax.bar([str(r[label_column]) for r in plotted], [r[plot_column] for r in plotted])
+    ax.set_ylabel(plot_column)
+    ax.set_title(name)
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(results_dir / f"{name}.png", dpi=100)
+    plt.close(fig)
+    return json_path
