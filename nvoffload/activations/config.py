@@ -1,0 +1,71 @@
+"""Settings and statistics of the activation offload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ActivationOffloadConfig", "OffloadStats", "TARGETS"]
+
+TARGETS = ("nvme", "cpu")
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ActivationOffloadConfig:
+    """How :class:`~nvoffload.activations.offload_activations` moves saved tensors.
+
+    Attributes:
+        target: ``"nvme"`` (a :class:`~nvoffload.io.TensorStore`) or ``"cpu"``
+            (host memory, page-locked when CUDA is present).
+        min_bytes: saved tensors smaller than this stay where they are.
+        keep_recent_bytes: the most recently saved tensors, up to this many bytes,
+            stay in memory (backward needs them first); older ones are written out.
+        prefetch_bytes: during backward, reads in flight (or read but not yet
+            used) for the tensors backward will ask for next, up to this many bytes.
+        max_pending_write_bytes: bytes of writes in flight after which forward
+            waits for the oldest one (bounds the memory held by slow writes).
+    """
+
+    target: str = "nvme"
+    min_bytes: int = 256 * 1024
+    keep_recent_bytes: int = 64 * MiB
+    prefetch_bytes: int = 256 * MiB
+    max_pending_write_bytes: int = 256 * MiB
+
+    def __post_init__(self):
+        if self.target not in TARGETS:
+            raise ValueError(f"unknown offload target {self.target!r}; choose one of {list(TARGETS)}")
+        for field in ("min_bytes", "keep_recent_bytes", "prefetch_bytes", "max_pending_write_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{field} must be an int number of bytes, got {value!r}")
+            if value < 0:
+                raise ValueError(f"{field} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """A snapshot of one offload context's counters (bytes unless named otherwise).
+
+    ``resident_bytes`` counts the distinct storages that saved tensors keep in
+    the compute device's memory through this context: tensors left in place
+    (small ones, not parameters), the recent ones kept in memory, those whose
+    write is still in flight, and those read back but not yet used by backward.
+    ``offloaded_bytes`` is the space taken in the target (swap files or host
+    memory) right now. ``tensors_forwarded`` counts tensors backward used
+    straight from memory without a round trip; ``reads_prefetched`` counts reads
+    already started before backward asked for the tensor.
+    """
+
+    resident_bytes: int
+    peak_resident_bytes: int
+    offloaded_bytes: int
+    peak_offloaded_bytes: int
+    bytes_written: int
+    bytes_read: int
+    tensors_written: int
+    tensors_forwarded: int
+    dedup_hits: int
+    reads_prefetched: int
+    live_records: int

@@ -1,0 +1,650 @@
+"""The activation offload context manager: saved tensors to NVMe or host memory."""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import contextlib
+import enum
+import itertools
+import os
+import tempfile
+import threading
+import weakref
+from pathlib import Path
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .. import device as _device
+from ._host import Completed, HostTier
+from ._ledger import StorageLedger, is_parameter_like
+from .config import ActivationOffloadConfig, OffloadStats
+
+__all__ = ["offload_activations"]
+
+_instance_ids = itertools.count()
+
+
+class _State(enum.Enum):
+    HELD = "held in memory"  # recent: kept, not written (yet)
+    WRITING = "being written"
+    STORED = "stored"
+    RELEASED = "released"
+
+
+class _Record:
+    """One offloaded tensor (one storage extent), shared by deduplicated saves."""
+
+    __slots__ = (
+        "handle", "name", "key", "nbytes", "numel", "size", "stride", "dtype", "device", "version",
+        "state", "original", "original_key", "write", "load", "loaded_key", "live", "pending", "error",
+        "written",
+    )  # fmt: skip
+
+    def __init__(self, handle: int, name: str, key: tuple, tensor: torch.Tensor, dense: bool):
+        self.handle = handle
+        self.name = name
+        self.key = key
+        self.numel = tensor.numel()
+        self.nbytes = self.numel * tensor.element_size()
+        self.size = tuple(tensor.shape)
+        self.stride = tuple(tensor.stride()) if dense else _contiguous_strides(self.size)
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+        self.version = tensor._version
+        self.state = _State.HELD
+        self.original: torch.Tensor | None = tensor
+        self.original_key = None
+        self.write: _Write | None = None
+        self.load: _Load | None = None
+        self.loaded_key = None
+        self.live = 0  # packed handles alive in some graph
+        self.pending = 0  # live handles not unpacked yet
+        self.error: BaseException | None = None
+        self.written = False
+
+    def describe(self) -> str:
+        return f"saved activation #{self.handle} ({self.name}: {list(self.size)} {self.dtype}, {self.nbytes} bytes)"
+
+
+class _Ticket:
+    """What a packed handle's finalizer needs: the record and whether it was unpacked."""
+
+    __slots__ = ("record", "unpacked")
+
+    def __init__(self, record: _Record):
+        self.record = record
+        self.unpacked = False
+
+
+class _Packed:
+    """What autograd stores instead of an offloaded tensor."""
+
+    __slots__ = ("ticket", "__weakref__")
+
+    def __init__(self, ticket: _Ticket):
+        self.ticket = ticket
+
+
+class _Resident:
+    """A saved tensor left in place, tracked only to count its memory."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class _Write:
+    """Device-to-host staging (CUDA only), then ``put`` into the tier."""
+
+    __slots__ = ("record", "tier", "staging", "host", "put")
+
+    def __init__(self, record: _Record, tier, staging, host: torch.Tensor):
+        self.record = record
+        self.tier = tier
+        self.staging = staging
+        self.host = host
+        self.put = None
+
+    def _start_put(self) -> None:
+        self.staging.result()
+        self.put = self.tier.put(self.record.name, self.host)
+
+    def poll(self) -> bool:
+        if self.put is None:
+            if not self.staging.done():
+                return False
+            self._start_put()
+        return self.put.done()
+
+    def wait(self) -> None:
+        if self.put is None:
+            self._start_put()
+        self.put.result()
+
+
+class _Load:
+    """``get`` from the tier into host memory, then host-to-device (CUDA only)."""
+
+    __slots__ = ("record", "get", "out", "to_device", "prefetched")
+
+    def __init__(self, record: _Record, tier, prefetched: bool):
+        self.record = record
+        self.prefetched = prefetched
+        if isinstance(tier, HostTier):
+            self.out = None  # the stored (page-locked) buffer itself: no copy, no new memory
+        elif record.device.type == "cpu":
+            self.out = torch.empty(record.numel, dtype=record.dtype)
+        else:
+            self.out = _device.host_empty(record.numel, record.dtype)
+        self.get = tier.get(record.name, out=self.out)
+        self.to_device = None
+
+    def device_memory(self) -> torch.Tensor | None:
+        """The buffer this load takes in the compute device's memory, once known."""
+        if self.record.device.type == "cpu":
+            return self.out
+        return None if self.to_device is None else self.to_device.result()
+
+    def wait(self) -> torch.Tensor:
+        host = self.get.result()
+        if self.record.device.type == "cpu":
+            return host
+        if self.to_device is None:
+            dst = torch.empty(self.record.numel, dtype=self.record.dtype, device=self.record.device)
+            self.to_device = _device.copy_async(dst, host)
+        return self.to_device.result()
+
+
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _is_dense(tensor: torch.Tensor) -> bool:
+    """True when the tensor covers a gap-free, non-overlapping span of its storage."""
+    dims = sorted((st, n) for n, st in zip(tensor.shape, tensor.stride()) if n != 1)
+    expected = 1
+    for st, n in dims:
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _check_swap_dirs(swap_dir) -> list[str]:
+    dirs = [swap_dir] if isinstance(swap_dir, (str, os.PathLike)) else list(swap_dir)
+    if not dirs:
+        raise ValueError("swap_dir is an empty list; give at least one directory")
+    checked = []
+    for d in dirs:
+        if not isinstance(d, (str, os.PathLike)):
+            raise ValueError(f"swap_dir entries must be paths, got {d!r}")
+        path = Path(d)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as e:
+            raise ValueError(f"swap_dir {str(path)!r} is not a writable directory: {e}") from e
+        checked.append(str(path))
+    return checked
+
+
+class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch.autograd.graph.save_on_cpu
+    """Context manager that moves the tensors forward saves for backward off the device.
+
+    Used like :class:`torch.autograd.graph.save_on_cpu`, around forward. Each
+    saved tensor is replaced by a small handle; its data goes to NVMe
+    (``target="nvme"``, through a :class:`~nvoffload.io.TensorStore`) or to host
+    memory (``target="cpu"``, page-locked when CUDA is present), and comes back
+    when backward asks for it.
+
+    - Parameters, leaves that require grad (and views of them) and tensors under
+      ``min_bytes`` stay where they are.
+    - Tensors that share storage, offset, size and stride (the same tensor saved
+      by several ops) are written once.
+    - The most recent ``keep_recent_bytes`` of saved tensors, which backward needs
+      first, stay in memory and make no round trip.
+    - During backward, reads for the next tensors (in reverse order of saving)
+      stay in flight up to ``prefetch_bytes``.
+    - A tensor's space is released when autograd drops it: as backward consumes
+      it, or when the graph is freed without backward. An exception inside the
+      ``with`` block releases what that block saved; :meth:`close` releases all.
+
+    Backward may run after the ``with`` block (as with ``save_on_cpu``). A swap
+    store this object opens itself is closed once the block has exited and every
+    tensor it holds has been released, or by :meth:`close`; a
+    :class:`~nvoffload.io.TensorStore` passed as ``swap_dir`` is never closed here.
+    Works with ``torch.utils.checkpoint``, nested contexts, several forwards
+    before one backward, ``retain_graph=True`` and double backward.
+
+    Args:
+        swap_dir: a directory (or a list of them, one per NVMe) for the swap
+            files, or an open ``TensorStore``. Required for ``target="nvme"``;
+            must be ``None`` for ``target="cpu"``.
+        target: ``"nvme"`` or ``"cpu"``.
+        min_bytes, keep_recent_bytes, prefetch_bytes, max_pending_write_bytes:
+            see :class:`~nvoffload.activations.ActivationOffloadConfig`.
+        config: a whole ``ActivationOffloadConfig`` instead of the keywords.
+
+    Example::
+
+        >>> import tempfile, torch
+        >>> from nvoffload.activations import offload_activations
+        >>> model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 1))
+        >>> x = torch.randn(1024, 512)
+        >>> with tempfile.TemporaryDirectory() as swap:
+        ...     offload = offload_activations(swap, min_bytes=1 << 16, keep_recent_bytes=0)
+        ...     with offload:
+        ...         loss = model(x).square().mean()
+        ...     print(offload.stats().offloaded_bytes > 0)
+        ...     loss.backward()
+        ...     print(offload.stats().offloaded_bytes)
+        True
+        0
+    """
+
+    def __init__(
+        self,
+        swap_dir=None,
+        *,
+        target: str | None = None,
+        min_bytes: int | None = None,
+        keep_recent_bytes: int | None = None,
+        prefetch_bytes: int | None = None,
+        max_pending_write_bytes: int | None = None,
+        config: ActivationOffloadConfig | None = None,
+    ) -> None:
+        overrides = {
+            k: v
+            for k, v in dict(
+                target=target,
+                min_bytes=min_bytes,
+                keep_recent_bytes=keep_recent_bytes,
+                prefetch_bytes=prefetch_bytes,
+                max_pending_write_bytes=max_pending_write_bytes,
+            ).items()
+            if v is not None
+        }
+        if config is not None and overrides:
+            raise ValueError(f"give either config or keywords, not both (got config and {sorted(overrides)})")
+        self.config = config if config is not None else ActivationOffloadConfig(**overrides)
+
+        self._store = None  # a user's TensorStore (never closed here)
+        self._swap_dirs: list[str] | None = None
+        if self.config.target == "cpu":
+            if swap_dir is not None:
+                raise ValueError("swap_dir is only used with target='nvme'; leave it out for target='cpu'")
+        elif swap_dir is None:
+            raise ValueError("target='nvme' needs swap_dir: a directory on an NVMe drive, or a TensorStore")
+        elif hasattr(swap_dir, "put") and hasattr(swap_dir, "get"):
+            self._store = swap_dir
+        else:
+            self._swap_dirs = _check_swap_dirs(swap_dir)
+
+        self._tier = None  # the store in use; opened at the first write when we own it
+        self._uid = next(_instance_ids)
+        self._handles = itertools.count()
+        self._lock = threading.Lock()
+        self._freed: collections.deque[_Ticket | StorageWeakRef] = collections.deque()
+        self._records: dict[int, _Record] = {}
+        self._by_key: dict[tuple, _Record] = {}
+        self._window: collections.OrderedDict[int, _Record] = collections.OrderedDict()
+        self._window_bytes = 0
+        self._writes: collections.OrderedDict[int, _Record] = collections.OrderedDict()
+        self._write_bytes = 0
+        self._stored: list[int] = []  # handles of STORED records not being read, sorted
+        self._prefetched_bytes = 0
+        self._ledger = StorageLedger()
+        self._offloaded_bytes = 0
+        self._peak_offloaded_bytes = 0
+        self._bytes_written = 0
+        self._bytes_read = 0
+        self._tensors_written = 0
+        self._tensors_forwarded = 0
+        self._dedup_hits = 0
+        self._reads_prefetched = 0
+        self._marks: list[int] = []  # first handle of each open ``with`` block
+        self._closed = False
+        super().__init__(self._pack, self._unpack)
+
+    # ----------------------------------------------------------------- context
+
+    def __enter__(self) -> offload_activations:
+        with self._locked():
+            if self._closed:
+                raise RuntimeError("this offload_activations was closed; create a new one")
+            self._marks.append(next(self._handles))
+        super().__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        super().__exit__(exc_type, exc, tb)
+        with self._locked():
+            first = self._marks.pop()
+            if exc_type is not None:
+                for record in [r for h, r in self._records.items() if h >= first]:
+                    self._release(record)
+            self._close_tier_if_idle()
+
+    def close(self) -> None:
+        """Release every offloaded tensor (waiting for I/O in flight) and close an owned store.
+
+        A backward that later needs one of them raises ``RuntimeError``.
+        """
+        with self._locked():
+            self._closed = True
+            for record in list(self._records.values()):
+                self._release(record)
+            self._close_tier_if_idle(force=True)
+
+    # ------------------------------------------------------------------- stats
+
+    def stats(self) -> OffloadStats:
+        """Current counters; see :class:`~nvoffload.activations.OffloadStats`."""
+        self._drain()  # apply releases queued by finalizers first
+        with self._lock:
+            return OffloadStats(
+                resident_bytes=self._ledger.bytes,
+                peak_resident_bytes=self._ledger.peak_bytes,
+                offloaded_bytes=self._offloaded_bytes,
+                peak_offloaded_bytes=self._peak_offloaded_bytes,
+                bytes_written=self._bytes_written,
+                bytes_read=self._bytes_read,
+                tensors_written=self._tensors_written,
+                tensors_forwarded=self._tensors_forwarded,
+                dedup_hits=self._dedup_hits,
+                reads_prefetched=self._reads_prefetched,
+                live_records=len(self._records),
+            )
+
+    def reset_peaks(self) -> None:
+        """Restart the peak counters from the current values."""
+        with self._locked():
+            self._ledger.reset_peak()
+            self._peak_offloaded_bytes = self._offloaded_bytes
+
+    # ----------------------------------------------------------------- locking
+
+    @contextlib.contextmanager
+    def _locked(self):
+        with self._lock:
+            yield
+        self._drain()
+
+    def _drain(self) -> None:
+        # Finalizers only queue; whoever can take the lock applies the queue.
+        # A finalizer that runs while this thread holds the lock finds it taken
+        # and leaves the work to the _drain() after that section.
+        while self._freed:
+            if not self._lock.acquire(blocking=False):
+                return
+            try:
+                while self._freed:
+                    item = self._freed.popleft()
+                    if isinstance(item, _Ticket):
+                        self._handle_freed(item)
+                    else:
+                        self._ledger.remove(item)
+                self._close_tier_if_idle()
+            finally:
+                self._lock.release()
+
+    def _on_free(self, item) -> None:
+        self._freed.append(item)
+        self._drain()
+
+    # -------------------------------------------------------------------- pack
+
+    def _offloadable(self, tensor: torch.Tensor) -> bool:
+        if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+            return False
+        if tensor.device.type not in ("cpu", "cuda") or is_parameter_like(tensor):
+            return False
+        nbytes = tensor.numel() * tensor.element_size()
+        # min_bytes of 0 still skips empty tensors; overlapping ones (expanded) stay.
+        return 0 < nbytes and nbytes >= self.config.min_bytes and nbytes <= tensor.untyped_storage().nbytes()
+
+    def _pack(self, tensor: torch.Tensor):
+        with self._locked():
+            self._reap_writes()
+            if not self._offloadable(tensor):
+                if is_parameter_like(tensor):
+                    return tensor.detach()
+                resident = _Resident(tensor.detach())
+                key = self._ledger.add(resident.tensor)
+                weakref.finalize(resident, self._on_free, key).atexit = False
+                return resident
+            t = tensor.detach()
+            key = (StorageWeakRef(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+            record = self._by_key.get(key)
+            if record is not None:
+                self._dedup_hits += 1
+            else:
+                handle = next(self._handles)
+                record = _Record(handle, f"act{self._uid}-{handle}", key, t, _is_dense(t))
+                record.original_key = self._ledger.add(t)
+                self._records[handle] = record
+                self._by_key[key] = record
+                self._window[handle] = record
+                self._window_bytes += record.nbytes
+                while self._window and self._window_bytes > self.config.keep_recent_bytes:
+                    self._start_write(self._window.popitem(last=False)[1])
+                while self._writes and self._write_bytes > self.config.max_pending_write_bytes:
+                    self._finish_write(next(iter(self._writes.values())), wait=True)
+            record.live += 1
+            record.pending += 1
+            ticket = _Ticket(record)
+            packed = _Packed(ticket)
+            weakref.finalize(packed, self._on_free, ticket).atexit = False
+            return packed
+
+    def _open_tier(self):
+        if self._tier is None:
+            if self.config.target == "cpu":
+                self._tier = HostTier()
+            elif self._store is not None:
+                self._tier = self._store
+            else:
+                from ..io import TensorStore
+
+                self._tier = TensorStore(self._swap_dirs if len(self._swap_dirs) > 1 else self._swap_dirs[0])
+        return self._tier
+
+    def _start_write(self, record: _Record) -> None:
+        self._window_bytes -= record.nbytes
+        if record.original._version != record.version:
+            record.error = self._modified_error(record, record.original._version)
+            self._drop_original(record)
+            record.state = _State.STORED  # nothing to read; unpack raises record.error
+            return
+        tier = self._open_tier()
+        t = record.original
+        if record.stride == tuple(t.stride()):
+            flat = t.as_strided((record.numel,), (1,), t.storage_offset())
+        else:
+            flat = t.contiguous().view(-1)
+        if t.device.type != "cpu":
+            host = _device.host_empty(record.numel, record.dtype)
+            staging = _device.copy_async(host, flat)
+        elif isinstance(tier, HostTier):
+            host, staging = torch.empty(record.numel, dtype=record.dtype), None
+            host.copy_(flat)
+        else:
+            host, staging = flat, None
+        record.write = _Write(record, tier, staging if staging is not None else Completed(), host)
+        record.state = _State.WRITING
+        record.written = True
+        self._writes[record.handle] = record
+        self._write_bytes += record.nbytes
+        self._offloaded_bytes += record.nbytes
+        self._peak_offloaded_bytes = max(self._peak_offloaded_bytes, self._offloaded_bytes)
+        self._bytes_written += record.nbytes
+        self._tensors_written += 1
+
+    def _reap_writes(self) -> None:
+        for record in list(self._writes.values()):
+            if not record.write.poll():
+                break
+            self._finish_write(record, wait=False)
+
+    def _finish_write(self, record: _Record, wait: bool) -> None:
+        del self._writes[record.handle]
+        self._write_bytes -= record.nbytes
+        write, record.write = record.write, None
+        try:
+            if wait:
+                write.wait()
+            else:
+                write.put.result()
+        except Exception as e:  # the I/O error surfaces when backward needs this tensor
+            record.error = RuntimeError(f"writing {record.describe()} failed: {e}")
+            record.error.__cause__ = e
+        if record.error is None and record.original._version != record.version:
+            record.error = self._modified_error(record, record.original._version)
+        self._drop_original(record)
+        record.state = _State.STORED
+        if record.error is None:
+            bisect.insort(self._stored, record.handle)
+
+    def _drop_original(self, record: _Record) -> None:
+        if record.original is not None:
+            record.original = None
+            self._ledger.remove(record.original_key)
+            record.original_key = None
+
+    @staticmethod
+    def _modified_error(record: _Record, version: int) -> RuntimeError:
+        return RuntimeError(
+            f"{record.describe()} was modified by an inplace operation after forward saved it "
+            f"(version {record.version} when saved, {version} now); autograd needs the saved value"
+        )
+
+    # ------------------------------------------------------------------ unpack
+
+    def _unpack(self, packed) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if isinstance(packed, _Resident):
+            return packed.tensor
+        ticket = packed.ticket
+        record = ticket.record
+        with self._locked():
+            if record.state is _State.RELEASED:
+                raise RuntimeError(
+                    f"{record.describe()} was released before backward used it "
+                    "(offload_activations was closed, or its with-block raised)"
+                )
+            self._reap_writes()
+            if record.error is not None:
+                raise record.error
+            if record.original is not None:
+                if record.original._version != record.version:
+                    raise self._modified_error(record, record.original._version)
+                result = record.original
+                if not record.written:
+                    self._tensors_forwarded += 1
+            else:
+                if record.load is None:
+                    self._start_load(record)
+                elif record.load.prefetched:
+                    record.load.prefetched = False
+                    self._reads_prefetched += 1
+                self._prefetch_before(record.handle)
+                try:
+                    flat = record.load.wait()
+                except Exception as e:
+                    raise RuntimeError(f"reading {record.describe()} back failed: {e}") from e
+                self._count_load(record)
+                result = flat.as_strided(record.size, record.stride)
+            if not ticket.unpacked:
+                ticket.unpacked = True
+                record.pending -= 1
+            if record.pending == 0:
+                self._drop_load(record)
+            return result
+
+    def _start_load(self, record: _Record, prefetch: bool = False) -> None:
+        index = bisect.bisect_left(self._stored, record.handle)
+        if index < len(self._stored) and self._stored[index] == record.handle:
+            del self._stored[index]
+        record.load = _Load(record, self._tier, prefetch)
+        self._prefetched_bytes += record.nbytes
+        self._bytes_read += record.nbytes
+        self._count_load(record)
+
+    def _count_load(self, record: _Record) -> None:
+        if record.loaded_key is None:
+            buffer = record.load.device_memory()
+            if buffer is not None:
+                record.loaded_key = self._ledger.add(buffer)
+
+    def _prefetch_before(self, handle: int) -> None:
+        budget = self.config.prefetch_bytes
+        index = bisect.bisect_left(self._stored, handle)
+        while index > 0 and self._prefetched_bytes < budget:
+            index -= 1
+            record = self._records[self._stored[index]]
+            if self._prefetched_bytes + record.nbytes > budget and self._prefetched_bytes > 0:
+                break
+            self._start_load(record, prefetch=True)
+
+    def _drop_load(self, record: _Record) -> None:
+        if record.load is not None:
+            self._prefetched_bytes -= record.nbytes
+            record.load = None
+            if record.loaded_key is not None:
+                self._ledger.remove(record.loaded_key)
+                record.loaded_key = None
+
+    # ----------------------------------------------------------------- release
+
+    def _handle_freed(self, ticket: _Ticket) -> None:
+        record = ticket.record
+        if record.state is _State.RELEASED:
+            return
+        record.live -= 1
+        if not ticket.unpacked:
+            record.pending -= 1
+            if record.pending == 0:
+                self._drop_load(record)
+        if record.live == 0:
+            self._release(record)
+
+    def _release(self, record: _Record) -> None:
+        if record.state is _State.RELEASED:
+            return
+        if record.handle in self._window:
+            del self._window[record.handle]
+            self._window_bytes -= record.nbytes
+        if record.handle in self._writes:
+            self._finish_write(record, wait=True)
+        if record.load is not None:
+            with contextlib.suppress(Exception):
+                record.load.wait()
+            self._drop_load(record)
+        index = bisect.bisect_left(self._stored, record.handle)
+        if index < len(self._stored) and self._stored[index] == record.handle:
+            del self._stored[index]
+        self._drop_original(record)
+        if record.written:
+            self._tier.delete(record.name)
+            self._offloaded_bytes -= record.nbytes
+        record.state = _State.RELEASED
+        del self._records[record.handle]
+        if self._by_key.get(record.key) is record:
+            del self._by_key[record.key]
+
+    def _close_tier_if_idle(self, force: bool = False) -> None:
+        if self._tier is None or self._records or (self._marks and not force):
+            return
+        if self._tier is not self._store:
+            self._tier.close()
+        self._tier = None

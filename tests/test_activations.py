@@ -1,0 +1,385 @@
+"""Activation offload: gradients equal the plain model's, swap space comes back, errors are clear."""
+
+import doctest
+import gc
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from nvoffload.activations import ActivationOffloadConfig, SavedTensorCounter, offload_activations
+from nvoffload.models.gpt import GPT, GPTConfig
+
+from conftest import DEVICES
+
+HAS_STORE = hasattr(importlib.import_module("nvoffload.io"), "TensorStore")
+TARGETS = ["cpu", pytest.param("nvme", marks=pytest.mark.skipif(not HAS_STORE, reason="no TensorStore yet"))]
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.c2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc = nn.Linear(32 * 8 * 8, 10)
+
+    def forward(self, x, y):
+        x = F.max_pool2d(F.relu(self.bn(self.c1(x))), 2)
+        x = F.max_pool2d(F.gelu(self.c2(x)), 2)
+        return F.cross_entropy(self.fc(x.flatten(1)), y)
+
+
+class ViewsInplace(nn.Module):
+    """Views, transposes, strided slices, expands and in-place ops on saved tensors' neighbours."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 192)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x, y):
+        h = self.a(x)  # (n, 192)
+        q, k, v = h.split(64, dim=1)  # strided views of one storage
+        s = (q * k).sigmoid()  # saves q and k (non-dense views)
+        t = v.t().contiguous().t()  # dense, transposed strides
+        u = s * t
+        u.relu_()  # in place on a non-saved intermediate
+        w = self.b(u)
+        w = w.view(-1, 8, 8).transpose(1, 2)  # saved as a transposed view by bmm below
+        z = torch.bmm(w, w)
+        z = z + h[:, ::3].view(-1, 8, 8)  # strided slice
+        z.mul_(0.5)
+        e = z.exp()  # exp saves its output
+        return (e * e.mean(0, keepdim=True).expand_as(e)).mean() + F.mse_loss(z.flatten(1), y)
+
+
+def make_case(name):
+    torch.manual_seed(0)
+    if name == "gpt":
+        model = GPT(GPTConfig.preset("tiny"))
+        inputs = (torch.randint(0, 256, (4, 64)), torch.randint(0, 256, (4, 64)))
+    elif name == "cnn":
+        model = CNN()
+        inputs = (torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,)))
+    else:
+        model = ViewsInplace()
+        inputs = (torch.randn(256, 64), torch.randn(256, 64))
+    return model, inputs
+
+
+def step(model, inputs, ctx=None):
+    model.zero_grad(set_to_none=True)
+    if ctx is None:
+        loss = model(*inputs)
+    else:
+        with ctx:
+            loss = model(*inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same(ref, got):
+    assert torch.equal(ref[0], got[0]), (ref[0], got[0])
+    for name, g in ref[1].items():
+        assert torch.equal(g, got[1][name]), f"gradient of {name} differs"
+
+
+def make_offload(target, tmp_path, **kw):
+    kw.setdefault("min_bytes", 1024)
+    if target == "nvme":
+        return offload_activations(tmp_path / "swap", **kw)
+    return offload_activations(target="cpu", **kw)
+
+
+def assert_released(offload, graph_alive=False):
+    """Swap space free; with the graph freed, nothing held in memory either.
+
+    While a graph is alive its small tensors (left in place) still count as resident.
+    """
+    stats = offload.stats()
+    assert stats.offloaded_bytes == 0
+    assert stats.live_records == 0
+    assert graph_alive or stats.resident_bytes == 0
+
+
+SETTINGS = {
+    "all-out-no-prefetch": dict(keep_recent_bytes=0, prefetch_bytes=0),
+    "all-out-prefetch": dict(keep_recent_bytes=0, prefetch_bytes=1 << 30),
+    "forwarding": dict(keep_recent_bytes=300_000, prefetch_bytes=200_000),
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("settings", list(SETTINGS))
+@pytest.mark.parametrize("case", ["gpt", "cnn", "views"])
+def test_gradients_bitwise_equal(case, settings, target, tmp_path):
+    model, inputs = make_case(case)
+    BN_STATE = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = step(model, inputs)
+    model.load_state_dict(BN_STATE)  # batch norm running stats: same start
+    offload = make_offload(target, tmp_path, **SETTINGS[settings])
+    got = step(model, inputs, offload)
+    assert_same(ref, got)
+    stats = offload.stats()
+    assert stats.bytes_written > 0
+    assert stats.peak_offloaded_bytes > 0
+    if settings == "all-out-no-prefetch":
+        assert stats.tensors_forwarded == 0 and stats.reads_prefetched == 0
+        assert stats.bytes_read == stats.bytes_written
+    if settings == "all-out-prefetch":
+        assert stats.reads_prefetched > 0
+        assert stats.bytes_read == stats.bytes_written  # every tensor read exactly once
+    if settings == "forwarding":
+        assert stats.tensors_forwarded > 0
+    assert_released(offload)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_peak_resident_below_plain_saved_tensors(target, tmp_path):
+    model, inputs = make_case("gpt")
+    counter = SavedTensorCounter()
+    step(model, inputs, counter)
+    offload = make_offload(target, tmp_path, keep_recent_bytes=0, prefetch_bytes=0)
+    step(model, inputs, offload)
+    stats = offload.stats()
+    assert counter.resident_bytes == 0
+    assert stats.bytes_written > counter.peak_resident_bytes // 2
+    assert stats.peak_resident_bytes < counter.peak_resident_bytes // 4
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_forward_without_backward_releases(target, tmp_path):
+    model, inputs = make_case("gpt")
+    offload = make_offload(target, tmp_path, keep_recent_bytes=0)
+    with offload:
+        loss = model(*inputs)
+    assert offload.stats().offloaded_bytes > 0
+    del loss
+    gc.collect()
+    assert_released(offload)
+    assert offload._tier is None  # an owned store closes once idle
+
+
+@pytest.mark.skipif(not HAS_STORE, reason="no TensorStore yet")
+def test_user_store_shared_and_left_open(tmp_path):
+    from nvoffload.io import TensorStore
+
+    model, inputs = make_case("gpt")
+    ref = step(model, inputs)
+    with TensorStore(str(tmp_path)) as store:
+        outer = offload_activations(store, min_bytes=1024, keep_recent_bytes=0)
+        inner = offload_activations(store, min_bytes=1024, keep_recent_bytes=0)
+        with outer:
+            model.zero_grad(set_to_none=True)
+            h = model.tok_emb(inputs[0]) + model.pos_emb(torch.arange(64))
+            h = model.blocks[0](h)
+            with inner:
+                h = model.blocks[1](h)
+            logits = F.linear(model.ln_f(h), model.tok_emb.weight)
+            loss = F.cross_entropy(logits.view(-1, 256), inputs[1].reshape(-1))
+        assert store.used_bytes > 0
+        assert inner.stats().bytes_written > 0 and outer.stats().bytes_written > 0
+        loss.backward()
+        assert store.used_bytes == 0
+        store.put("still-open", torch.ones(4)).result()
+    assert torch.equal(ref[0], loss.detach())
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_exception_in_block_releases(target, tmp_path):
+    model, inputs = make_case("gpt")
+    offload = make_offload(target, tmp_path, keep_recent_bytes=0)
+    kept = []
+    with pytest.raises(KeyError, match="boom"):
+        with offload:
+            kept.append(model(*inputs))
+            raise KeyError("boom")
+    assert_released(offload, graph_alive=True)
+    with pytest.raises(RuntimeError, match="released before backward"):
+        kept[0].backward()
+
+
+def test_close_releases_and_later_backward_fails(tmp_path):
+    model, inputs = make_case("gpt")
+    offload = make_offload("cpu", tmp_path, keep_recent_bytes=0)
+    with offload:
+        loss = model(*inputs)
+    offload.close()
+    assert_released(offload, graph_alive=True)
+    with pytest.raises(RuntimeError, match="released before backward"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="closed"):
+        with offload:
+            pass
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint(reentrant, target, tmp_path):
+    model, inputs = make_case("gpt")
+    ref = step(model, inputs)
+
+    def forward(idx, targets):
+        x = model.tok_emb(idx) + model.pos_emb(torch.arange(idx.shape[1]))
+        for block in model.blocks:
+            x = checkpoint(block, x, use_reentrant=reentrant)
+        logits = F.linear(model.ln_f(x), model.tok_emb.weight)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+    offload = make_offload(target, tmp_path, keep_recent_bytes=0)
+    model.zero_grad(set_to_none=True)
+    with offload:
+        loss = forward(*inputs)
+        loss.backward()  # inside: re-entrant recomputation saves through the hooks too
+    assert_same(ref, (loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert offload.stats().bytes_written > 0
+    assert_released(offload)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_gradient_accumulation_and_retain_graph(target, tmp_path):
+    model, inputs = make_case("gpt")
+    other = (torch.randint(0, 256, (4, 64)), torch.randint(0, 256, (4, 64)))
+    model.zero_grad(set_to_none=True)
+    (model(*inputs) + model(*other)).backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    offload = make_offload(target, tmp_path, keep_recent_bytes=0, prefetch_bytes=100_000)
+    model.zero_grad(set_to_none=True)
+    with offload:
+        l1 = model(*inputs)
+        l2 = model(*other)
+    (l1 + l2).backward(retain_graph=True)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, ref[n]), n
+    assert offload.stats().offloaded_bytes > 0  # graph retained: swap kept
+    model.zero_grad(set_to_none=True)
+    (l1 + l2).backward()  # second pass reads everything again
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, ref[n]), n
+    del l1, l2
+    assert_released(offload)
+
+
+def test_double_backward(tmp_path):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64)
+    x = torch.randn(128, 64)
+
+    def penalty(ctx):
+        lin.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_()
+        with ctx:
+            y = torch.tanh(lin(xr)).pow(3).sum()
+        (g,) = torch.autograd.grad(y, xr, create_graph=True)
+        g.square().sum().backward()
+        return lin.weight.grad.clone()
+
+    offload = offload_activations(target="cpu", min_bytes=1024, keep_recent_bytes=0)
+    assert torch.equal(penalty(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)), penalty(offload))
+    assert offload.stats().bytes_written > 0
+    assert_released(offload)
+
+
+def test_dedup_and_small_and_parameters_stay():
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 256)  # weight: 256 KiB, saved by mm as a view of a parameter
+    x = torch.randn(512, 256)
+    offload = offload_activations(target="cpu", min_bytes=4096, keep_recent_bytes=0)
+    with offload:
+        h = lin(x)  # saves x (input: offloaded), weight (parameter: stays)
+        y = h * h  # saves h twice: written once
+        small = y[:1, :8].sin()  # saves a 32-byte slice: stays
+        loss = y.mean() + small.sum()
+    stats = offload.stats()
+    assert stats.dedup_hits == 1
+    assert stats.tensors_written == 2
+    assert stats.bytes_written == 2 * 512 * 256 * 4
+    loss.backward()
+    assert_released(offload)
+
+
+def test_forwarding_keeps_recent_in_memory():
+    model, inputs = make_case("gpt")
+    offload = offload_activations(target="cpu", min_bytes=1024, keep_recent_bytes=1 << 30)
+    step(model, inputs, offload)
+    stats = offload.stats()
+    assert stats.tensors_written == 0 and stats.tensors_forwarded > 0 and stats.bytes_read == 0
+    assert offload._tier is None  # nothing written: the store never opened
+
+
+def test_inplace_after_save_raises():
+    x = torch.randn(256, 256, requires_grad=True)
+    offload = offload_activations(target="cpu", min_bytes=1024)
+    with offload:
+        b = x * 2
+        c = b.sin()  # saves b
+        b.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        c.sum().backward()
+
+
+def test_counter_with_save_on_cpu():
+    x = torch.randn(256, 256, requires_grad=True)
+    plain = SavedTensorCounter()
+    with plain:
+        y = x.sin().sin()
+    assert plain.resident_bytes == 256 * 256 * 4 and plain.offloaded_bytes == 0
+    y.sum().backward()
+    wrapped = SavedTensorCounter(torch.autograd.graph.save_on_cpu(pin_memory=True))
+    with wrapped:
+        y = x.sin().sin()
+    assert wrapped.resident_bytes == 0 and wrapped.offloaded_bytes == 256 * 256 * 4
+    y.sum().backward()
+    assert wrapped.offloaded_bytes == 0 and wrapped.peak_offloaded_bytes == 256 * 256 * 4
+
+
+def test_bad_settings(tmp_path):
+    with pytest.raises(ValueError, match="min_bytes must be >= 0"):
+        offload_activations(target="cpu", min_bytes=-1)
+    with pytest.raises(ValueError, match="keep_recent_bytes must be >= 0"):
+        offload_activations(target="cpu", keep_recent_bytes=-5)
+    with pytest.raises(ValueError, match="prefetch_bytes must be an int"):
+        offload_activations(target="cpu", prefetch_bytes=1.5)
+    with pytest.raises(ValueError, match="unknown offload target 'gpu'"):
+        offload_activations(tmp_path, target="gpu")
+    with pytest.raises(ValueError, match="needs swap_dir"):
+        offload_activations()
+    with pytest.raises(ValueError, match="only used with target='nvme'"):
+        offload_activations(tmp_path, target="cpu")
+    with pytest.raises(ValueError, match="either config or keywords"):
+        offload_activations(target="cpu", config=ActivationOffloadConfig(target="cpu"))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="is not a writable directory"):
+        offload_activations(blocker / "swap")
+    with pytest.raises(ValueError, match="is not a writable directory"):
+        offload_activations(blocker)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("target", TARGETS)
+def test_cuda_gradients_equal(target, tmp_path):
+    assert "cuda" in DEVICES
+    model, inputs = make_case("gpt")
+    model = model.cuda()
+    inputs = tuple(t.cuda() for t in inputs)
+    ref = step(model, inputs)
+    offload = make_offload(target, tmp_path, keep_recent_bytes=0, prefetch_bytes=1 << 20)
+    got = step(model, inputs, offload)
+    assert_same(ref, got)
+    assert offload.stats().bytes_written > 0
+    assert_released(offload)
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["counting", pytest.param("offload", marks=pytest.mark.skipif(not HAS_STORE, reason="no TensorStore yet"))],
+)
+def test_docstring_examples_run(module):
+    result = doctest.testmod(importlib.import_module(f"nvoffload.activations.{module}"))
+    assert result.attempted > 0 and result.failed == 0
