@@ -127,12 +127,16 @@ def test_gradients_bitwise_equal(case, settings, target, tmp_path):
     stats = offload.stats()
     assert stats.bytes_written > 0
     assert stats.peak_offloaded_bytes > 0
+    # Every offloaded tensor is read back exactly once, except (on NVMe) those
+    # whose write was still in flight when backward needed them: backward then
+    # uses the original, still in memory.
+    round_trip = (lambda r, w: r == w) if target == "cpu" else (lambda r, w: 0 < r <= w)
     if settings == "all-out-no-prefetch":
         assert stats.tensors_forwarded == 0 and stats.reads_prefetched == 0
-        assert stats.bytes_read == stats.bytes_written
+        assert round_trip(stats.bytes_read, stats.bytes_written)
     if settings == "all-out-prefetch":
         assert stats.reads_prefetched > 0
-        assert stats.bytes_read == stats.bytes_written  # every tensor read exactly once
+        assert round_trip(stats.bytes_read, stats.bytes_written)
     if settings == "forwarding":
         assert stats.tensors_forwarded > 0
     assert_released(offload)

@@ -1,3 +1,83 @@
+// Private binding of the I/O engine: every blocking call releases the GIL.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <unistd.h>
 
-PYBIND11_MODULE(_aio, m) { m.doc() = "nvoffload native I/O engine (private)"; }
+#include <cstring>
+
+#include "engine.h"
+
+namespace py = pybind11;
+using nvo::Engine;
+using nvo::Fault;
+using nvo::Ticket;
+
+namespace {
+
+void raise_errno(int err, const std::string& call, const std::string& path) {
+  PyErr_SetObject(PyExc_OSError,
+                  py::make_tuple(err, call + ": " + std::strerror(err), path).ptr());
+  throw py::error_already_set();
+}
+
+Fault parse_fault(const std::string& name) {
+  if (name == "enospc") return Fault::kEnospc;
+  if (name == "eio") return Fault::kEio;
+  if (name == "short_read") return Fault::kShortRead;
+  throw py::value_error("unknown fault '" + name + "'; use enospc, eio or short_read");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_aio, m) {
+  m.doc() = "nvoffload native I/O engine (private)";
+
+  py::class_<Ticket, std::shared_ptr<Ticket>>(m, "Ticket")
+      .def("done", &Ticket::done, py::call_guard<py::gil_scoped_release>())
+      .def("wait", &Ticket::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
+      .def("error", [](Ticket& t) -> py::object {
+        if (t.error() == 0) return py::none();
+        return py::make_tuple(t.error(), std::string(t.failed_call()), t.failed_offset());
+      });
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init<int, size_t, size_t>(), py::arg("num_threads"), py::arg("block_size_bytes"),
+           py::arg("queue_depth"))
+      .def(
+          "submit",
+          [](Engine& e, int fd, uintptr_t ptr, size_t nbytes, int64_t offset, bool write) {
+            return e.submit(fd, reinterpret_cast<char*>(ptr), nbytes, offset, write);
+          },
+          py::arg("fd"), py::arg("ptr"), py::arg("nbytes"), py::arg("offset"), py::arg("write"),
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "inject_fault",
+          [](Engine& e, const std::string& fault, int64_t after_ops) { e.inject_fault(parse_fault(fault), after_ops); },
+          py::arg("fault"), py::arg("after_ops") = 0);
+
+  m.def(
+      "open_file",
+      [](const std::string& path, bool create, bool direct) {
+        int fd = -1, err;
+        {
+          py::gil_scoped_release release;
+          err = nvo::open_file(path, create, direct, &fd);
+        }
+        if (err) raise_errno(err, direct ? "open(O_DIRECT)" : "open", path);
+        return fd;
+      },
+      py::arg("path"), py::arg("create"), py::arg("direct"));
+  m.def(
+      "allocate_file",
+      [](int fd, int64_t offset, int64_t nbytes, const std::string& path) {
+        int err;
+        {
+          py::gil_scoped_release release;
+          err = nvo::allocate_file(fd, offset, nbytes);
+        }
+        if (err) raise_errno(err, "posix_fallocate", path);
+      },
+      py::arg("fd"), py::arg("offset"), py::arg("nbytes"), py::arg("path"));
+  m.def("close_file", [](int fd) { ::close(fd); }, py::arg("fd"));
+  m.def("inject_direct_refusal", &nvo::inject_direct_refusal);
+}

@@ -480,6 +480,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         else:
             host, staging = flat, None
         record.write = _Write(record, tier, staging if staging is not None else Completed(), host)
+        record.write.poll()  # starts the put at once when no staging copy is needed
         record.state = _State.WRITING
         record.written = True
         self._writes[record.handle] = record
@@ -491,9 +492,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
 
     def _reap_writes(self) -> None:
         for record in list(self._writes.values()):
-            if not record.write.poll():
-                break
-            self._finish_write(record, wait=False)
+            if record.write.poll():  # also starts puts whose staging copy has finished
+                self._finish_write(record, wait=False)
 
     def _finish_write(self, record: _Record, wait: bool) -> None:
         del self._writes[record.handle]

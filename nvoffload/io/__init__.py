@@ -1,0 +1,25 @@
+"""The I/O engine: async O_DIRECT reads and writes, aligned host buffers, the tensor store.
+
+- :class:`IOEngine` -- submit a read or write of a buffer at a file offset, get an :class:`IOFuture`.
+- :class:`TensorStore` -- named tensors in aligned extents of swap files, striped over directories.
+- :func:`aligned_empty`, :class:`BufferPool` -- 4 KiB-aligned host buffers (page-locked with CUDA).
+"""
+
+from nvoffload.io.buffers import BufferPool, aligned_empty
+from nvoffload.io.config import DirectIO, IOConfig
+from nvoffload.io.engine import IOEngine, IOFuture, OpenFile
+from nvoffload.io.errors import ChecksumError, StoreIOError
+from nvoffload.io.store import TensorStore
+
+__all__ = [
+    "BufferPool",
+    "ChecksumError",
+    "DirectIO",
+    "IOConfig",
+    "IOEngine",
+    "IOFuture",
+    "OpenFile",
+    "StoreIOError",
+    "TensorStore",
+    "aligned_empty",
+]

@@ -1,0 +1,152 @@
+#include "engine.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+
+namespace nvo {
+
+void Ticket::finish_block(int err, const char* call, int64_t offset) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (err != 0 && err_ == 0) {
+    err_ = err;
+    call_ = call;
+    offset_ = offset;
+  }
+  if (--remaining_ == 0) cv_.notify_all();
+}
+
+bool Ticket::done() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return remaining_ == 0;
+}
+
+bool Ticket::wait(double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto finished = [this] { return remaining_ == 0; };
+  if (timeout_s < 0) {
+    cv_.wait(lock, finished);
+    return true;
+  }
+  return cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), finished);
+}
+
+ThreadPoolBackend::ThreadPoolBackend(int num_threads, size_t queue_depth, Engine* engine)
+    : engine_(engine), queue_depth_(queue_depth) {
+  for (int i = 0; i < num_threads; ++i) threads_.emplace_back([this] { worker(); });
+}
+
+ThreadPoolBackend::~ThreadPoolBackend() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  not_empty_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void ThreadPoolBackend::submit(std::vector<Block>&& blocks) {
+  for (auto& b : blocks) {
+    std::unique_lock<std::mutex> lock(mu_);
+    not_full_.wait(lock, [this] { return queue_.size() < queue_depth_; });
+    queue_.push_back(std::move(b));
+    lock.unlock();
+    not_empty_.notify_one();
+  }
+}
+
+void ThreadPoolBackend::worker() {
+  for (;;) {
+    Block b;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      not_empty_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and every queued block has run
+      b = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    not_full_.notify_one();
+    const char* call = "";
+    int err = engine_->run_block(b, &call);
+    b.ticket->finish_block(err, call, b.offset);
+  }
+}
+
+Engine::Engine(int num_threads, size_t block_size_bytes, size_t queue_depth)
+    : block_size_(block_size_bytes),
+      backend_(std::make_unique<ThreadPoolBackend>(num_threads, queue_depth, this)) {}
+
+std::shared_ptr<Ticket> Engine::submit(int fd, char* ptr, size_t nbytes, int64_t offset, bool write) {
+  size_t nblocks = nbytes == 0 ? 0 : (nbytes + block_size_ - 1) / block_size_;
+  auto ticket = std::make_shared<Ticket>(nblocks);
+  std::vector<Block> blocks;
+  blocks.reserve(nblocks);
+  for (size_t done = 0; done < nbytes; done += block_size_) {
+    size_t len = std::min(block_size_, nbytes - done);
+    blocks.push_back(Block{fd, ptr + done, len, offset + static_cast<int64_t>(done), write, ticket});
+  }
+  backend_->submit(std::move(blocks));
+  return ticket;
+}
+
+void Engine::inject_fault(Fault fault, int64_t after_ops) {
+  fault_countdown_.store(after_ops);
+  fault_.store(static_cast<int>(fault));
+}
+
+Fault Engine::take_fault() {
+  if (fault_.load(std::memory_order_relaxed) == 0) return Fault::kNone;
+  if (fault_countdown_.fetch_sub(1) > 0) return Fault::kNone;
+  return static_cast<Fault>(fault_.exchange(0));
+}
+
+int Engine::run_block(const Block& b, const char** call) {
+  *call = b.write ? "pwrite" : "pread";
+  Fault fault = take_fault();
+  if (fault == Fault::kEio) return EIO;
+  if (fault == Fault::kEnospc && b.write) return ENOSPC;
+  size_t done = 0;
+  while (done < b.nbytes) {
+    ssize_t n;
+    if (b.write) {
+      n = pwrite(b.fd, b.ptr + done, b.nbytes - done, b.offset + static_cast<int64_t>(done));
+    } else if (fault == Fault::kShortRead) {
+      n = 0;  // the file ends early
+    } else {
+      n = pread(b.fd, b.ptr + done, b.nbytes - done, b.offset + static_cast<int64_t>(done));
+    }
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) {
+      // A read past the end of the file, or a write the device would not take.
+      *call = b.write ? "pwrite (no progress)" : "pread (short read)";
+      return b.write ? ENOSPC : ENODATA;
+    }
+    done += static_cast<size_t>(n);
+  }
+  return 0;
+}
+
+static std::atomic<bool> refuse_next_direct_open{false};
+
+void inject_direct_refusal() { refuse_next_direct_open.store(true); }
+
+int open_file(const std::string& path, bool create, bool direct, int* fd) {
+  if (direct && refuse_next_direct_open.exchange(false)) return EINVAL;
+  int flags = O_RDWR | O_CLOEXEC | (create ? O_CREAT | O_EXCL : 0) | (direct ? O_DIRECT : 0);
+  int result = ::open(path.c_str(), flags, 0600);
+  if (result < 0) return errno;
+  *fd = result;
+  return 0;
+}
+
+int allocate_file(int fd, int64_t offset, int64_t nbytes) {
+  if (nbytes <= 0) return 0;
+  return posix_fallocate(fd, offset, nbytes);
+}
+
+}  // namespace nvo

@@ -1,0 +1,102 @@
+// The native I/O engine: pread/pwrite on raw pointers, split into blocks that
+// a backend runs in parallel. No PyTorch headers; the binding releases the GIL.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace nvo {
+
+// Completion state of one submitted request (one or more blocks).
+class Ticket {
+ public:
+  explicit Ticket(size_t blocks) : remaining_(blocks) {}
+  // Records one finished block; err != 0 keeps the first failure.
+  void finish_block(int err, const char* call, int64_t offset);
+  bool done();
+  // Waits up to timeout_s seconds (< 0: forever); true when done.
+  bool wait(double timeout_s);
+  // errno of the first failed block (0 if none), the call and file offset that failed.
+  int error() const { return err_; }
+  const char* failed_call() const { return call_; }
+  int64_t failed_offset() const { return offset_; }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  size_t remaining_;
+  int err_ = 0;
+  const char* call_ = "";
+  int64_t offset_ = -1;
+};
+
+struct Block {
+  int fd;
+  char* ptr;
+  size_t nbytes;
+  int64_t offset;
+  bool write;
+  std::shared_ptr<Ticket> ticket;
+};
+
+// Faults the tests inject into the next operations of an engine.
+enum class Fault : int { kNone = 0, kEnospc, kEio, kShortRead };
+
+// One way of doing I/O: runs queued blocks through Engine::run_block.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual void submit(std::vector<Block>&& blocks) = 0;
+};
+
+// A pool of threads doing pread/pwrite; a bounded queue gives back-pressure.
+class ThreadPoolBackend final : public Backend {
+ public:
+  ThreadPoolBackend(int num_threads, size_t queue_depth, class Engine* engine);
+  ~ThreadPoolBackend() override;
+  void submit(std::vector<Block>&& blocks) override;
+
+ private:
+  void worker();
+  Engine* engine_;
+  size_t queue_depth_;
+  std::mutex mu_;
+  std::condition_variable not_empty_, not_full_;
+  std::deque<Block> queue_;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+class Engine {
+ public:
+  Engine(int num_threads, size_t block_size_bytes, size_t queue_depth);
+  // Splits [ptr, ptr + nbytes) at file offset into blocks and queues them.
+  std::shared_ptr<Ticket> submit(int fd, char* ptr, size_t nbytes, int64_t offset, bool write);
+  // The next operation after `after_ops` others fails with `fault`.
+  void inject_fault(Fault fault, int64_t after_ops);
+  // Runs one block to completion: loops over partial transfers; returns 0 or errno.
+  int run_block(const Block& b, const char** call);
+
+ private:
+  Fault take_fault();
+  size_t block_size_;
+  std::atomic<int> fault_{0};
+  std::atomic<int64_t> fault_countdown_{0};
+  std::unique_ptr<Backend> backend_;
+};
+
+// File helpers used by the store. All return 0 or errno.
+int open_file(const std::string& path, bool create, bool direct, int* fd);
+int allocate_file(int fd, int64_t offset, int64_t nbytes);
+// The next open_file with direct=true fails with EINVAL (a file system refusing O_DIRECT).
+void inject_direct_refusal();
+
+}  // namespace nvo

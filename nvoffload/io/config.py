@@ -1,0 +1,60 @@
+"""Settings of the I/O engine, as a frozen dataclass validated at construction."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["DirectIO", "IOConfig", "ALIGNMENT_BYTES"]
+
+# O_DIRECT needs buffer addresses, sizes and file offsets aligned to the
+# logical block size; 4 KiB covers every NVMe drive and ext4/xfs.
+ALIGNMENT_BYTES = 4096
+
+
+class DirectIO(enum.Enum):
+    """Whether files are opened with O_DIRECT (bypassing the page cache).
+
+    ``ON`` raises where the file system refuses O_DIRECT; ``AUTO`` falls back to
+    buffered I/O there with one warning; ``OFF`` always uses buffered I/O.
+    """
+
+    ON = "on"
+    OFF = "off"
+    AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class IOConfig:
+    """How the native engine runs I/O.
+
+    Defaults were measured with ``bench/bench_io.py`` on an ext4 NVMe disk:
+    1 MiB blocks on 8 threads keep enough requests in flight to saturate the
+    drive without splitting them so finely that syscalls dominate.
+    """
+
+    num_threads: int = 8
+    """Worker threads doing pread/pwrite."""
+    block_size_bytes: int = 1 << 20
+    """Large requests are split into blocks of this size that run in parallel."""
+    queue_depth: int = 128
+    """Blocks queued before a submit blocks (back-pressure)."""
+    direct_io: DirectIO = DirectIO.AUTO
+    stripe_min_bytes: int = 4 << 20
+    """Tensors smaller than this stay in one swap file instead of being striped."""
+    use_gds: bool = True
+    """Use GPUDirect Storage (kvikio) for CUDA tensors when it is installed."""
+
+    def __post_init__(self):
+        if not isinstance(self.direct_io, DirectIO):
+            raise ValueError(f"direct_io must be a DirectIO, got {self.direct_io!r}")
+        for name in ("num_threads", "queue_depth"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"IOConfig.{name} must be a positive int, got {value!r}")
+        for name in ("block_size_bytes", "stripe_min_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < ALIGNMENT_BYTES or value % ALIGNMENT_BYTES:
+                raise ValueError(
+                    f"IOConfig.{name} must be a positive multiple of {ALIGNMENT_BYTES} bytes, got {value!r}"
+                )

@@ -1,0 +1,203 @@
+"""The async I/O engine: submit a read or write of a buffer at a file offset, get a future."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nvoffload.io import _aio
+from nvoffload.io.buffers import is_aligned
+from nvoffload.io.config import DirectIO, IOConfig
+from nvoffload.io.errors import StoreIOError
+
+__all__ = ["IOEngine", "IOFuture", "OpenFile"]
+
+
+@dataclass(frozen=True)
+class OpenFile:
+    """A file opened by :meth:`IOEngine.open`; ``direct`` tells whether O_DIRECT is on."""
+
+    path: str
+    fd: int
+    direct: bool
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One native request: its ticket, and where it went (for error messages)."""
+
+    ticket: Any
+    path: str
+    offset: int
+
+
+class IOFuture:
+    """The pending result of one submitted I/O.
+
+    ``done()`` tells without blocking whether the transfers finished;
+    ``result(timeout=None)`` waits, runs the completion step once (copying out
+    of bounce buffers, verifying checksums, releasing buffers), and returns the
+    value or raises the error -- a :class:`StoreIOError` naming the call, file,
+    offset and tensor. Later calls return or raise the same.
+    """
+
+    def __init__(
+        self,
+        parts: list[_Part] = (),
+        finish: Callable[[BaseException | None], Any] | None = None,
+        tensor: str | None = None,
+        keepalive: torch.Tensor | None = None,
+    ):
+        self._parts = list(parts)
+        self._keepalive = keepalive  # the buffer the native threads read or write
+        self._finish = finish
+        self._tensor = tensor
+        self._lock = threading.Lock()
+        self._resolved = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    def failed(cls, error: BaseException) -> IOFuture:
+        future = cls()
+        future._resolved, future._error = True, error
+        return future
+
+    def done(self) -> bool:
+        return self._resolved or all(p.ticket.done() for p in self._parts)
+
+    def result(self, timeout: float | None = None) -> Any:
+        with self._lock:
+            if not self._resolved:
+                self._wait(timeout)
+                error = self._first_error()
+                try:
+                    self._value = self._finish(error) if self._finish is not None else None
+                except BaseException as exc:  # the completion step's own failure wins
+                    error = exc
+                self._error, self._resolved = error, True
+                self._parts, self._finish, self._keepalive = [], None, None
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def _wait(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for part in self._parts:
+            remaining = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            if not part.ticket.wait(remaining):
+                raise TimeoutError(f"I/O of {self._tensor or 'request'} still running after {timeout} s")
+
+    def _first_error(self) -> StoreIOError | None:
+        for part in self._parts:
+            failure = part.ticket.error()
+            if failure is not None:
+                err, call, block_offset = failure
+                return StoreIOError(err, call, part.path, block_offset, self._tensor)
+        return None
+
+
+class IOEngine:
+    """A pool of native threads doing pread/pwrite, with O_DIRECT where the file system allows.
+
+    >>> import tempfile, torch
+    >>> from nvoffload.io import IOEngine, aligned_empty
+    >>> with IOEngine() as engine, tempfile.TemporaryDirectory() as d:
+    ...     f = engine.open(f"{d}/data", create=True)
+    ...     buf = aligned_empty(8192).fill_(7)
+    ...     engine.pwrite(f, buf, 0).result()
+    ...     back = aligned_empty(8192)
+    ...     _ = engine.pread(f, back, 0).result()
+    ...     engine.close_file(f)
+    ...     bool((back == 7).all())
+    True
+    """
+
+    def __init__(self, config: IOConfig | None = None):
+        self.config = config or IOConfig()
+        self._native = _aio.Engine(self.config.num_threads, self.config.block_size_bytes, self.config.queue_depth)
+        self._warned_paths: set[str] = set()
+
+    def open(self, path: str | os.PathLike, *, create: bool = False) -> OpenFile:
+        """Open ``path`` read-write (``create``: a new file, failing if it exists).
+
+        With ``DirectIO.AUTO`` a file system that refuses O_DIRECT gets buffered
+        I/O and one warning per directory; with ``DirectIO.ON`` it raises.
+        """
+        path = os.fspath(path)
+        mode = self.config.direct_io
+        if mode is not DirectIO.OFF:
+            try:
+                return OpenFile(path, _aio.open_file(path, create, True), True)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or mode is DirectIO.ON:
+                    raise
+                directory = os.path.dirname(path) or "."
+                if directory not in self._warned_paths:
+                    self._warned_paths.add(directory)
+                    warnings.warn(
+                        f"the file system of {directory} refuses O_DIRECT; nvoffload falls back to "
+                        "buffered I/O there (slower, and it fills the page cache)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+        return OpenFile(path, _aio.open_file(path, create, False), False)
+
+    def close_file(self, file: OpenFile) -> None:
+        _aio.close_file(file.fd)
+
+    def allocate(self, file: OpenFile, offset: int, nbytes: int) -> None:
+        """Reserve disk space for ``[offset, offset + nbytes)`` (raises ENOSPC when full)."""
+        _aio.allocate_file(file.fd, offset, nbytes, file.path)
+
+    def pread(self, file: OpenFile, buffer: torch.Tensor, offset: int, **kwargs) -> IOFuture:
+        """Read ``buffer.nbytes`` bytes at ``offset`` into the contiguous CPU ``buffer``."""
+        return IOFuture([self.submit(file, buffer, offset, write=False)], **kwargs)
+
+    def pwrite(self, file: OpenFile, buffer: torch.Tensor, offset: int, **kwargs) -> IOFuture:
+        """Write the contiguous CPU ``buffer`` at ``offset``."""
+        return IOFuture([self.submit(file, buffer, offset, write=True)], **kwargs)
+
+    def submit(self, file: OpenFile, buffer: torch.Tensor, offset: int, *, write: bool) -> _Part:
+        """Queue one transfer and return its part; :class:`IOFuture` groups parts."""
+        if buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError("I/O buffers must be contiguous CPU tensors")
+        if file.direct and (not is_aligned(buffer) or offset % 4096):
+            raise ValueError(
+                f"O_DIRECT I/O on {file.path} needs a 4 KiB-aligned buffer, size and offset "
+                f"(got address {buffer.data_ptr():#x}, {buffer.numel() * buffer.element_size()} bytes, "
+                f"offset {offset}); use nvoffload.io.aligned_empty"
+            )
+        nbytes = buffer.numel() * buffer.element_size()
+        ticket = self._native.submit(file.fd, buffer.data_ptr(), nbytes, offset, write)
+        return _Part(ticket, file.path, offset)
+
+    def inject_fault(self, fault: str, after_ops: int = 0) -> None:
+        """Testing hook: the next block operation after ``after_ops`` others fails.
+
+        ``fault`` is ``"enospc"`` (writes), ``"eio"`` or ``"short_read"`` (reads).
+        """
+        self._native.inject_fault(fault, after_ops)
+
+    @staticmethod
+    def inject_direct_refusal() -> None:
+        """Testing hook: the next O_DIRECT open fails with EINVAL, like tmpfs of old kernels."""
+        _aio.inject_direct_refusal()
+
+    def close(self) -> None:
+        """Stop the worker threads once every queued block has run."""
+        self._native = None
+
+    def __enter__(self) -> IOEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

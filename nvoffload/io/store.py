@@ -1,0 +1,418 @@
+"""TensorStore: named tensors in aligned extents of swap files, striped over directories."""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import math
+import os
+import shutil
+import threading
+import uuid
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from nvoffload.io.buffers import ALIGNMENT_BYTES, BufferPool, aligned_empty, is_aligned, round_up
+from nvoffload.io.config import IOConfig
+from nvoffload.io.engine import IOEngine, IOFuture, OpenFile, _Part
+from nvoffload.io.errors import ChecksumError
+
+__all__ = ["TensorStore"]
+
+
+class _Extents:
+    """First-fit allocator of aligned byte ranges in one file, coalescing on free."""
+
+    def __init__(self):
+        self.end = 0  # bytes of the file in use or reserved
+        self._free: list[tuple[int, int]] = []  # sorted (offset, nbytes)
+
+    def take(self, nbytes: int) -> int | None:
+        """Offset of a free range of ``nbytes``, or None when the file must grow."""
+        for i, (offset, size) in enumerate(self._free):
+            if size >= nbytes:
+                if size == nbytes:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + nbytes, size - nbytes)
+                return offset
+        return None
+
+    def give(self, offset: int, nbytes: int) -> None:
+        i = bisect.bisect(self._free, (offset, nbytes))
+        self._free.insert(i, (offset, nbytes))
+        # Coalesce with the next and the previous ranges.
+        if i + 1 < len(self._free) and offset + nbytes == self._free[i + 1][0]:
+            self._free[i] = (offset, nbytes + self._free.pop(i + 1)[1])
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
+            prev_offset, prev_size = self._free.pop(i - 1)
+            self._free[i - 1] = (prev_offset, prev_size + self._free[i - 1][1])
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(size for _, size in self._free)
+
+
+@dataclass
+class _SwapFile:
+    file: OpenFile
+    capacity_bytes: int | None  # None: grows as needed
+    extents: _Extents = field(default_factory=_Extents)
+
+
+@dataclass(frozen=True)
+class _Extent:
+    swap: _SwapFile
+    offset: int
+    data_bytes: int  # bytes of the tensor in this extent
+    nbytes: int  # data_bytes rounded up to the alignment
+
+
+@dataclass
+class _Record:
+    """One stored tensor: its type, where its bytes are, and the I/O still touching them."""
+
+    name: str
+    dtype: torch.dtype
+    shape: torch.Size
+    nbytes: int
+    extents: list[_Extent]
+    checksum: int | None = None
+    in_flight: list[IOFuture] = field(default_factory=list)
+
+
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 tensor (bfloat16 included)."""
+    flat = tensor.reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=tensor.device)
+
+
+class TensorStore:
+    """Named tensors stored in preallocated swap files, one per directory.
+
+    Each tensor lives in 4 KiB-aligned extents; tensors of at least
+    ``config.stripe_min_bytes`` are split evenly over the directories so that
+    several NVMe drives add their bandwidth. ``put`` and ``get`` return
+    :class:`IOFuture`\\ s; failures raise from ``result()`` naming the tensor,
+    the file and the offset.
+
+    Args:
+        swap_dirs: one directory or a list of them (one swap file each).
+        capacity_bytes: total bytes to preallocate, checked against free space
+            before anything is written; ``None`` grows the files as needed.
+        checksum: store a CRC32 of each tensor and verify it on every read.
+        config: the I/O engine's settings.
+
+    >>> import tempfile, torch
+    >>> from nvoffload.io import TensorStore
+    >>> with tempfile.TemporaryDirectory() as d, TensorStore(d) as store:
+    ...     store.put("w", torch.arange(10, dtype=torch.bfloat16)).result()
+    ...     store.get("w").result().tolist()[:3]
+    [0.0, 1.0, 2.0]
+
+    A tensor handed to ``put`` must stay alive and unmodified until its future
+    is done; an ``out`` tensor handed to ``get`` must not be read before then.
+    """
+
+    def __init__(
+        self,
+        swap_dirs: str | os.PathLike | Sequence[str | os.PathLike],
+        capacity_bytes: int | None = None,
+        *,
+        checksum: bool = False,
+        config: IOConfig | None = None,
+    ):
+        dirs = [swap_dirs] if isinstance(swap_dirs, (str, os.PathLike)) else list(swap_dirs)
+        if not dirs:
+            raise ValueError("TensorStore needs at least one swap directory")
+        if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes < 0):
+            raise ValueError(f"capacity_bytes must be a non-negative int or None, got {capacity_bytes!r}")
+        dirs = [os.fspath(d) for d in dirs]
+        share = None if capacity_bytes is None else round_up(math.ceil(capacity_bytes / len(dirs)))
+        for d in dirs:
+            self._check_dir(d, share)
+
+        self.checksum = checksum
+        self._engine = IOEngine(config)
+        self.config = self._engine.config
+        self._pool = BufferPool()
+        self._lock = threading.Lock()
+        self._records: dict[str, _Record] = {}
+        self._pending_puts: dict[str, IOFuture] = {}
+        self._next_dir = 0
+        self._swaps: list[_SwapFile] = []
+        self._closed = False
+        try:
+            for d in dirs:
+                path = os.path.join(d, f"nvoffload-{os.getpid()}-{uuid.uuid4().hex[:12]}.swap")
+                swap = _SwapFile(self._engine.open(path, create=True), share)
+                self._swaps.append(swap)
+                if share:
+                    self._engine.allocate(swap.file, 0, share)
+                    swap.extents.end = share
+                    swap.extents.give(0, share)
+        except BaseException:
+            self._remove_files()
+            raise
+
+    @staticmethod
+    def _check_dir(directory: str, share: int | None) -> None:
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(errno.ENOENT, f"swap directory {directory} does not exist", directory)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, f"swap directory {directory} is not writable", directory)
+        if share:
+            free = shutil.disk_usage(directory).free
+            if free < share:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"swap directory {directory} needs {share} bytes for its share of the store's "
+                    f"capacity but has only {free} bytes free",
+                    directory,
+                )
+
+    # -- public API ---------------------------------------------------------
+
+    @property
+    def swap_files(self) -> list[str]:
+        """Paths of the swap files, one per directory."""
+        return [s.file.path for s in self._swaps]
+
+    @property
+    def direct_io(self) -> bool:
+        """True when every swap file uses O_DIRECT (False after a buffered fallback)."""
+        return all(s.file.direct for s in self._swaps)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes the swap files hold now (preallocated or grown)."""
+        return sum(s.extents.end for s in self._swaps)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the swap files in use by stored tensors (aligned extents)."""
+        with self._lock:
+            return sum(s.extents.end - s.extents.free_bytes for s in self._swaps)
+
+    def __contains__(self, name: str) -> bool:
+        with self._lock:
+            return name in self._records or name in self._pending_puts
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records.keys() | self._pending_puts.keys())
+
+    def put(self, name: str, tensor: torch.Tensor) -> IOFuture:
+        """Write ``tensor`` under ``name`` (replacing an older one once this write succeeds)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"put({name!r}) needs a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.is_sparse or tensor.layout != torch.strided:
+            raise ValueError(f"put({name!r}): only dense (strided) tensors can be stored")
+        self._wait_pending_put(name)
+        tensor = tensor.detach()
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._lock:
+            self._check_open()
+            try:
+                extents = self._allocate(nbytes)
+            except OSError as exc:
+                return IOFuture.failed(exc)
+            record = _Record(name, tensor.dtype, tensor.shape, nbytes, extents)
+
+        if is_aligned(tensor) and sum(e.nbytes for e in extents) == nbytes:
+            source, bounce = _byte_view(tensor), None
+        else:
+            bounce = self._pool.acquire(sum(e.nbytes for e in extents))
+            staged = bounce[:nbytes]
+            if nbytes:
+                staged.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            source = bounce
+        if self.checksum:
+            record.checksum = zlib.crc32(source[:nbytes].numpy())
+
+        def finish(error: BaseException | None) -> None:
+            if bounce is not None:
+                self._pool.release(bounce)
+            with self._lock:
+                if self._pending_puts.get(name) is future:
+                    del self._pending_puts[name]
+                if error is not None:
+                    self._free(record.extents)
+                    return
+                old = self._records.get(name)
+                self._records[name] = record
+            if old is not None:
+                self._release(old)
+
+        future = IOFuture(self._submit(extents, source, write=True), finish, tensor=name, keepalive=source)
+        with self._lock:
+            self._pending_puts[name] = future
+        return future
+
+    def get(self, name: str, out: torch.Tensor | None = None) -> IOFuture:
+        """Read the tensor stored under ``name``; ``result()`` returns it (``out`` if given)."""
+        self._wait_pending_put(name)
+        with self._lock:
+            self._check_open()
+            record = self._records.get(name)
+            if record is None:
+                raise KeyError(f"no tensor named {name!r} in the store (never written, or deleted)")
+            if out is not None:
+                self._check_out(record, out)
+            else:
+                out = aligned_empty(round_up(record.nbytes))[: record.nbytes].view(record.dtype).view(record.shape)
+            padded = sum(e.nbytes for e in record.extents)
+            if is_aligned(out) and padded == record.nbytes:
+                target, bounce = _byte_view(out), None
+            else:
+                bounce = self._pool.acquire(padded)
+                target = bounce
+
+            def finish(error: BaseException | None) -> torch.Tensor:
+                try:
+                    if error is not None:
+                        raise error
+                    if self.checksum and record.checksum is not None:
+                        actual = zlib.crc32(target[: record.nbytes].numpy())
+                        if actual != record.checksum:
+                            first = record.extents[0]
+                            raise ChecksumError(first.swap.file.path, first.offset, name, record.checksum, actual)
+                    if bounce is not None and record.nbytes:
+                        out.copy_(bounce[: record.nbytes].view(record.dtype).view(record.shape))
+                    return out
+                finally:
+                    if bounce is not None:
+                        self._pool.release(bounce)
+
+            future = IOFuture(self._submit(record.extents, target, write=False), finish, tensor=name, keepalive=target)
+            record.in_flight = [f for f in record.in_flight if not f.done()] + [future]
+        return future
+
+    def delete(self, name: str) -> None:
+        """Forget ``name`` and free its extents for reuse (after its I/O in flight ends)."""
+        self._wait_pending_put(name)
+        with self._lock:
+            self._check_open()
+            record = self._records.pop(name, None)
+        if record is None:
+            raise KeyError(f"no tensor named {name!r} in the store")
+        self._release(record)
+
+    def close(self) -> None:
+        """Wait for I/O in flight, then close and remove the swap files. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending_puts.values())
+            records = list(self._records.values())
+        for future in pending + [f for r in records for f in r.in_flight]:
+            _settle(future)
+        self._records.clear()
+        self._remove_files()
+        self._engine.close()
+        self._pool.close()
+
+    def __enter__(self) -> TensorStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def inject_fault(self, fault: str, after_ops: int = 0) -> None:
+        """Testing hook: see :meth:`IOEngine.inject_fault`."""
+        self._engine.inject_fault(fault, after_ops)
+
+    # -- internals ----------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the TensorStore is closed")
+
+    @staticmethod
+    def _check_out(record: _Record, out: torch.Tensor) -> None:
+        if out.dtype != record.dtype or out.numel() * out.element_size() != record.nbytes:
+            raise ValueError(
+                f"get({record.name!r}): out has dtype {out.dtype} and {out.numel()} elements, "
+                f"the stored tensor has dtype {record.dtype} and shape {tuple(record.shape)}"
+            )
+
+    def _wait_pending_put(self, name: str) -> None:
+        with self._lock:
+            future = self._pending_puts.get(name)
+        if future is not None:
+            _settle(future)
+
+    def _release(self, record: _Record) -> None:
+        for future in record.in_flight:
+            _settle(future)
+        with self._lock:
+            self._free(record.extents)
+
+    def _allocate(self, nbytes: int) -> list[_Extent]:
+        """Extents for ``nbytes`` (caller holds the lock): striped when large enough."""
+        if nbytes == 0:
+            return []
+        if nbytes >= self.config.stripe_min_bytes and len(self._swaps) > 1:
+            per_dir = round_up(math.ceil(nbytes / len(self._swaps)))
+            sizes = [min(per_dir, nbytes - i * per_dir) for i in range(len(self._swaps))]
+            targets = [(swap, size) for swap, size in zip(self._swaps, sizes) if size > 0]
+        else:
+            targets = [(self._swaps[self._next_dir], nbytes)]
+            self._next_dir = (self._next_dir + 1) % len(self._swaps)
+        extents: list[_Extent] = []
+        try:
+            for swap, size in targets:
+                extents.append(self._take(swap, size))
+        except OSError:
+            self._free(extents)
+            raise
+        return extents
+
+    def _take(self, swap: _SwapFile, data_bytes: int) -> _Extent:
+        nbytes = round_up(data_bytes)
+        offset = swap.extents.take(nbytes)
+        if offset is None:
+            if swap.capacity_bytes is not None:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"the store's swap file {swap.file.path} is full: {nbytes} bytes needed, "
+                    f"{swap.extents.free_bytes} free in pieces of its {swap.capacity_bytes} bytes "
+                    "(raise capacity_bytes, or pass None to grow)",
+                    swap.file.path,
+                )
+            offset = swap.extents.end
+            self._engine.allocate(swap.file, offset, nbytes)
+            swap.extents.end += nbytes
+        return _Extent(swap, offset, data_bytes, nbytes)
+
+    def _free(self, extents: list[_Extent]) -> None:
+        for e in extents:
+            e.swap.extents.give(e.offset, e.nbytes)
+
+    def _submit(self, extents: list[_Extent], buffer: torch.Tensor, *, write: bool) -> list[_Part]:
+        parts, start = [], 0
+        for e in extents:
+            parts.append(self._engine.submit(e.swap.file, buffer[start : start + e.nbytes], e.offset, write=write))
+            start += e.nbytes
+        return parts
+
+    def _remove_files(self) -> None:
+        for swap in self._swaps:
+            self._engine.close_file(swap.file)
+            try:
+                os.unlink(swap.file.path)
+            except FileNotFoundError:
+                pass
+        self._swaps = []
+
+
+def _settle(future: IOFuture) -> None:
+    """Wait for a future whose errors belong to whoever holds it."""
+    try:
+        future.result()
+    except Exception:
+        pass
