@@ -19,6 +19,7 @@ from nvoffload.io.buffers import ALIGNMENT_BYTES, BufferPool, aligned_empty, is_
 from nvoffload.io.config import IOConfig
 from nvoffload.io.engine import IOEngine, IOFuture, OpenFile, _Part
 from nvoffload.io.errors import ChecksumError
+from nvoffload.io.gds import GDSFile, gds_available
 
 __all__ = ["TensorStore"]
 
@@ -61,6 +62,7 @@ class _SwapFile:
     file: OpenFile
     capacity_bytes: int | None  # None: grows as needed
     extents: _Extents = field(default_factory=_Extents)
+    gds: GDSFile | None = None  # opened on the first GPUDirect transfer
 
 
 @dataclass(frozen=True)
@@ -222,7 +224,9 @@ class TensorStore:
                 return IOFuture.failed(exc)
             record = _Record(name, tensor.dtype, tensor.shape, nbytes, extents)
 
-        if is_aligned(tensor) and sum(e.nbytes for e in extents) == nbytes:
+        if self._direct_to_device(tensor):
+            source, bounce = _byte_view(tensor), None
+        elif is_aligned(tensor) and sum(e.nbytes for e in extents) == nbytes:
             source, bounce = _byte_view(tensor), None
         else:
             bounce = self._pool.acquire(sum(e.nbytes for e in extents))
@@ -265,7 +269,7 @@ class TensorStore:
             else:
                 out = aligned_empty(round_up(record.nbytes))[: record.nbytes].view(record.dtype).view(record.shape)
             padded = sum(e.nbytes for e in record.extents)
-            if is_aligned(out) and padded == record.nbytes:
+            if self._direct_to_device(out) or (is_aligned(out) and padded == record.nbytes):
                 target, bounce = _byte_view(out), None
             else:
                 bounce = self._pool.acquire(padded)
@@ -393,15 +397,34 @@ class TensorStore:
         for e in extents:
             e.swap.extents.give(e.offset, e.nbytes)
 
+    def _direct_to_device(self, tensor: torch.Tensor) -> bool:
+        """True when ``tensor`` moves by GPUDirect Storage (CUDA, contiguous, no checksum)."""
+        return (
+            tensor.is_cuda and tensor.is_contiguous() and self.config.use_gds and not self.checksum and gds_available()
+        )
+
     def _submit(self, extents: list[_Extent], buffer: torch.Tensor, *, write: bool) -> list[_Part]:
+        """One transfer per extent; ``buffer`` holds the extents back to back.
+
+        A host buffer is padded to each extent's aligned size; a CUDA buffer
+        (GPUDirect Storage) holds only the tensor's bytes.
+        """
         parts, start = [], 0
         for e in extents:
-            parts.append(self._engine.submit(e.swap.file, buffer[start : start + e.nbytes], e.offset, write=write))
+            if buffer.is_cuda:
+                if e.swap.gds is None:
+                    e.swap.gds = GDSFile(e.swap.file.path)
+                ticket = e.swap.gds.submit(buffer[start : start + e.data_bytes], e.offset, write=write)
+                parts.append(_Part(ticket, e.swap.file.path, e.offset))
+            else:
+                parts.append(self._engine.submit(e.swap.file, buffer[start : start + e.nbytes], e.offset, write=write))
             start += e.nbytes
         return parts
 
     def _remove_files(self) -> None:
         for swap in self._swaps:
+            if swap.gds is not None:
+                swap.gds.close()
             self._engine.close_file(swap.file)
             try:
                 os.unlink(swap.file.path)
