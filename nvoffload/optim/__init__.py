@@ -1,0 +1,22 @@
+"""CPU optimizers: the fused native Adam/AdamW kernel and the optimizers built on it.
+
+- :class:`CPUAdamW` / :class:`CPUAdam`: drop-in ``torch.optim.AdamW`` / ``Adam``
+  for fp32 CPU parameters.
+- :func:`adam_step` (in :mod:`nvoffload.optim.kernels`): the stateless fused
+  kernel, for callers that manage their own buffers (e.g. chunks read from NVMe).
+"""
+
+from nvoffload.optim.cpu_adam import CPUAdam, CPUAdamW
+from nvoffload.optim.kernels import adam_step
+from nvoffload.optim.offload import MemoryStats, NVMeAdamW, OffloadConfig, OffloadIOError, OffloadOptimizer
+
+__all__ = [
+    "CPUAdam",
+    "CPUAdamW",
+    "adam_step",
+    "MemoryStats",
+    "NVMeAdamW",
+    "OffloadConfig",
+    "OffloadIOError",
+    "OffloadOptimizer",
+]

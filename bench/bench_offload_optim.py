@@ -1,0 +1,144 @@
+"""The NVMe optimizer against its engines: does the step cost little more than its slowest engine?
+
+A GPT-style model (``gpt2-350m`` by default, ~350M parameters, on this
+machine's CPU), four cases, each in its own process so that its peak resident
+memory is its own:
+
+1. ``fwd_bwd``: forward + backward alone.
+2. ``optim``: ``NVMeAdamW.step()`` alone (gradients given), state on NVMe.
+3. ``full``: forward + backward + step, updates overlapping backward.
+4. ``adamw_ram``: forward + backward + ``torch.optim.AdamW`` with its state in RAM.
+
+Reports the median step time and peak RSS of each case and
+``overlap = full / max(fwd_bwd, optim)`` (target: <= 1.2). Choose ``--batch``
+and ``--seq-len`` so that cases 1 and 2 are within a factor of two.
+
+    python bench/bench_offload_optim.py [--quick] [--swap-dir DIR] [--batch B] [--seq-len T]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import RESULTS_DIR, save_report  # noqa: E402
+
+CASES = ["fwd_bwd", "optim", "full", "adamw_ram"]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a tiny model, two timed steps (smoke test)")
+    p.add_argument("--preset", default="gpt2-350m")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per case (after one warm-up step)")
+    p.add_argument("--cpu-memory-mib", type=int, default=512)
+    p.add_argument("--swap-dir", default=None, help="directory on NVMe (default: a temporary one under /tmp)")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--results-dir", default=str(RESULTS_DIR))
+    p.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.batch, args.seq_len, args.steps, args.cpu_memory_mib = "small", 2, 64, 2, 16
+    return args
+
+
+def run_case(args) -> dict:
+    import torch
+
+    from nvoffload.models import GPT, GPTConfig
+    from nvoffload.optim.offload import NVMeAdamW
+
+    torch.manual_seed(0)
+    base = GPTConfig.preset(args.preset)
+    cfg = GPTConfig(**{**base.__dict__, "seq_len": args.seq_len})
+    model = GPT(cfg)
+    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len))
+    opt = None
+    if args.case in ("optim", "full"):
+        opt = NVMeAdamW(model.parameters(), lr=1e-4, swap_dir=args.swap_dir, cpu_memory_bytes=args.cpu_memory_mib << 20)
+    elif args.case == "adamw_ram":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if args.case == "optim":
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+    times, io_bytes = [], []
+    for i in range(args.steps + 2):  # two warm-up steps: the first learns the gradient order
+        if opt is not None and hasattr(opt, "reset_io_stats"):
+            opt.reset_io_stats()
+        t0 = time.perf_counter()
+        if args.case != "optim":
+            model(x, x).backward()
+        if opt is not None:
+            opt.step()
+        if args.case != "optim":
+            model.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        if i >= 2:
+            times.append(dt)
+            if hasattr(opt, "memory_stats"):
+                st = opt.memory_stats()
+                io_bytes.append(st.read_bytes + st.written_bytes)
+    row = {
+        "case": args.case,
+        "step_s": statistics.median(times),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "io_gb_per_s": (statistics.median(io_bytes) / statistics.median(times) / 1e9) if io_bytes else 0.0,
+    }
+    if hasattr(opt, "close"):
+        row["host_staging_mib"] = opt.memory_stats().host_peak_bytes / 2**20
+        opt.close()
+    return row
+
+
+def main(argv=None) -> Path:
+    args = parse_args(argv)
+    if args.case:
+        row = run_case(args)
+        Path(args.out).write_text(json.dumps(row))
+        return Path(args.out)
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = set(cases) - set(CASES)
+    if unknown:
+        raise SystemExit(f"unknown cases {sorted(unknown)}; choose from {CASES}")
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap, tempfile.TemporaryDirectory() as tmp:
+        for case in cases:
+            out = os.path.join(tmp, f"{case}.json")
+            cmd = [sys.executable, __file__, "--case", case, "--out", out, "--swap-dir", swap,
+                   "--preset", args.preset, "--batch", str(args.batch), "--seq-len", str(args.seq_len),
+                   "--steps", str(args.steps), "--cpu-memory-mib", str(args.cpu_memory_mib)]  # fmt: skip
+            subprocess.run(cmd, check=True)
+            row = json.loads(Path(out).read_text())
+            row.setdefault("host_staging_mib", 0.0)
+            rows.append(row)
+    by = {r["case"]: r for r in rows}
+    notes = ""
+    if {"fwd_bwd", "optim", "full"} <= set(by):
+        slowest = max(by["fwd_bwd"]["step_s"], by["optim"]["step_s"])
+        ratio = by["full"]["step_s"] / slowest
+        notes = (
+            f"overlap = full / max(fwd_bwd, optim) = {ratio:.2f} (target <= 1.2);"
+            f" fwd_bwd / optim = {by['fwd_bwd']['step_s'] / by['optim']['step_s']:.2f}"
+        )
+        for r in rows:
+            r["overlap"] = ratio if r["case"] == "full" else 0.0
+    settings = {k: getattr(args, k) for k in ("preset", "batch", "seq_len", "steps", "cpu_memory_mib", "quick")}
+    return save_report("bench_offload_optim", rows, settings=settings, plot_column="step_s", notes=notes,
+                       results_dir=Path(args.results_dir))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

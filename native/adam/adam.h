@@ -1,0 +1,86 @@
+// nvoffload fused CPU Adam/AdamW: shared declarations of the native core.
+//
+// The kernel is a stateless function on raw pointers. Every instruction-set
+// variant (scalar, AVX2, AVX-512, NEON) lives in its own translation unit,
+// compiled for that instruction set with a target pragma, and exports one
+// range function; `adam.cpp` picks the variant at run time from the CPU's
+// features, so a build made on one machine runs on any x86-64 or aarch64.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace nvoffload {
+namespace adam {
+
+// Element types of the gradient and of the optional low-precision weight copy.
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kNone = 3 };
+
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
+
+// Per-call constants, already rounded to fp32 exactly where torch rounds them,
+// so every variant reproduces torch.optim.Adam(W)'s single-tensor arithmetic:
+//   g  = grad * grad_scale;  g = -g if maximize
+//   p  = p * decay                   (decoupled weight decay, AdamW)
+//   g  = fma(p, l2, g)               (L2 weight decay, Adam)
+//   m  = lerp(m, g, 1 - beta1)       (torch's lerp: fma form)
+//   v  = fma((1 - beta2) * g, g, v * beta2)
+//   vm = max(vmax, v)                (amsgrad only; stored back to vmax)
+//   d  = sqrt(v or vm) / bias_correction2_sqrt + eps
+//   p  = p + (-step_size * m) / d
+//   out = round_nearest_even(p)      (optional bf16/fp16 copy)
+struct AdamArgs {
+  float* param;
+  const void* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;  // nullptr unless amsgrad
+  void* param_out;        // nullptr unless out_dtype != kNone
+  DType grad_dtype;
+  DType out_dtype;
+  float grad_scale;
+  bool maximize;
+  int weight_decay_mode;  // 0: none, 1: decoupled (param *= decay), 2: L2 (g += l2 * p)
+  float decay;            // 1 - lr * weight_decay
+  float l2;               // weight_decay
+  float lerp_weight;      // 1 - beta1
+  bool lerp_small;        // |1 - beta1| < 0.5 selects torch's first lerp form
+  float one_minus_lerp;   // 1 - lerp_weight (second lerp form)
+  float beta2;
+  float one_minus_beta2;
+  float bias_correction2_sqrt;
+  float eps;
+  float neg_step_size;
+  size_t prefetch_elems;  // software prefetch distance (0: none)
+};
+
+// Arguments of the bandwidth probe: the update's exact memory traffic
+// (read param, exp_avg, exp_avg_sq and grad; write the first three back and
+// optionally a low-precision copy) with trivial arithmetic.
+struct ProbeArgs {
+  float* a;
+  float* b;
+  float* c;
+  const void* grad;
+  void* out;
+  DType grad_dtype;
+  DType out_dtype;
+  size_t prefetch_elems;
+};
+
+// One variant per instruction set; each processes elements [begin, end).
+void adam_range_scalar(const AdamArgs& args, size_t begin, size_t end);
+void probe_range_scalar(const ProbeArgs& args, size_t begin, size_t end);
+#if defined(__x86_64__) || defined(_M_X64)
+void adam_range_avx2(const AdamArgs& args, size_t begin, size_t end);
+void probe_range_avx2(const ProbeArgs& args, size_t begin, size_t end);
+void adam_range_avx512(const AdamArgs& args, size_t begin, size_t end);
+void probe_range_avx512(const ProbeArgs& args, size_t begin, size_t end);
+#endif
+#if defined(__aarch64__)
+void adam_range_neon(const AdamArgs& args, size_t begin, size_t end);
+void probe_range_neon(const ProbeArgs& args, size_t begin, size_t end);
+#endif
+
+}  // namespace adam
+}  // namespace nvoffload

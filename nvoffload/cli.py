@@ -1,0 +1,85 @@
+"""The ``nvoffload`` command line: ``nvoffload finetune`` (the main job).
+
+Run ``nvoffload finetune --help`` for the options; with no arguments it
+fine-tunes the ``small`` GPT preset on the shipped corpus for a few minutes on
+a CPU, with the optimizer state in a swap directory under the user's cache
+directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+def _size(text: str) -> int:
+    """``512M``, ``2G``, ``65536`` -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from nvoffload.finetune import FinetuneConfig, default_swap_root
+    from nvoffload.models.gpt import PRESETS
+
+    d = FinetuneConfig()
+    parser = argparse.ArgumentParser(prog="nvoffload", description="Train models larger than GPU and CPU memory, state on NVMe.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ft = sub.add_parser(
+        "finetune",
+        help="fine-tune a GPT-style model with its optimizer state on NVMe",
+        description="Fine-tune a GPT-style causal LM (built from a preset, no download) on the shipped corpus or a"
+        " text file, with the AdamW state (fp32 master weights and moments) on NVMe.",
+    )
+    ft.add_argument("--preset", default=d.preset, choices=sorted(PRESETS), help="model size (default %(default)s)")
+    ft.add_argument("--text", dest="text_path", default=None, help="UTF-8 text file to train on (default: the shipped corpus)")
+    ft.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
+    ft.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch (default %(default)s)")
+    ft.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    ft.add_argument("--grad-accum", dest="grad_accum_steps", type=int, default=d.grad_accum_steps, help="micro-batches per step")
+    ft.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
+    ft.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    ft.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    ft.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm (updates then run in step())")
+    ft.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="parameter dtype on the device")
+    ft.add_argument("--device", default=d.device, help="cpu or cuda (default %(default)s)")
+    ft.add_argument("--swap-dir", default=None, help=f"directory on NVMe for the optimizer state (default: a fresh one under {default_swap_root()}, removed at the end)")
+    ft.add_argument("--cpu-memory", dest="cpu_memory_bytes", type=_size, default=d.cpu_memory_bytes, help="host staging memory, e.g. 256M")
+    ft.add_argument("--seed", type=int, default=d.seed)
+    ft.add_argument("--no-progress", action="store_true", help="print one line per step instead of a progress bar")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``nvoffload`` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.command == "finetune":
+        from nvoffload.finetune import FinetuneConfig, _postfix, finetune
+
+        fields = {k: v for k, v in vars(args).items() if k not in ("command", "no_progress")}
+        try:
+            config = FinetuneConfig(**fields)
+        except ValueError as exc:
+            print(f"nvoffload finetune: error: {exc}", file=sys.stderr)
+            return 2
+        import torch
+
+        result = finetune(config, progress=not args.no_progress)
+        if args.no_progress:
+            for s in result.steps:
+                print(f"step {s.step}: {_postfix(s, torch.device(config.device))}")
+        first, last = result.losses[0], sum(result.losses[-10:]) / len(result.losses[-10:])
+        print(
+            f"{result.num_parameters / 1e6:.2f}M parameters, {len(result.steps)} steps:"
+            f" loss {first:.3f} -> {last:.3f} (mean of the last 10)"
+        )
+    return 0

@@ -1,0 +1,254 @@
+"""The fused CPU Adam/AdamW kernel: one pass over memory per update.
+
+:func:`adam_step` updates contiguous fp32 master weights and Adam moments in
+place from an fp32, bf16 or fp16 gradient, with AdamW's decoupled weight decay
+or Adam's L2 penalty, bias correction, a gradient scale factor (loss-scale
+unscaling, clipping) and an optional bf16/fp16 copy of the updated weights,
+all fused in one multi-threaded, vectorized pass. The arithmetic reproduces
+``torch.optim.AdamW`` / ``torch.optim.Adam`` (``foreach=False``) operation by
+operation (same fp32 roundings, same fused multiply-adds), so results are bit
+for bit those of torch's formula with a correctly rounded square root, and
+within fp32 rounding of torch itself (whose CPU ``sqrt`` on large tensors goes
+through MKL and is sometimes an ulp off).
+
+The instruction set (AVX-512, AVX2+FMA+F16C, NEON or scalar) is chosen at run
+time from the CPU's features; the work runs on a persistent native thread pool
+with the GIL released.
+
+Example::
+
+    import torch
+    from nvoffload.optim.kernels import adam_step
+
+    p = torch.randn(1 << 20)
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    g = torch.randn(1 << 20, dtype=torch.bfloat16)
+    p_bf16 = torch.empty_like(p, dtype=torch.bfloat16)
+    adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+              weight_decay=0.01, param_out=p_bf16)
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch.autograd.graph import increment_version
+
+from nvoffload.optim import _adam
+
+__all__ = [
+    "adam_step",
+    "bandwidth_probe",
+    "current_isa",
+    "get_num_threads",
+    "set_isa",
+    "set_num_threads",
+    "supported_isas",
+]
+
+_GRAD_DTYPES = {torch.float32: _adam.FLOAT32, torch.bfloat16: _adam.BFLOAT16, torch.float16: _adam.FLOAT16}
+_OUT_DTYPES = {torch.bfloat16: _adam.BFLOAT16, torch.float16: _adam.FLOAT16}
+
+
+def _check_buffer(name: str, t: object, dtypes: dict | tuple, numel: int | None) -> torch.Tensor:
+    """Validate one buffer: a dense contiguous CPU tensor of an allowed dtype and the expected size."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout} (sparse gradients are not supported)")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype {allowed}; got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements but param has {numel}")
+    return t
+
+
+def _check_buffers(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    param_out: torch.Tensor | None,
+    max_exp_avg_sq: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """Validate the buffers of one update; returns them by name."""
+    fp32 = (torch.float32,)
+    _check_buffer("param", param, fp32, None)
+    n = param.numel()
+    buffers = {
+        "param": param,
+        "grad": _check_buffer("grad", grad, _GRAD_DTYPES, n),
+        "exp_avg": _check_buffer("exp_avg", exp_avg, fp32, n),
+        "exp_avg_sq": _check_buffer("exp_avg_sq", exp_avg_sq, fp32, n),
+    }
+    if param_out is not None:
+        buffers["param_out"] = _check_buffer("param_out", param_out, _OUT_DTYPES, n)
+    if max_exp_avg_sq is not None:
+        buffers["max_exp_avg_sq"] = _check_buffer("max_exp_avg_sq", max_exp_avg_sq, fp32, n)
+    _check_disjoint(buffers)
+    return buffers
+
+
+def _check_disjoint(buffers: dict[str, torch.Tensor]) -> None:
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name) for name, t in buffers.items() if t.numel() > 0
+    )
+    for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"{name} and {other} overlap in memory; every buffer of adam_step must be distinct")
+
+
+def _finite(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
+    x = float(value)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}")
+    return x
+
+
+def adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    decoupled_weight_decay: bool = True,
+    grad_scale: float = 1.0,
+    maximize: bool = False,
+    param_out: torch.Tensor | None = None,
+    max_exp_avg_sq: torch.Tensor | None = None,
+) -> None:
+    """One fused Adam/AdamW update of ``param``, ``exp_avg`` and ``exp_avg_sq`` in place.
+
+    Args:
+        param, exp_avg, exp_avg_sq: contiguous fp32 CPU tensors of equal numel.
+        grad: contiguous CPU fp32, bf16 or fp16 tensor of the same numel; the
+            gradient used is ``grad * grad_scale`` (negated if ``maximize``).
+        step: the 1-based step count used for bias correction (torch's
+            ``state["step"]`` after its increment).
+        lr, beta1, beta2, eps, weight_decay: as in ``torch.optim.AdamW``.
+        decoupled_weight_decay: True is AdamW (``param *= 1 - lr * weight_decay``),
+            False is Adam's L2 penalty (``grad += weight_decay * param``).
+        grad_scale: factor applied to the gradient (e.g. ``1 / loss_scale``, or
+            a clipping coefficient).
+        maximize: ascend instead of descend, as in torch.
+        param_out: optional contiguous bf16/fp16 tensor that receives the updated
+            weights rounded to nearest even, in the same pass.
+        max_exp_avg_sq: the AMSGrad running maximum (fp32, same numel); when
+            given, the update is AMSGrad's, as ``torch.optim.AdamW(amsgrad=True)``.
+
+    Raises:
+        TypeError: a buffer is not a tensor or has the wrong dtype.
+        ValueError: a buffer is non-contiguous, sparse, off the CPU, of another
+            size or overlapping another; a hyperparameter is NaN/inf or out of range.
+    """
+    buffers = _check_buffers(param, grad, exp_avg, exp_avg_sq, param_out, max_exp_avg_sq)
+    n = param.numel()
+    try:
+        step = operator.index(step)
+    except TypeError:
+        raise TypeError(f"step must be an int, got {type(step).__name__}") from None
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (1-based, as torch counts after its increment), got {step}")
+    lr, beta1, beta2, eps = _finite("lr", lr), _finite("beta1", beta1), _finite("beta2", beta2), _finite("eps", eps)
+    weight_decay, grad_scale = _finite("weight_decay", weight_decay), _finite("grad_scale", grad_scale)
+    for name, beta in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {beta}")
+    if n == 0:
+        return
+    _adam.adam_step(
+        param.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        0 if max_exp_avg_sq is None else max_exp_avg_sq.data_ptr(),
+        0 if param_out is None else param_out.data_ptr(),
+        n,
+        _GRAD_DTYPES[grad.dtype],
+        _adam.NONE if param_out is None else _OUT_DTYPES[param_out.dtype],
+        step,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        bool(decoupled_weight_decay),
+        grad_scale,
+        bool(maximize),
+    )
+    # The native code wrote through raw pointers: bump the version counters as
+    # an in-place torch op would, so autograd notices stale saved tensors.
+    increment_version([t for name, t in buffers.items() if name != "grad"])
+
+
+def bandwidth_probe(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    param_out: torch.Tensor | None = None,
+) -> None:
+    """Move exactly the bytes :func:`adam_step` moves, with trivial arithmetic.
+
+    Reads the three fp32 arrays and ``grad``, writes the three back (``+= grad``)
+    and, when given, writes ``param_out``: the memory-bandwidth limit of the
+    update's access pattern, measured by the same threads and instruction set.
+    Overwrites the contents of every buffer (benchmark use only).
+    """
+    _check_buffers(param, grad, exp_avg, exp_avg_sq, param_out, None)
+    n = param.numel()
+    _adam.stream_probe(
+        param.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        grad.data_ptr(),
+        0 if param_out is None else param_out.data_ptr(),
+        n,
+        _GRAD_DTYPES[grad.dtype],
+        _adam.NONE if param_out is None else _OUT_DTYPES[param_out.dtype],
+    )
+
+
+def set_num_threads(num_threads: int) -> None:
+    """Threads the kernel uses (the caller counts as one); 0 restores the default, the CPUs this process may run on."""
+    _adam.set_num_threads(operator.index(num_threads))
+
+
+def get_num_threads() -> int:
+    """Threads the kernel uses."""
+    return _adam.get_num_threads()
+
+
+def supported_isas() -> list[str]:
+    """Kernel variants this CPU can run: a subset of ``["scalar", "avx2", "avx512", "neon"]``."""
+    return list(_adam.supported_isas())
+
+
+def current_isa() -> str:
+    """The kernel variant in use (by default the best one :func:`supported_isas` lists)."""
+    return _adam.current_isa()
+
+
+def set_isa(name: str) -> str:
+    """Use the named kernel variant (``"auto"`` = the best one); returns the previous one.
+
+    Raises ValueError for an unknown name or one this CPU does not support.
+    """
+    return _adam.set_isa(name)

@@ -1,0 +1,1042 @@
+"""The drop-in NVMe optimizer: optimizer state in a tensor store, updated while backward runs.
+
+:class:`OffloadOptimizer` wraps a ``torch.optim.Optimizer`` built over the
+model's parameters and keeps its state -- fp32 master weights and the
+optimizer's moments, 12 bytes per parameter for Adam -- on NVMe, in chunks of
+a :class:`~nvoffload.io.TensorStore`. :class:`NVMeAdamW` builds the same thing
+directly from AdamW's arguments.
+
+How a step runs:
+
+* A bounded set of host buffers (``cpu_memory_bytes``, enforced and measured
+  in :meth:`OffloadOptimizer.memory_stats`) streams the chunks: read the next
+  chunks ahead (in the order the first iteration's gradients arrived, i.e.
+  reverse layer order), update with the fused kernel
+  (:func:`~nvoffload.optim.kernels.adam_step`; other torch optimizers run their
+  own ``step`` on the chunk), write the updated low-precision/fp32 weights to
+  the model and the new state to the store.
+* With ``overlap=True``, a post-accumulate-grad hook on each parameter queues
+  that parameter's chunks as soon as its gradient is final, on the micro-batch
+  that the previous steps showed to be the last before ``step()`` (gradient
+  accumulation is learned), while backward continues on earlier layers.
+  ``step()`` waits for the pipeline's tail and commits. Until it commits, a
+  parameter whose update ran early already holds its new value.
+* Every update is written to a new generation of the chunk's state; the old
+  generation is deleted only when ``step()`` commits. That makes the early
+  updates speculative: when ``step()`` finds that a gradient was changed after
+  its hook copied it (``tensor._version``: the user's ``clip_grad_norm_``, a
+  ``GradScaler``'s unscale) or a hyperparameter changed, it recomputes that
+  parameter from the old generation with the current gradient; when a
+  ``GradScaler`` reports an overflow it restores the old weights and skips the
+  step; when an I/O error happens it restores every parameter it touched and
+  raises from ``step()``. After a step whose early updates had to be redone,
+  the pipeline stops updating early (those modes need every gradient first)
+  and runs the whole update inside ``step()``; ``max_grad_norm`` does so from
+  the start. The cost of these modes is the lost overlap, never other results.
+
+Semantics follow torch: ``param_groups``, ``add_param_group``, ``zero_grad``,
+LR schedulers, per-parameter ``step`` counts, parameters without gradients
+skipped. ``state_dict()`` streams the state from NVMe into ordinary tensors (the
+keys of torch's optimizer, plus ``master_param`` for bf16/fp16 parameters) and is
+interchangeable with the wrapped optimizer's own state dict;
+``load_state_dict()`` streams it back. ``optimizer.state`` stays empty: the
+state is in the store.
+
+Example::
+
+    model = GPT(GPTConfig.preset("small"))
+    opt = NVMeAdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
+                    swap_dir="/mnt/nvme/swap", cpu_memory_bytes=512 << 20)
+    with opt:
+        for x, y in batches:
+            loss = model(x, y)
+            loss.backward()       # updates run here, layer by layer
+            opt.step()            # waits for the tail, commits
+            opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import queue
+import shutil
+import threading
+import weakref
+from collections import defaultdict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from nvoffload import device
+from nvoffload.optim.kernels import adam_step
+
+__all__ = ["OffloadConfig", "OffloadOptimizer", "NVMeAdamW", "OffloadIOError", "MemoryStats"]
+
+_MIB = 1 << 20
+_ALIGN_NUMEL = 1024  # chunk boundaries on 4 KiB of fp32, for O_DIRECT
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+# torch optimizers whose update is elementwise: their state can be split into chunks.
+_ELEMENTWISE = ("SGD", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
+_ADAM_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_MAX_GENERIC_ROWS = 5  # master + up to four param-shaped state tensors
+_INSTANCES = itertools.count()
+
+
+class OffloadIOError(RuntimeError):
+    """An I/O error during :meth:`OffloadOptimizer.step`; the parameters were restored to their values before the step."""
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """How :class:`OffloadOptimizer` stages its state.
+
+    Attributes:
+        cpu_memory_bytes: host memory for staging chunks (state slots and, with
+            CUDA parameters, gradient and weight staging); enforced.
+        chunk_bytes: fp32 bytes of master weights per chunk (a multiple of
+            4096); None derives it from ``cpu_memory_bytes``.
+        prefetch_chunks: chunks read ahead of the one being updated.
+        max_grad_norm: clip the global gradient norm to this (as
+            ``torch.nn.utils.clip_grad_norm_``) before the update; needs every
+            gradient first, so the update runs inside ``step()``.
+        overlap: update each parameter as soon as its gradient is final
+            (speculatively, see the module docs); False runs everything in ``step()``.
+        checksum: ask the store to checksum every chunk.
+    """
+
+    cpu_memory_bytes: int = 256 * _MIB
+    chunk_bytes: int | None = None
+    prefetch_chunks: int = 2
+    max_grad_norm: float | None = None
+    overlap: bool = True
+    checksum: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.cpu_memory_bytes, int) or self.cpu_memory_bytes <= 0:
+            raise ValueError(f"cpu_memory_bytes must be a positive int, got {self.cpu_memory_bytes!r}")
+        if self.chunk_bytes is not None and (self.chunk_bytes <= 0 or self.chunk_bytes % (4 * _ALIGN_NUMEL)):
+            raise ValueError(f"chunk_bytes must be a positive multiple of {4 * _ALIGN_NUMEL}, got {self.chunk_bytes}")
+        if not isinstance(self.prefetch_chunks, int) or self.prefetch_chunks < 0:
+            raise ValueError(f"prefetch_chunks must be an int >= 0, got {self.prefetch_chunks!r}")
+        if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm}")
+
+    @property
+    def num_slots(self) -> int:
+        """State buffers in flight: the chunks read ahead, one being updated, one being written."""
+        return self.prefetch_chunks + 2
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """What the optimizer holds, per tier (bytes)."""
+
+    host_bytes: int  # staging buffers allocated now
+    host_peak_bytes: int  # most staging memory held at once
+    host_limit_bytes: int  # cpu_memory_bytes
+    nvme_bytes: int  # store bytes in use
+    read_bytes: int  # read from the store since the last reset_io_stats()
+    written_bytes: int
+
+
+class _Chunk:
+    """One contiguous range of one parameter's elements and its state generations in the store."""
+
+    __slots__ = ("record", "index", "start", "numel", "gen", "pending_gen", "applied", "scalars", "pending_scalars")
+
+    def __init__(self, record: _Record, index: int, start: int, numel: int):
+        self.record = record
+        self.index = index
+        self.start = start
+        self.numel = numel
+        self.gen: int | None = None  # committed generation in the store, None = no state yet
+        self.pending_gen: int | None = None  # generation written this step, not yet committed
+        self.applied = False  # the model parameter holds this step's (uncommitted) update
+        self.scalars: dict = {}  # non-tensor state of a generic optimizer, committed
+        self.pending_scalars: dict = {}
+
+    def name(self, gen: int) -> str:
+        return f"{self.record.prefix}p{self.record.index}.c{self.index}.g{gen}"
+
+
+class _Record:
+    """Everything the optimizer keeps about one parameter (one record per parameter, no id() keys)."""
+
+    __slots__ = ("prefix", "index", "param", "group", "chunks", "step", "fires", "learned_fires", "spec", "hook")
+
+    def __init__(self, prefix: str, index: int, param: torch.Tensor, group: dict):
+        self.prefix = prefix
+        self.index = index
+        self.param = param
+        self.group = group
+        self.chunks: list[_Chunk] = []
+        self.step = 0  # committed update count, torch's state["step"]
+        self.fires = 0  # post-accumulate-grad hook calls since the last step()
+        self.learned_fires = 0  # hook calls before the previous step() (0 = not learned)
+        self.spec: tuple | None = None  # (grad weakref, grad version, hyperparameters) of an early update
+        self.hook = None
+
+    @property
+    def name(self) -> str:
+        return f"parameter {self.index} (shape {tuple(self.param.shape)}, {self.param.dtype})"
+
+
+class _Request:
+    __slots__ = ("chunk", "grad", "hparams", "step", "grad_scale")
+
+    def __init__(self, chunk: _Chunk, grad: torch.Tensor, hparams: dict, step: int, grad_scale: float):
+        self.chunk, self.grad, self.hparams, self.step, self.grad_scale = chunk, grad, hparams, step, grad_scale
+
+
+class _Slot:
+    """A host buffer holding one chunk's state rows (and, for CUDA parameters, staging)."""
+
+    __slots__ = ("buffer", "grad", "out")
+
+    def __init__(self, buffer: torch.Tensor, grad: torch.Tensor | None, out: torch.Tensor | None):
+        self.buffer, self.grad, self.out = buffer, grad, out
+
+    def rows(self, nrows: int, numel: int) -> torch.Tensor:
+        return self.buffer[: nrows * numel].view(nrows, numel)
+
+
+def _host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat host buffer aligned for O_DIRECT, page-locked when CUDA is present."""
+    from nvoffload.io import aligned_empty
+
+    if device.cuda_available():
+        return device.host_empty(numel, dtype)  # TODO(lead): page-locked + 4 KiB-aligned via nvoffload.io.BufferPool
+    return aligned_empty(numel * torch.empty(0, dtype=dtype).element_size()).view(dtype)
+
+
+def _check_swap_dirs(swap_dir) -> list[str]:
+    dirs = [swap_dir] if isinstance(swap_dir, (str, os.PathLike)) else list(swap_dir)
+    if not dirs:
+        raise ValueError("swap_dir must name at least one directory")
+    out = []
+    for d in dirs:
+        d = os.fspath(d)
+        if not os.path.isdir(d):
+            raise FileNotFoundError(f"swap directory {d!r} does not exist (create it on an NVMe drive)")
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise PermissionError(f"swap directory {d!r} is not writable")
+        out.append(d)
+    return out
+
+
+class _Pipeline:
+    """One worker thread: reads chunks ahead, runs the update, writes back; errors are collected, not lost."""
+
+    def __init__(self, opt: OffloadOptimizer, num_slots: int, make_slot):
+        self._opt = opt
+        self._queue: queue.Queue = queue.Queue()
+        self._free: list[_Slot] = [make_slot() for _ in range(num_slots)]
+        self._prefetched: dict[_Chunk, tuple[_Slot, object]] = {}
+        self._writes: deque = deque()  # (slot, future)
+        self._plan: list[_Chunk] = []
+        self._plan_pos = 0
+        self._prefetch = opt.config.prefetch_chunks
+        self._lock = threading.Condition()
+        self._pending = 0
+        self.errors: list[BaseException] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="nvoffload-optimizer", daemon=True)
+        self._thread.start()
+
+    # ---- called from the training thread (and autograd hooks)
+    def submit(self, req: _Request) -> None:
+        with self._lock:
+            self._pending += 1
+        self._queue.put(req)
+
+    def set_plan(self, plan: list[_Chunk]) -> None:
+        self._queue.put(("plan", plan))
+
+    def wait_idle(self) -> None:
+        with self._lock:
+            self._lock.wait_for(lambda: self._pending == 0)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+
+    # ---- worker thread
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=0.005 if self._can_prefetch() else None)
+            except queue.Empty:
+                self._prefetch_one()
+                continue
+            if item is None:
+                self._drop_prefetched()
+                self._finish_writes(0)
+                return
+            if isinstance(item, tuple):
+                self._drop_prefetched()
+                self._plan, self._plan_pos = item[1], 0
+                continue
+            try:
+                if not self.errors:
+                    self._process(item)
+            except BaseException as exc:  # noqa: BLE001 - reported from step()
+                self.errors.append(exc)
+            if self._queue.empty():
+                try:
+                    self._finish_writes(0)
+                except BaseException as exc:  # noqa: BLE001
+                    self.errors.append(exc)
+            with self._lock:
+                self._pending -= 1
+                self._lock.notify_all()
+
+    def _can_prefetch(self) -> bool:
+        return (
+            not self.errors
+            and len(self._prefetched) < self._prefetch
+            and self._plan_pos < len(self._plan)
+            and (self._free or self._writes)
+        )
+
+    def _prefetch_one(self) -> None:
+        while self._plan_pos < len(self._plan):
+            chunk = self._plan[self._plan_pos]
+            self._plan_pos += 1
+            if chunk.gen is None or chunk.pending_gen is not None or chunk in self._prefetched:
+                continue
+            try:
+                slot = self._take_slot()
+                self._prefetched[chunk] = (slot, self._opt._read_chunk(chunk, chunk.gen, slot))
+            except BaseException as exc:  # noqa: BLE001
+                self.errors.append(exc)
+            return
+
+    def _drop_prefetched(self) -> None:
+        for slot, fut in self._prefetched.values():
+            try:
+                fut.result()
+            except BaseException:  # noqa: BLE001 - a dropped read-ahead does not matter
+                pass
+            self._release(slot)
+        self._prefetched.clear()
+
+    def _take_slot(self) -> _Slot:
+        if not self._free:
+            if self._writes:
+                self._finish_writes(len(self._writes) - 1)
+            elif self._prefetched:  # read-ahead of chunks that did not come: give one back
+                chunk = next(reversed(self._prefetched))
+                slot, fut = self._prefetched.pop(chunk)
+                try:
+                    fut.result()
+                except BaseException:  # noqa: BLE001
+                    pass
+                self._release(slot)
+        return self._free.pop()
+
+    def _release(self, slot: _Slot) -> None:
+        self._free.append(slot)
+
+    def _finish_writes(self, keep: int) -> None:
+        """Wait for the oldest writes until at most ``keep`` are in flight."""
+        while len(self._writes) > keep:
+            slot, fut = self._writes.popleft()
+            try:
+                fut.result()
+            finally:
+                self._release(slot)
+
+    def _process(self, req: _Request) -> None:
+        chunk = req.chunk
+        opt = self._opt
+        if chunk in self._prefetched:
+            slot, fut = self._prefetched.pop(chunk)
+        else:
+            slot = self._take_slot()
+            fut = None
+            try:
+                if chunk.gen is None:
+                    opt._init_chunk(chunk, slot)
+                else:
+                    fut = opt._read_chunk(chunk, chunk.gen, slot)
+            except BaseException:
+                self._release(slot)
+                raise
+        try:
+            if fut is not None:
+                fut.result()
+            gen = (chunk.gen or 0) + 1
+            fresh = not chunk.applied  # else the model holds an update of this step: the master is in the slot
+            chunk.applied = True  # from here on the model may hold new values
+            opt._update_chunk(req, slot, fresh)
+            wfut = opt._write_chunk(chunk, gen, slot)
+        except BaseException:
+            self._release(slot)
+            raise
+        chunk.pending_gen = gen
+        self._writes.append((slot, wfut))
+        # Keep reading ahead while the update computes next.
+        if self._can_prefetch():
+            self._prefetch_one()
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer`` and keeps its state on NVMe; see the module docs.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` over the model's parameters, with
+            no state yet or state to move to NVMe. ``Adam``/``AdamW`` (and
+            nvoffload's ``CPUAdam``/``CPUAdamW``) run on the fused native kernel;
+            other torch optimizers run their own ``step`` on CPU chunks.
+        swap_dir: a directory (or a list of directories, striped) on NVMe, or an
+            open :class:`~nvoffload.io.TensorStore` (not closed by :meth:`close`).
+        **config: fields of :class:`OffloadConfig` (``cpu_memory_bytes``,
+            ``chunk_bytes``, ``prefetch_chunks``, ``max_grad_norm``, ``overlap``,
+            ``checksum``), or ``config=OffloadConfig(...)``.
+
+    Raises:
+        FileNotFoundError / PermissionError: the swap directory is missing or unwritable.
+        ValueError: the swap directory is too small (the bytes needed are named),
+            parameters on several devices, an unsupported optimizer or option,
+            or ``cpu_memory_bytes`` too small for one chunk.
+    """
+
+    _step_supports_amp_scaling = True  # GradScaler passes grad_scale/found_inf instead of unscaling grads
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, swap_dir, config: OffloadConfig | None = None, **kwargs):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, OffloadOptimizer):
+            raise TypeError("optimizer is already an OffloadOptimizer")
+        if config is None:
+            config = OffloadConfig(**kwargs)
+        elif kwargs:
+            raise TypeError(f"pass either config= or its fields, not both ({sorted(kwargs)})")
+        self.config = config
+        self.inner = optimizer
+        cls_names = {c.__name__ for c in type(optimizer).__mro__}
+        self._is_adam = bool(cls_names & {"Adam", "AdamW"}) and not (cls_names & {"NAdam", "RAdam", "Adamax", "SparseAdam"})
+        if cls_names & {"LBFGS", "SparseAdam"}:
+            raise ValueError(
+                f"{type(optimizer).__name__} cannot be offloaded: its state is not per-parameter elementwise"
+                " (LBFGS keeps a global history; SparseAdam needs sparse gradients)"
+            )
+        self._elementwise = self._is_adam or bool(cls_names & set(_ELEMENTWISE))
+        inner_state = optimizer.state_dict() if optimizer.state else None
+
+        self._store = None
+        self._owns_store = False
+        self._records: list[_Record] = []
+        self._order: list[_Record] = []  # first iteration's gradient order
+        self._order_learned = False
+        self._speculate = config.overlap and config.max_grad_norm is None
+        self._closed = False
+        self._host_bytes = 0
+        self._host_peak = 0
+        self._io_read = 0
+        self._io_written = 0
+        self._io_lock = threading.Lock()
+        self._prefix = f"opt{next(_INSTANCES)}."
+
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups  # one list: schedulers see the same groups
+        self._device = self._check_devices()
+        self._chunk_numel = self._plan_chunks()
+        self._open_store(swap_dir)
+        self._pipeline = _Pipeline(self, config.num_slots, self._make_slot)
+        if inner_state is not None:
+            optimizer.state.clear()
+            self.load_state_dict(inner_state)
+
+    # ------------------------------------------------------------------ setup
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group, as ``torch.optim.Optimizer.add_param_group``; its parameters get hooks and store chunks."""
+        inner = getattr(self, "inner", None)
+        if inner is not None and getattr(self, "_pipeline", None) is not None:
+            inner.add_param_group(param_group)
+            self.param_groups = inner.param_groups
+            group = inner.param_groups[-1]
+            self._check_devices()
+            for p in group["params"]:
+                self._add_record(p, group)
+            return
+        super().add_param_group(param_group)
+
+    def _check_devices(self) -> torch.device:
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        if len(devices) > 1:
+            raise ValueError(f"all parameters must be on one device, found {sorted(str(d) for d in devices)}")
+        for g in self.param_groups:
+            if self._is_adam and g.get("differentiable", False):
+                raise ValueError("differentiable=True cannot be offloaded")
+            for p in g["params"]:
+                if p.is_sparse or p.layout != torch.strided:
+                    raise ValueError(f"parameter of layout {p.layout} cannot be offloaded (dense parameters only)")
+                if not p.is_floating_point():
+                    raise ValueError(f"parameter of dtype {p.dtype} cannot be offloaded (floating point only)")
+        return next(iter(devices)) if devices else torch.device("cpu")
+
+    def _rows(self, record: _Record | None = None) -> int:
+        if not self._is_adam:
+            return _MAX_GENERIC_ROWS
+        amsgrad = any(g.get("amsgrad", False) for g in self.param_groups) if record is None else record.group.get("amsgrad", False)
+        return 4 if amsgrad else 3
+
+    def _plan_chunks(self) -> int:
+        """Elements per chunk, from ``chunk_bytes`` or the memory budget; raises when the budget is too small."""
+        cfg = self.config
+        params = [p for g in self.param_groups for p in g["params"]]
+        largest = max((p.numel() for p in params), default=1)
+        per_elem = self._rows() * 4
+        if self._device.type == "cuda":
+            per_elem += 4 + 2  # grad and low-precision weight staging
+        slots = cfg.num_slots
+        if not self._elementwise:
+            numel = -(-largest // _ALIGN_NUMEL) * _ALIGN_NUMEL  # whole parameters: the update is not elementwise
+        elif cfg.chunk_bytes is not None:
+            numel = cfg.chunk_bytes // 4
+        else:
+            numel = min(cfg.cpu_memory_bytes // (slots * per_elem), 16 * _MIB // 4)
+            numel = min(numel, -(-largest // _ALIGN_NUMEL) * _ALIGN_NUMEL)
+            numel -= numel % _ALIGN_NUMEL
+        needed = slots * max(numel, _ALIGN_NUMEL) * per_elem
+        if numel < _ALIGN_NUMEL or needed > cfg.cpu_memory_bytes:
+            what = "the largest parameter" if not self._elementwise else "the chunks"
+            raise ValueError(
+                f"cpu_memory_bytes={cfg.cpu_memory_bytes} is too small: {slots} buffers for {what} need"
+                f" {needed} bytes ({max(numel, _ALIGN_NUMEL)} elements x {per_elem} bytes each)"
+            )
+        return numel
+
+    def _make_slot(self) -> _Slot:
+        n = self._chunk_numel
+        buf = _host_buffer(self._rows() * n, torch.float32)
+        grad = out = None
+        if self._device.type == "cuda":
+            grad = _host_buffer(n, torch.float32)
+            out = _host_buffer(n, torch.bfloat16)
+        self._host_bytes += self._slot_bytes()
+        self._host_peak = max(self._host_peak, self._host_bytes)
+        return _Slot(buf, grad, out)
+
+    def _slot_bytes(self) -> int:
+        return self._chunk_numel * (self._rows() * 4 + (6 if self._device.type == "cuda" else 0))
+
+    def _state_bytes(self) -> int:
+        per_elem = self._rows() * 4
+        return sum(-(-p.numel() // _ALIGN_NUMEL) * _ALIGN_NUMEL * per_elem for g in self.param_groups for p in g["params"])
+
+    def _open_store(self, swap_dir) -> None:
+        from nvoffload.io import TensorStore
+
+        if isinstance(swap_dir, TensorStore):
+            self._store = swap_dir
+        else:
+            dirs = _check_swap_dirs(swap_dir)
+            # Two generations of each chunk coexist until step() commits.
+            needed = 2 * self._state_bytes()
+            free = sum(shutil.disk_usage(d).free for d in dirs)
+            if free < needed:
+                raise ValueError(
+                    f"swap directory {', '.join(dirs)} has {free} bytes free but the optimizer state needs"
+                    f" {needed} bytes (two generations of {needed // 2} bytes)"
+                )
+            self._store = TensorStore(dirs if len(dirs) > 1 else dirs[0], checksum=self.config.checksum)
+            self._owns_store = True
+        for g in self.param_groups:
+            for p in g["params"]:
+                self._add_record(p, g)
+
+    def _add_record(self, p: torch.Tensor, group: dict) -> None:
+        rec = _Record(self._prefix, len(self._records), p, group)
+        n = p.numel()
+        step = self._chunk_numel
+        rec.chunks = [_Chunk(rec, i, s, min(step, n - s)) for i, s in enumerate(range(0, n, step))]
+        if p.requires_grad:
+            rec.hook = p.register_post_accumulate_grad_hook(self._hook_for(rec))
+        self._records.append(rec)
+
+    def _hook_for(self, rec: _Record):
+        ref = weakref.ref(self)
+
+        def hook(param: torch.Tensor) -> None:
+            opt = ref()
+            if opt is not None:
+                opt._on_grad(rec)
+
+        return hook
+
+    # ------------------------------------------------------------------ hooks
+    def _on_grad(self, rec: _Record) -> None:
+        rec.fires += 1
+        if not self._order_learned and rec.fires == 1:
+            self._order.append(rec)
+        if rec.spec is not None and rec.fires > rec.learned_fires:
+            self._pipeline.wait_idle()
+            self._restore(rec.chunks)
+            rec.spec = None
+            raise RuntimeError(
+                f"backward ran again for {rec.name} after its update had been applied early: the optimizer learned"
+                f" {rec.learned_fires} backward pass(es) per step(). Keep the number of micro-batches per step"
+                " constant, or construct the optimizer with overlap=False"
+            )
+        if not (self._speculate and rec.learned_fires and rec.fires == rec.learned_fires):
+            return
+        grad = self._checked_grad(rec)
+        if grad is None:
+            return
+        hp = self._hparams(rec.group)
+        rec.spec = (weakref.ref(rec.param.grad), rec.param.grad._version, hp)
+        self._submit(rec, grad, hp, 1.0)
+
+    def _checked_grad(self, rec: _Record) -> torch.Tensor | None:
+        g = rec.param.grad
+        if g is None:
+            return None
+        if g.is_sparse or g.layout != torch.strided:
+            raise ValueError(f"{rec.name} has a sparse gradient; OffloadOptimizer supports dense gradients only")
+        if g.device != rec.param.device:
+            raise ValueError(f"{rec.name} is on {rec.param.device} but its gradient is on {g.device}")
+        if g.shape != rec.param.shape:
+            raise ValueError(f"{rec.name} has a gradient of shape {tuple(g.shape)}")
+        return g
+
+    def _hparams(self, group: dict) -> dict:
+        return {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k != "params"}
+
+    def _submit(self, rec: _Record, grad: torch.Tensor, hp: dict, grad_scale: float) -> None:
+        flat = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
+        for chunk in rec.chunks:
+            self._pipeline.submit(_Request(chunk, flat[chunk.start : chunk.start + chunk.numel], hp, rec.step + 1, grad_scale))
+
+    # ------------------------------------------------------------------ chunk I/O and update (worker thread)
+    def _param_flat(self, rec: _Record) -> torch.Tensor:
+        return rec.param.detach().view(-1)
+
+    def _init_chunk(self, chunk: _Chunk, slot: _Slot) -> None:
+        """First update of a chunk: master = the model's weights, zero state; saved as generation 0."""
+        rec = chunk.record
+        rows = slot.rows(self._rows(rec), chunk.numel)
+        rows[0].copy_(self._param_flat(rec)[chunk.start : chunk.start + chunk.numel])
+        rows[1:].zero_()
+        self._put(chunk.name(0), rows).result()
+        chunk.gen = 0
+        chunk.scalars = {}
+
+    def _read_chunk(self, chunk: _Chunk, gen: int, slot: _Slot):
+        rows = slot.rows(self._rows(chunk.record), chunk.numel)
+        fut = self._store.get(chunk.name(gen), out=rows)
+        with self._io_lock:
+            self._io_read += rows.numel() * 4
+        return fut
+
+    def _put(self, name: str, rows: torch.Tensor):
+        fut = self._store.put(name, rows)
+        with self._io_lock:
+            self._io_written += rows.numel() * 4
+        return fut
+
+    def _write_chunk(self, chunk: _Chunk, gen: int, slot: _Slot):
+        return self._put(chunk.name(gen), slot.rows(self._rows(chunk.record), chunk.numel))
+
+    def _update_chunk(self, req: _Request, slot: _Slot, fresh: bool) -> None:
+        chunk, rec, hp = req.chunk, req.chunk.record, req.hparams
+        rows = slot.rows(self._rows(rec), chunk.numel)
+        model = self._param_flat(rec)[chunk.start : chunk.start + chunk.numel]
+        grad = req.grad
+        if grad.device.type != "cpu":
+            grad = slot.grad[: chunk.numel].copy_(grad)  # synchronous device-to-host copy
+        low = rec.param.dtype in _LOW_PRECISION
+        if rec.param.dtype == torch.float32 and fresh:
+            rows[0].copy_(model)  # the model's fp32 weights are the master (as in torch)
+        if self._is_adam:
+            out = None
+            if low:
+                out = model if model.device.type == "cpu" else slot.out[: chunk.numel].view(rec.param.dtype)
+            b1, b2 = hp["betas"]
+            adam_step(
+                rows[0], grad, rows[1], rows[2],
+                step=req.step, lr=hp["lr"], beta1=b1, beta2=b2, eps=hp["eps"],
+                weight_decay=hp["weight_decay"],
+                decoupled_weight_decay=self._decoupled(hp),
+                grad_scale=req.grad_scale, maximize=hp.get("maximize", False),
+                param_out=out,
+                max_exp_avg_sq=rows[3] if hp.get("amsgrad", False) else None,
+            )  # fmt: skip
+            if not low or model.device.type != "cpu":
+                model.copy_(rows[0] if not low else out)
+        else:
+            self._generic_update(req, rows, grad)
+            model.copy_(rows[0])
+
+    def _decoupled(self, hp: dict) -> bool:
+        return bool(hp.get("decoupled_weight_decay", isinstance(self.inner, torch.optim.AdamW)))
+
+    def _generic_update(self, req: _Request, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """Run the wrapped optimizer's own step on one chunk whose state tensors are views of ``rows``."""
+        chunk, rec = req.chunk, req.chunk.record
+        shape = rec.param.shape if chunk.numel == rec.param.numel() else (chunk.numel,)
+        cp = rows[0].view(shape)
+        cp.grad = (grad.float() * req.grad_scale if req.grad_scale != 1.0 else grad.float()).view(shape)
+        state: dict = dict(chunk.scalars)
+        for i, key in enumerate(state.pop("__rows__", ())):
+            state[key] = rows[1 + i].view(shape)
+        inner = self.inner
+        saved_groups, saved_state = inner.param_groups, inner.state
+        group = dict(rec.group, **req.hparams)
+        group["params"] = [cp]
+        try:
+            inner.param_groups = [group]
+            inner.state = defaultdict(dict, {cp: state} if state else {})
+            inner.step()
+            new_state = inner.state[cp]
+        finally:
+            inner.param_groups, inner.state = saved_groups, saved_state
+            cp.grad = None
+        row_keys, scalars = [], {}
+        for key, value in new_state.items():
+            if isinstance(value, torch.Tensor) and value.numel() == chunk.numel and value.numel() > 1:
+                if value.dtype != torch.float32:
+                    raise ValueError(f"{type(inner).__name__} state {key!r} of dtype {value.dtype} cannot be offloaded (fp32 only)")
+                if len(row_keys) + 1 >= _MAX_GENERIC_ROWS:
+                    raise ValueError(f"{type(inner).__name__} keeps more than {_MAX_GENERIC_ROWS - 1} tensors per parameter")
+                row = rows[1 + len(row_keys)]
+                if value.data_ptr() != row.data_ptr():
+                    row.copy_(value.reshape(-1))
+                row_keys.append(key)
+            elif isinstance(value, torch.Tensor) and value.numel() > 1:
+                raise ValueError(
+                    f"{type(inner).__name__} state {key!r} of shape {tuple(value.shape)} cannot be offloaded:"
+                    f" only tensors shaped like the parameter {tuple(shape)} and scalars are supported"
+                )
+            else:
+                scalars[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        scalars["__rows__"] = tuple(row_keys)
+        chunk.pending_scalars = scalars
+
+    def _restore(self, chunks: Iterable[_Chunk]) -> None:
+        """Put back the committed weights of chunks whose update reached the model; drop their new generation."""
+        failures = []
+        slot = None
+        for chunk in chunks:
+            if chunk.pending_gen is not None and chunk.pending_gen != chunk.gen:
+                name = chunk.name(chunk.pending_gen)
+                if name in self._store:
+                    self._store.delete(name)
+            chunk.pending_gen = None
+            chunk.pending_scalars = {}
+            if not chunk.applied:
+                continue
+            chunk.applied = False
+            if chunk.gen is None:
+                continue
+            rec = chunk.record
+            if slot is None:
+                slot = self._make_slot()
+            try:
+                self._read_chunk(chunk, chunk.gen, slot).result()
+                rows = slot.rows(self._rows(rec), chunk.numel)
+                self._param_flat(rec)[chunk.start : chunk.start + chunk.numel].copy_(rows[0])
+            except BaseException as exc:  # noqa: BLE001
+                failures.append(f"{rec.name} elements [{chunk.start}, {chunk.start + chunk.numel}): {exc}")
+        if slot is not None:
+            self._host_bytes -= self._slot_bytes()
+        if failures:
+            raise OffloadIOError("could not restore the weights of " + "; ".join(failures))
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Finish the update of every parameter with a gradient, and commit it.
+
+        Waits for the updates queued during backward, recomputes those whose
+        gradient or hyperparameters changed since, runs the rest, and commits
+        the new state generation. Supports ``torch.amp.GradScaler`` (its scale
+        and overflow flag are applied here; an overflow skips the step).
+
+        Raises:
+            OffloadIOError: an I/O error; the parameters hold their values from
+                before this step and the optimizer state is unchanged.
+            ValueError: a sparse gradient, or one on another device.
+        """
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pipe = self._pipeline
+        pipe.wait_idle()
+        found_inf = getattr(self, "found_inf", None)  # set by torch.amp.GradScaler
+        grad_scale = getattr(self, "grad_scale", None)
+        scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
+        records = self._step_order()
+        try:
+            if found_inf is not None and float(found_inf) > 0:
+                self._restore(c for r in records for c in r.chunks)
+                return loss
+            if self.config.max_grad_norm is not None:
+                # Exactly torch.nn.utils.clip_grad_norm_ (the gradients are scaled in place, as it does).
+                with_grad = [r.param for r in self._records if r.param.grad is not None]  # in group order
+                if with_grad:
+                    torch.nn.utils.clip_grad_norm_(with_grad, self.config.max_grad_norm)
+            stale = False
+            for rec in records:
+                grad = self._checked_grad(rec)
+                spec, rec.spec = rec.spec, None
+                if grad is None:
+                    self._restore(rec.chunks)
+                    continue
+                hp = self._hparams(rec.group)
+                if spec is not None:
+                    gref, version, spec_hp = spec
+                    if gref() is grad and grad._version == version and spec_hp == hp and scale == 1.0 and not pipe.errors:
+                        continue
+                    stale = True
+                    for c in rec.chunks:  # recompute from the committed generation
+                        if c.pending_gen is not None and c.pending_gen != c.gen:
+                            c.pending_gen = None
+                self._submit(rec, grad, hp, scale)
+            pipe.wait_idle()
+            if pipe.errors:
+                errors, pipe.errors = list(pipe.errors), []
+                self._restore(c for r in records for c in r.chunks)
+                raise OffloadIOError(f"optimizer step failed, parameters restored: {errors[0]}") from errors[0]
+            if stale:
+                self._speculate = False  # gradients are edited between backward and step: update in step()
+            self._commit(records)
+        finally:
+            for rec in self._records:
+                rec.spec = None
+                rec.learned_fires, rec.fires = rec.fires, 0
+            pipe.errors = []
+        if not self._order_learned:
+            self._order_learned = True
+        pipe.set_plan([c for r in self._step_order() for c in r.chunks if r.param.requires_grad])
+        return loss
+
+    def _step_order(self) -> list[_Record]:
+        seen = set(self._order)
+        return list(self._order) + [r for r in self._records if r not in seen]
+
+    def _commit(self, records: list[_Record]) -> None:
+        for rec in records:
+            updated = False
+            for c in rec.chunks:
+                if c.pending_gen is None:
+                    continue
+                updated = True
+                if c.gen is not None and c.gen != c.pending_gen:
+                    self._store.delete(c.name(c.gen))
+                c.gen, c.pending_gen, c.applied = c.pending_gen, None, False
+                if not self._is_adam:
+                    c.scalars, c.pending_scalars = c.pending_scalars, {}
+            if updated:
+                rec.step += 1
+
+    # ------------------------------------------------------------------ state dict
+    def state_dict(self) -> dict:
+        """The state as ordinary tensors, read chunk by chunk from the store.
+
+        Same layout as the wrapped optimizer's ``state_dict()`` (for Adam/AdamW:
+        ``step``, ``exp_avg``, ``exp_avg_sq`` and with amsgrad ``max_exp_avg_sq``,
+        fp32), plus ``master_param`` (fp32) for bf16/fp16 parameters.
+        """
+        self._check_open()
+        self._pipeline.wait_idle()
+        state = {}
+        for rec in self._records:
+            if rec.step == 0 or any(c.gen is None for c in rec.chunks):
+                continue
+            state[rec.index] = self._gather_state(rec)
+        groups = []
+        for g in self.param_groups:
+            entry = {k: v for k, v in g.items() if k != "params"}
+            entry["params"] = [r.index for r in self._records if r.group is g]
+            groups.append(entry)
+        return {"state": state, "param_groups": groups}
+
+    def _gather_state(self, rec: _Record) -> dict:
+        n = rec.param.numel()
+        nrows = self._rows(rec)
+        full = torch.empty(nrows, n, dtype=torch.float32)
+        slot = _Slot(_host_buffer(nrows * self._chunk_numel, torch.float32), None, None)
+        for c in rec.chunks:
+            self._read_chunk(c, c.gen, slot).result()
+            full[:, c.start : c.start + c.numel] = slot.rows(nrows, c.numel)
+        shape = rec.param.shape
+        if self._is_adam:
+            st = {"step": torch.tensor(float(rec.step))}
+            keys = _ADAM_KEYS[: nrows - 1]
+            for i, key in enumerate(keys):
+                st[key] = full[1 + i].view(shape).clone()
+        else:
+            scalars = dict(rec.chunks[0].scalars)
+            keys = scalars.pop("__rows__", ())
+            st = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
+            for i, key in enumerate(keys):
+                st[key] = full[1 + i].view(shape).clone()
+        if rec.param.dtype in _LOW_PRECISION:
+            st["master_param"] = full[0].view(shape).clone()
+        return st
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of this optimizer or of the wrapped optimizer's type, streaming it to the store.
+
+        Hyperparameters of the groups are taken from ``state_dict`` (as torch
+        does). Parameters without a ``master_param`` entry use the model's
+        current weights as master weights.
+        """
+        self._check_open()
+        self._pipeline.wait_idle()
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(groups)} parameter groups, optimizer has {len(self.param_groups)}")
+        by_index = {}
+        for g, saved in zip(self.param_groups, groups):
+            recs = [r for r in self._records if r.group is g]
+            if len(saved["params"]) != len(recs):
+                raise ValueError(
+                    f"loaded state dict contains a parameter group of {len(saved['params'])} parameters"
+                    f" that doesn't match the size of optimizer's group ({len(recs)})"
+                )
+            for idx, rec in zip(saved["params"], recs):
+                by_index[idx] = rec
+        for idx, st in state_dict["state"].items():
+            if idx not in by_index:
+                raise ValueError(f"state for parameter {idx} has no matching parameter")
+        for g, saved in zip(self.param_groups, groups):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = v
+        slot = _Slot(_host_buffer(_MAX_GENERIC_ROWS * self._chunk_numel, torch.float32), None, None)
+        for idx, rec in by_index.items():
+            st = state_dict["state"].get(idx)
+            self._load_record(rec, st, slot)
+        self._pipeline.set_plan([c for r in self._step_order() for c in r.chunks if r.param.requires_grad])
+
+    def _load_record(self, rec: _Record, st: dict | None, slot: _Slot) -> None:
+        for c in rec.chunks:
+            if c.gen is not None:
+                self._store.delete(c.name(c.gen))
+            c.gen, c.pending_gen, c.applied, c.scalars = None, None, False, {}
+        rec.step = 0
+        if not st:
+            return
+        nrows = self._rows(rec)
+        shape = rec.param.shape
+        master = st.get("master_param", rec.param.detach())
+        if self._is_adam:
+            tensors = [st[k] for k in _ADAM_KEYS[: nrows - 1] if k in st]
+            if len(tensors) != nrows - 1:
+                raise ValueError(f"state of {rec.name} lacks {_ADAM_KEYS[: nrows - 1]}: has {sorted(st)}")
+            scalars = {}
+            rec.step = int(float(st["step"]))
+        else:
+            tensors, keys, scalars = [], [], {}
+            for k, v in st.items():
+                if k == "master_param":
+                    continue
+                if isinstance(v, torch.Tensor) and v.shape == shape and v.numel() > 1:
+                    tensors.append(v)
+                    keys.append(k)
+                else:
+                    scalars[k] = v
+            scalars["__rows__"] = tuple(keys)
+            step = st.get("step", 0)
+            rec.step = int(float(step)) if isinstance(step, (int, float, torch.Tensor)) else 0
+        for t in [master, *tensors]:
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"state tensor of shape {tuple(t.shape)} does not fit {rec.name}")
+        for c in rec.chunks:
+            rows = slot.rows(nrows, c.numel)
+            rows.zero_()
+            for i, t in enumerate([master, *tensors]):
+                rows[i].copy_(t.detach().reshape(-1)[c.start : c.start + c.numel])
+            self._put(c.name(0), rows).result()
+            c.gen = 0
+            c.scalars = dict(scalars)
+
+    # ------------------------------------------------------------------ misc
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; waits for updates still reading gradients."""
+        self._pipeline.wait_idle()
+        super().zero_grad(set_to_none)
+
+    def memory_stats(self) -> MemoryStats:
+        """Host staging memory (now, peak, limit), bytes on NVMe and I/O bytes since :meth:`reset_io_stats`."""
+        return MemoryStats(
+            host_bytes=self._host_bytes,
+            host_peak_bytes=self._host_peak,
+            host_limit_bytes=self.config.cpu_memory_bytes,
+            nvme_bytes=int(getattr(self._store, "used_bytes", 0)),
+            read_bytes=self._io_read,
+            written_bytes=self._io_written,
+        )
+
+    def reset_io_stats(self) -> None:
+        """Zero the read/written byte counters of :meth:`memory_stats`."""
+        with self._io_lock:
+            self._io_read = self._io_written = 0
+
+    @property
+    def overlap_active(self) -> bool:
+        """Whether updates still run during backward (False after gradients were found edited before step())."""
+        return self._speculate
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the OffloadOptimizer is closed")
+
+    def close(self) -> None:
+        """Stop the worker, remove the hooks, delete the state from the store and close a store it opened."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pipeline.close()
+        for rec in self._records:
+            if rec.hook is not None:
+                rec.hook.remove()
+                rec.hook = None
+            for c in rec.chunks:
+                for gen in (c.gen, c.pending_gen):
+                    if gen is not None and c.name(gen) in self._store:
+                        self._store.delete(c.name(gen))
+        if self._owns_store:
+            self._store.close()
+
+    def __enter__(self) -> OffloadOptimizer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getstate__(self):
+        raise TypeError("OffloadOptimizer cannot be pickled; save its state_dict() instead")
+
+
+class NVMeAdamW(OffloadOptimizer):
+    """``torch.optim.AdamW`` with its state on NVMe: ``OffloadOptimizer(torch.optim.AdamW(...), swap_dir=...)``.
+
+    Takes AdamW's arguments and :class:`OffloadConfig`'s fields as keywords.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        swap_dir,
+        **config,
+    ):
+        inner = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+        super().__init__(inner, swap_dir=swap_dir, **config)
