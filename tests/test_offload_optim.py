@@ -99,7 +99,9 @@ def test_gpt_matches_adamw_and_max_grad_norm(tmp_path):
     opt_ref = CPUAdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
     opt_cref = CPUAdamW(clipped_ref.parameters(), lr=3e-3, weight_decay=0.1)
     torch_ref = copy.deepcopy(ref)
-    opt_torch = torch.optim.AdamW(torch_ref.parameters(), lr=3e-3, weight_decay=0.1)
+    # torch's fused CPU AdamW rounds exactly like the native kernel; its
+    # single-tensor path can be an ulp off (MKL's sqrt), which 50 steps amplify.
+    opt_torch = torch.optim.AdamW(torch_ref.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randint(0, 256, (2, 33), generator=g),) * 2 for _ in range(50)]
     loss_fn = lambda m, x, y: m(x[:, :-1], y[:, 1:])  # noqa: E731
@@ -113,9 +115,7 @@ def test_gpt_matches_adamw_and_max_grad_norm(tmp_path):
         assert opt.overlap_active
     assert_params_equal(off, ref)
     assert_params_equal(clipped, clipped_ref)
-    # The fused kernel differs from torch's AdamW by an ulp from step 2 on (bias correction);
-    # 50 steps of a transformer amplify that, so the torch check is looser than the bit-exact one above.
-    assert_params_equal(off, torch_ref, rtol=1e-5, atol=1e-3)
+    assert_params_equal(off, torch_ref)  # bit for bit
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -265,23 +265,12 @@ def test_io_error_in_step_leaves_params_unchanged(tmp_path):
     data = batches(4)
     with NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path, chunk_bytes=CHUNK) as opt:
         train(model, opt, data[:2])
-        store = opt._store
-        real_get = store.get
-        calls = []
-
-        def failing_get(name, out=None):
-            calls.append(name)
-            if len(calls) == 5:
-                raise OSError(5, f"injected read error on {name}")
-            return real_get(name, out=out)
-
-        store.get = failing_get
+        opt._store.inject_fault("eio", after_ops=4)  # a real EIO from the native engine
         before = params(model)
         (model(data[2][0]) - data[2][1]).square().mean().backward()  # updates start here
-        with pytest.raises(OffloadIOError, match="injected read error"):
+        with pytest.raises(OffloadIOError, match="Input/output error"):
             opt.step()
         assert all(torch.equal(a, b) for a, b in zip(before, params(model)))
-        store.get = real_get
         opt.step()  # the optimizer still works, from the old state
         assert any(not torch.equal(a, b) for a, b in zip(before, params(model)))
 
