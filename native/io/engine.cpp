@@ -92,21 +92,30 @@ std::shared_ptr<Ticket> Engine::submit(int fd, char* ptr, size_t nbytes, int64_t
 }
 
 void Engine::inject_fault(Fault fault, int64_t after_ops) {
-  fault_countdown_.store(after_ops);
-  fault_.store(static_cast<int>(fault));
+  std::lock_guard<std::mutex> lock(fault_mu_);
+  fault_ = fault;
+  fault_countdown_ = after_ops;
+  fault_armed_.store(fault != Fault::kNone);
 }
 
-Fault Engine::take_fault() {
-  if (fault_.load(std::memory_order_relaxed) == 0) return Fault::kNone;
-  if (fault_countdown_.fetch_sub(1) > 0) return Fault::kNone;
-  return static_cast<Fault>(fault_.exchange(0));
+Fault Engine::take_fault(bool write) {
+  if (!fault_armed_.load(std::memory_order_acquire)) return Fault::kNone;
+  std::lock_guard<std::mutex> lock(fault_mu_);
+  bool applies = fault_ == Fault::kEio || (fault_ == Fault::kEnospc && write) ||
+                 (fault_ == Fault::kShortRead && !write);
+  if (!applies) return Fault::kNone;
+  if (fault_countdown_-- > 0) return Fault::kNone;
+  Fault fault = fault_;
+  fault_ = Fault::kNone;
+  fault_armed_.store(false);
+  return fault;
 }
 
 int Engine::run_block(const Block& b, const char** call) {
   *call = b.write ? "pwrite" : "pread";
-  Fault fault = take_fault();
+  Fault fault = take_fault(b.write);
   if (fault == Fault::kEio) return EIO;
-  if (fault == Fault::kEnospc && b.write) return ENOSPC;
+  if (fault == Fault::kEnospc) return ENOSPC;
   size_t done = 0;
   while (done < b.nbytes) {
     ssize_t n;

@@ -47,7 +47,8 @@ struct Block {
   std::shared_ptr<Ticket> ticket;
 };
 
-// Faults the tests inject into the next operations of an engine.
+// Faults the tests inject into the next operations of an engine: ENOSPC hits
+// writes, a short read hits reads (the file ends early), EIO hits either.
 enum class Fault : int { kNone = 0, kEnospc, kEio, kShortRead };
 
 // One way of doing I/O: runs queued blocks through Engine::run_block.
@@ -80,16 +81,19 @@ class Engine {
   Engine(int num_threads, size_t block_size_bytes, size_t queue_depth);
   // Splits [ptr, ptr + nbytes) at file offset into blocks and queues them.
   std::shared_ptr<Ticket> submit(int fd, char* ptr, size_t nbytes, int64_t offset, bool write);
-  // The next operation after `after_ops` others fails with `fault`.
+  // The next block operation the fault applies to, after `after_ops` such
+  // operations have run, fails with `fault` (one shot).
   void inject_fault(Fault fault, int64_t after_ops);
   // Runs one block to completion: loops over partial transfers; returns 0 or errno.
   int run_block(const Block& b, const char** call);
 
  private:
-  Fault take_fault();
+  Fault take_fault(bool write);
   size_t block_size_;
-  std::atomic<int> fault_{0};
-  std::atomic<int64_t> fault_countdown_{0};
+  std::atomic<bool> fault_armed_{false};  // fast path: no lock while no fault is armed
+  std::mutex fault_mu_;
+  Fault fault_ = Fault::kNone;
+  int64_t fault_countdown_ = 0;
   std::unique_ptr<Backend> backend_;
 };
 

@@ -138,7 +138,16 @@ class IOEngine:
             try:
                 return OpenFile(path, _aio.open_file(path, create, True), True)
             except OSError as exc:
-                if exc.errno != errno.EINVAL or mode is DirectIO.ON:
+                if exc.errno != errno.EINVAL:
+                    raise
+                if create:
+                    # Linux creates the file before it checks O_DIRECT, and O_EXCL
+                    # made it ours: remove it so neither the retry nor the error leaves it.
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
+                if mode is DirectIO.ON:
                     raise
                 directory = os.path.dirname(path) or "."
                 if directory not in self._warned_paths:
@@ -168,6 +177,9 @@ class IOEngine:
 
     def submit(self, file: OpenFile, buffer: torch.Tensor, offset: int, *, write: bool) -> _Part:
         """Queue one transfer and return its part; :class:`IOFuture` groups parts."""
+        native = self._native
+        if native is None:
+            raise RuntimeError(f"the IOEngine is closed: cannot {'write' if write else 'read'} {file.path}")
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
             raise ValueError("I/O buffers must be contiguous CPU tensors")
         if file.direct and (not is_aligned(buffer) or offset % 4096):
@@ -177,13 +189,14 @@ class IOEngine:
                 f"offset {offset}); use nvoffload.io.aligned_empty"
             )
         nbytes = buffer.numel() * buffer.element_size()
-        ticket = self._native.submit(file.fd, buffer.data_ptr(), nbytes, offset, write)
+        ticket = native.submit(file.fd, buffer.data_ptr(), nbytes, offset, write)
         return _Part(ticket, file.path, offset)
 
     def inject_fault(self, fault: str, after_ops: int = 0) -> None:
-        """Testing hook: the next block operation after ``after_ops`` others fails.
+        """Testing hook: one block operation fails, after ``after_ops`` others it applies to.
 
-        ``fault`` is ``"enospc"`` (writes), ``"eio"`` or ``"short_read"`` (reads).
+        ``fault`` is ``"enospc"`` (writes), ``"eio"`` (reads or writes) or
+        ``"short_read"`` (reads: the file ends early).
         """
         self._native.inject_fault(fault, after_ops)
 
@@ -193,8 +206,8 @@ class IOEngine:
         _aio.inject_direct_refusal()
 
     def close(self) -> None:
-        """Stop the worker threads once every queued block has run."""
-        self._native = None
+        """Stop the worker threads once every queued block has run. Idempotent."""
+        self._native = None  # the native destructor drains the queue and joins the threads
 
     def __enter__(self) -> IOEngine:
         return self

@@ -12,13 +12,18 @@ class StoreIOError(OSError):
     """An I/O call failed: carries the call, the file, the offset and the tensor.
 
     ``errno``/``strerror``/``filename`` are those of :class:`OSError`;
-    ``offset`` is the byte offset in the file, ``tensor`` the store name (or None).
+    ``call`` names the failing operation (``pwrite``, ``pread (short read)``,
+    ``allocate``...), ``offset`` is the byte offset in the file (-1 where the
+    failure is not at one offset), ``tensor`` the store name (or None).
     """
 
-    def __init__(self, err: int, call: str, path: str, offset: int, tensor: str | None = None):
+    def __init__(
+        self, err: int, call: str, path: str, offset: int, tensor: str | None = None, detail: str | None = None
+    ):
         what = f"tensor {tensor!r}" if tensor is not None else "request"
-        strerror = os.strerror(err) if err else "failed"
-        super().__init__(err, f"{call} of {what} failed at offset {offset} of {path}: {strerror}", path)
+        where = f"at offset {offset} of {path}" if offset >= 0 else f"in {path}"
+        reason = detail or (os.strerror(err) if err else "failed")
+        super().__init__(err, f"{call} of {what} failed {where}: {reason}", path)
         self.call = call
         self.offset = offset
         self.tensor = tensor

@@ -18,7 +18,7 @@ import torch
 from nvoffload.io.buffers import ALIGNMENT_BYTES, BufferPool, aligned_empty, is_aligned, round_up
 from nvoffload.io.config import IOConfig
 from nvoffload.io.engine import IOEngine, IOFuture, OpenFile, _Part
-from nvoffload.io.errors import ChecksumError
+from nvoffload.io.errors import ChecksumError, StoreIOError
 from nvoffload.io.gds import GDSFile, gds_available
 
 __all__ = ["TensorStore"]
@@ -52,6 +52,10 @@ class _Extents:
             prev_offset, prev_size = self._free.pop(i - 1)
             self._free[i - 1] = (prev_offset, prev_size + self._free[i - 1][1])
 
+    def fits(self, nbytes: int) -> bool:
+        """True when one free range holds ``nbytes``."""
+        return any(size >= nbytes for _, size in self._free)
+
     @property
     def free_bytes(self) -> int:
         return sum(size for _, size in self._free)
@@ -83,6 +87,7 @@ class _Record:
     nbytes: int
     extents: list[_Extent]
     checksum: int | None = None
+    seq: int = 0  # order of submission among puts (a later put of a name wins)
     in_flight: list[IOFuture] = field(default_factory=list)
 
 
@@ -145,6 +150,8 @@ class TensorStore:
         self._records: dict[str, _Record] = {}
         self._pending_puts: dict[str, IOFuture] = {}
         self._next_dir = 0
+        self._seq = 0
+        self._dirs = dirs
         self._swaps: list[_SwapFile] = []
         self._closed = False
         try:
@@ -162,8 +169,10 @@ class TensorStore:
 
     @staticmethod
     def _check_dir(directory: str, share: int | None) -> None:
-        if not os.path.isdir(directory):
+        if not os.path.exists(directory):
             raise FileNotFoundError(errno.ENOENT, f"swap directory {directory} does not exist", directory)
+        if not os.path.isdir(directory):
+            raise NotADirectoryError(errno.ENOTDIR, f"swap directory {directory} is not a directory", directory)
         if not os.access(directory, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, f"swap directory {directory} is not writable", directory)
         if share:
@@ -208,7 +217,16 @@ class TensorStore:
             return len(self._records.keys() | self._pending_puts.keys())
 
     def put(self, name: str, tensor: torch.Tensor) -> IOFuture:
-        """Write ``tensor`` under ``name`` (replacing an older one once this write succeeds)."""
+        """Write ``tensor`` under ``name``; ``result()`` returns None once it is on disk.
+
+        Any dtype, shape, size and contiguity; CPU or CUDA. An older tensor of
+        the same name is replaced once this write succeeds (of concurrent puts
+        of one name, the one submitted last wins). The caller keeps ``tensor``
+        alive and unmodified until the future is done. I/O failures (disk full,
+        I/O error) raise from ``result()`` naming the tensor, file and offset.
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names are str, got {type(name).__name__}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"put({name!r}) needs a torch.Tensor, got {type(tensor).__name__}")
         if tensor.is_sparse or tensor.layout != torch.strided:
@@ -217,25 +235,35 @@ class TensorStore:
         tensor = tensor.detach()
         nbytes = tensor.numel() * tensor.element_size()
         with self._lock:
-            self._check_open()
+            self._check_open("put", name)
             try:
                 extents = self._allocate(nbytes)
-            except OSError as exc:
+            except StoreIOError as exc:
                 return IOFuture.failed(exc)
-            record = _Record(name, tensor.dtype, tensor.shape, nbytes, extents)
+            except OSError as exc:
+                return IOFuture.failed(
+                    StoreIOError(exc.errno or errno.EIO, "allocate", exc.filename or "", -1, name, str(exc.strerror))
+                )
+            self._seq += 1
+            record = _Record(name, tensor.dtype, tensor.shape, nbytes, extents, seq=self._seq)
 
-        if self._direct_to_device(tensor):
-            source, bounce = _byte_view(tensor), None
-        elif is_aligned(tensor) and sum(e.nbytes for e in extents) == nbytes:
-            source, bounce = _byte_view(tensor), None
-        else:
-            bounce = self._pool.acquire(sum(e.nbytes for e in extents))
-            staged = bounce[:nbytes]
-            if nbytes:
-                staged.view(tensor.dtype).view(tensor.shape).copy_(tensor)
-            source = bounce
-        if self.checksum:
-            record.checksum = zlib.crc32(source[:nbytes].numpy())
+        try:
+            if self._direct_to_device(tensor):
+                source, bounce = _byte_view(tensor), None
+            elif is_aligned(tensor) and sum(e.nbytes for e in extents) == nbytes:
+                source, bounce = _byte_view(tensor), None
+            else:
+                bounce = self._pool.acquire(sum(e.nbytes for e in extents))
+                staged = bounce[:nbytes]
+                if nbytes:
+                    staged.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+                source = bounce
+            if self.checksum:
+                record.checksum = zlib.crc32(source[:nbytes].numpy())
+        except BaseException:
+            with self._lock:
+                self._free(extents)
+            raise
 
         def finish(error: BaseException | None) -> None:
             if bounce is not None:
@@ -243,37 +271,51 @@ class TensorStore:
             with self._lock:
                 if self._pending_puts.get(name) is future:
                     del self._pending_puts[name]
-                if error is not None:
-                    self._free(record.extents)
-                    return
                 old = self._records.get(name)
+                if error is not None or self._closed or (old is not None and old.seq > record.seq):
+                    self._free(record.extents)  # failed, or a later put of this name already landed
+                    return
                 self._records[name] = record
             if old is not None:
                 self._release(old)
 
-        future = IOFuture(self._submit(extents, source, write=True), finish, tensor=name, keepalive=source)
         with self._lock:
+            if self._closed:
+                self._free(extents)
+                if bounce is not None:
+                    self._pool.release(bounce)
+                self._check_open("put", name)
+            future = IOFuture(self._submit(extents, source, write=True), finish, tensor=name, keepalive=source)
             self._pending_puts[name] = future
         return future
 
     def get(self, name: str, out: torch.Tensor | None = None) -> IOFuture:
-        """Read the tensor stored under ``name``; ``result()`` returns it (``out`` if given)."""
+        """Read the tensor stored under ``name``; ``result()`` returns it.
+
+        Without ``out`` the result is a new CPU tensor of the stored dtype and
+        shape. ``out`` (CPU or CUDA, any shape and contiguity) must have the
+        stored dtype and number of elements; it is filled in row-major order and
+        returned, and must not be read before the future is done. A name never
+        written (or deleted) raises KeyError here; I/O failures and checksum
+        mismatches raise from ``result()`` naming the tensor, file and offset.
+        """
         self._wait_pending_put(name)
         with self._lock:
-            self._check_open()
+            self._check_open("get", name)
             record = self._records.get(name)
             if record is None:
                 raise KeyError(f"no tensor named {name!r} in the store (never written, or deleted)")
+            padded = sum(e.nbytes for e in record.extents)
             if out is not None:
                 self._check_out(record, out)
-            else:
-                out = aligned_empty(round_up(record.nbytes))[: record.nbytes].view(record.dtype).view(record.shape)
-            padded = sum(e.nbytes for e in record.extents)
-            if self._direct_to_device(out) or (is_aligned(out) and padded == record.nbytes):
-                target, bounce = _byte_view(out), None
-            else:
-                bounce = self._pool.acquire(padded)
-                target = bounce
+                if self._direct_to_device(out) or (is_aligned(out) and padded == record.nbytes):
+                    target, bounce = _byte_view(out), None
+                else:
+                    bounce = self._pool.acquire(padded)
+                    target = bounce
+            else:  # read straight into a new aligned tensor, padding included
+                target, bounce = aligned_empty(padded), None
+                out = target[: record.nbytes].view(record.dtype).view(record.shape)
 
             def finish(error: BaseException | None) -> torch.Tensor:
                 try:
@@ -285,7 +327,7 @@ class TensorStore:
                             first = record.extents[0]
                             raise ChecksumError(first.swap.file.path, first.offset, name, record.checksum, actual)
                     if bounce is not None and record.nbytes:
-                        out.copy_(bounce[: record.nbytes].view(record.dtype).view(record.shape))
+                        out.copy_(bounce[: record.nbytes].view(record.dtype).view(out.shape))
                     return out
                 finally:
                     if bounce is not None:
@@ -299,7 +341,7 @@ class TensorStore:
         """Forget ``name`` and free its extents for reuse (after its I/O in flight ends)."""
         self._wait_pending_put(name)
         with self._lock:
-            self._check_open()
+            self._check_open("delete", name)
             record = self._records.pop(name, None)
         if record is None:
             raise KeyError(f"no tensor named {name!r} in the store")
@@ -316,8 +358,8 @@ class TensorStore:
         for future in pending + [f for r in records for f in r.in_flight]:
             _settle(future)
         self._records.clear()
+        self._engine.close()  # drains blocks no future tracks any more (a put replaced in flight)
         self._remove_files()
-        self._engine.close()
         self._pool.close()
 
     def __enter__(self) -> TensorStore:
@@ -332,9 +374,9 @@ class TensorStore:
 
     # -- internals ----------------------------------------------------------
 
-    def _check_open(self) -> None:
+    def _check_open(self, op: str, name: str) -> None:
         if self._closed:
-            raise RuntimeError("the TensorStore is closed")
+            raise RuntimeError(f"{op}({name!r}): the TensorStore over {', '.join(self._dirs)} is closed")
 
     @staticmethod
     def _check_out(record: _Record, out: torch.Tensor) -> None:
@@ -365,8 +407,13 @@ class TensorStore:
             sizes = [min(per_dir, nbytes - i * per_dir) for i in range(len(self._swaps))]
             targets = [(swap, size) for swap, size in zip(self._swaps, sizes) if size > 0]
         else:
-            targets = [(self._swaps[self._next_dir], nbytes)]
-            self._next_dir = (self._next_dir + 1) % len(self._swaps)
+            # Round-robin, but prefer a file with a free range that fits over
+            # growing (or failing on) a full one.
+            n = len(self._swaps)
+            order = [self._swaps[(self._next_dir + i) % n] for i in range(n)]
+            self._next_dir = (self._next_dir + 1) % n
+            fits = [s for s in order if s.extents.fits(round_up(nbytes))]
+            targets = [((fits or order)[0], nbytes)]
         extents: list[_Extent] = []
         try:
             for swap, size in targets:

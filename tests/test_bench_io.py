@@ -1,0 +1,36 @@
+"""Smoke run of bench/bench_io.py: every case runs on one and two directories and reports sane numbers."""
+
+import importlib
+import json
+import shutil
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def test_bench_io_quick(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench = importlib.import_module("bench_io")
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    path = bench.main(["--quick", "--dirs", ",".join(map(str, dirs)), "--results-dir", str(tmp_path / "results")])
+    record = json.loads(Path(path).read_text())
+    rows = {row["case"]: row for row in record["rows"]}
+    expected = {"TensorStore x1", "TensorStore unaligned x1", "torch.save/load x1", "numpy tofile/fromfile x1"}
+    expected |= {"TensorStore x2", "TensorStore unaligned x2"}
+    have_fio = shutil.which("fio") is not None
+    if have_fio:
+        expected |= {"fio x1", "fio x2"}
+    else:
+        assert "fio peer skipped" in capsys.readouterr().out
+    assert set(rows) == expected
+    for row in rows.values():
+        assert 0.01 < row["write_GBps"] < 1000 and 0.01 < row["read_GBps"] < 1000, row
+        if have_fio:
+            assert row["write_vs_fio"] > 0 and row["read_vs_fio"] > 0
+    if have_fio:
+        assert rows["fio x1"]["write_vs_fio"] == 1.0
+    assert record["settings"]["total_bytes"] == 256 << 20
+    assert (tmp_path / "results" / "bench_io.md").exists()
+    assert sorted(p.name for d in dirs for p in d.iterdir()) == []  # every scratch file removed
