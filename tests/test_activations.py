@@ -165,7 +165,10 @@ def test_forward_without_backward_releases(target, tmp_path):
     del loss
     gc.collect()
     assert_released(offload)
-    assert offload._tier is None  # an owned store closes once idle
+    if target == "nvme":  # an owned store stays open for the next step, empty
+        assert offload._tier.used_bytes == 0
+    offload.close()
+    assert offload._tier is None
 
 
 @pytest.mark.skipif(not HAS_STORE, reason="no TensorStore yet")

@@ -10,6 +10,7 @@ import torch
 from nvoffload.io import BufferPool, IOConfig, IOEngine, IOFuture, StoreIOError, aligned_empty
 
 KiB = 1 << 10
+MiB = 1 << 20
 SMALL_BLOCKS = IOConfig(num_threads=4, block_size_bytes=16 * KiB, queue_depth=4)
 
 
@@ -64,16 +65,38 @@ def test_many_requests_in_flight_through_a_small_queue(engine, data_file):
         assert torch.equal(b, s)
 
 
-def test_unaligned_buffer_or_offset_is_refused(engine, data_file):
+def test_unaligned_size_or_offset_is_refused(engine, data_file):
     buf = aligned_empty(8 * KiB + 64)
-    with pytest.raises(ValueError, match="4 KiB-aligned buffer"):
-        engine.pwrite(data_file, buf[64:], 0)  # address off by 64 bytes
-    with pytest.raises(ValueError, match="4 KiB-aligned"):
+    with pytest.raises(ValueError, match="multiples of 4 KiB"):
         engine.pwrite(data_file, buf[: 4 * KiB + 1], 0)  # size
     with pytest.raises(ValueError, match="offset 512"):
         engine.pwrite(data_file, buf[: 4 * KiB], 512)
+    with pytest.raises(ValueError, match="smaller than the buffer"):
+        engine.submit(data_file, buf[: 8 * KiB], 0, write=True, nbytes=4 * KiB)
     with pytest.raises(ValueError, match="contiguous CPU"):
         engine.pwrite(data_file, aligned_empty(8 * KiB).view(2, -1).t(), 0)
+
+
+@pytest.mark.parametrize("shift", [1, 64, 2048])
+def test_unaligned_and_padded_buffers_bounce_in_the_io_threads(engine, data_file, shift):
+    """Any address, a size that ends mid-block: padding written as zeros, read back dropped."""
+    nbytes = 3 * MiB + 123  # several blocks, the last one partial
+    raw = random_bytes(nbytes + shift, seed=shift)
+    src = raw[shift:]
+    assert src.data_ptr() % 4096 != 0
+    padded = -(-nbytes // (4 * KiB)) * 4 * KiB
+    IOFuture([engine.submit(data_file, src, 0, write=True, nbytes=padded)]).result(timeout=60)
+    with open(data_file.path, "rb") as f:
+        on_disk = f.read(padded)
+    assert on_disk[:nbytes] == src.numpy().tobytes()
+    assert on_disk[nbytes:] == bytes(padded - nbytes)
+
+    back_raw = torch.full((nbytes + shift + 1,), 0xAB, dtype=torch.uint8)
+    back = back_raw[shift : shift + nbytes]
+    IOFuture([engine.submit(data_file, back, 0, write=False, nbytes=padded)]).result(timeout=60)
+    assert torch.equal(back, src)
+    assert int(back_raw[shift + nbytes]) == 0xAB  # nothing written past the buffer
+    assert torch.all(back_raw[:shift] == 0xAB)
 
 
 def test_faults_hit_only_the_operations_they_apply_to(engine, data_file):

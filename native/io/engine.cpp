@@ -5,6 +5,8 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 
 namespace nvo {
 
@@ -78,14 +80,16 @@ Engine::Engine(int num_threads, size_t block_size_bytes, size_t queue_depth)
     : block_size_(block_size_bytes),
       backend_(std::make_unique<ThreadPoolBackend>(num_threads, queue_depth, this)) {}
 
-std::shared_ptr<Ticket> Engine::submit(int fd, char* ptr, size_t nbytes, int64_t offset, bool write) {
+std::shared_ptr<Ticket> Engine::submit(int fd, char* ptr, size_t nbytes, size_t valid_bytes, int64_t offset,
+                                       bool write) {
   size_t nblocks = nbytes == 0 ? 0 : (nbytes + block_size_ - 1) / block_size_;
   auto ticket = std::make_shared<Ticket>(nblocks);
   std::vector<Block> blocks;
   blocks.reserve(nblocks);
   for (size_t done = 0; done < nbytes; done += block_size_) {
     size_t len = std::min(block_size_, nbytes - done);
-    blocks.push_back(Block{fd, ptr + done, len, offset + static_cast<int64_t>(done), write, ticket});
+    size_t valid = valid_bytes > done ? std::min(len, valid_bytes - done) : 0;
+    blocks.push_back(Block{fd, ptr + done, len, valid, offset + static_cast<int64_t>(done), write, ticket});
   }
   backend_->submit(std::move(blocks));
   return ticket;
@@ -111,11 +115,55 @@ Fault Engine::take_fault(bool write) {
   return fault;
 }
 
+namespace {
+
+// This worker thread's aligned buffer of at least `nbytes` (kept for the thread's life).
+char* bounce_buffer(size_t nbytes) {
+  struct Buffer {
+    char* ptr = nullptr;
+    size_t size = 0;
+    ~Buffer() { std::free(ptr); }
+  };
+  thread_local Buffer buffer;
+  if (buffer.size < nbytes) {
+    std::free(buffer.ptr);
+    buffer.size = (nbytes + kAlignment - 1) / kAlignment * kAlignment;
+    buffer.ptr = static_cast<char*>(std::aligned_alloc(kAlignment, buffer.size));
+    if (buffer.ptr == nullptr) buffer.size = 0;
+  }
+  return buffer.ptr;
+}
+
+}  // namespace
+
+int Engine::run_bounced(const Block& b, Fault fault, const char** call) {
+  char* bounce = bounce_buffer(b.nbytes);
+  if (bounce == nullptr) {
+    *call = "aligned_alloc (bounce buffer)";
+    return ENOMEM;
+  }
+  Block aligned = b;
+  aligned.ptr = bounce;
+  aligned.valid = b.nbytes;
+  if (b.write) {
+    std::memcpy(bounce, b.ptr, b.valid);
+    std::memset(bounce + b.valid, 0, b.nbytes - b.valid);
+  }
+  int err = transfer(aligned, fault, call);
+  if (err == 0 && !b.write) std::memcpy(b.ptr, bounce, b.valid);
+  return err;
+}
+
 int Engine::run_block(const Block& b, const char** call) {
   *call = b.write ? "pwrite" : "pread";
   Fault fault = take_fault(b.write);
   if (fault == Fault::kEio) return EIO;
   if (fault == Fault::kEnospc) return ENOSPC;
+  if (b.valid < b.nbytes || reinterpret_cast<uintptr_t>(b.ptr) % kAlignment != 0) return run_bounced(b, fault, call);
+  return transfer(b, fault, call);
+}
+
+int Engine::transfer(const Block& b, Fault fault, const char** call) {
   size_t done = 0;
   while (done < b.nbytes) {
     ssize_t n;

@@ -38,10 +38,15 @@ class Ticket {
   int64_t offset_ = -1;
 };
 
+// One transfer of `nbytes` at `offset`. Only the first `valid` bytes are backed by
+// the caller's memory at `ptr` (the rest is padding up to the file's alignment:
+// zeros written, bytes read dropped). A block whose memory is not aligned, or
+// that has padding, goes through the worker's own aligned bounce buffer.
 struct Block {
   int fd;
   char* ptr;
   size_t nbytes;
+  size_t valid;
   int64_t offset;
   bool write;
   std::shared_ptr<Ticket> ticket;
@@ -79,8 +84,9 @@ class ThreadPoolBackend final : public Backend {
 class Engine {
  public:
   Engine(int num_threads, size_t block_size_bytes, size_t queue_depth);
-  // Splits [ptr, ptr + nbytes) at file offset into blocks and queues them.
-  std::shared_ptr<Ticket> submit(int fd, char* ptr, size_t nbytes, int64_t offset, bool write);
+  // Splits a transfer of `nbytes` at file `offset` into blocks and queues them;
+  // [ptr, ptr + valid_bytes) is the caller's memory, the rest padding (see Block).
+  std::shared_ptr<Ticket> submit(int fd, char* ptr, size_t nbytes, size_t valid_bytes, int64_t offset, bool write);
   // The next block operation the fault applies to, after `after_ops` such
   // operations have run, fails with `fault` (one shot).
   void inject_fault(Fault fault, int64_t after_ops);
@@ -89,6 +95,10 @@ class Engine {
 
  private:
   Fault take_fault(bool write);
+  // Moves the block's bytes through this thread's aligned bounce buffer.
+  int run_bounced(const Block& b, Fault fault, const char** call);
+  // pread/pwrite of the whole block, looping over partial transfers.
+  int transfer(const Block& b, Fault fault, const char** call);
   size_t block_size_;
   std::atomic<bool> fault_armed_{false};  // fast path: no lock while no fault is armed
   std::mutex fault_mu_;
@@ -100,6 +110,8 @@ class Engine {
 // File helpers used by the store. All return 0 or errno.
 int open_file(const std::string& path, bool create, bool direct, int* fd);
 int allocate_file(int fd, int64_t offset, int64_t nbytes);
+// Alignment (bytes) of memory, sizes and offsets for O_DIRECT transfers.
+constexpr size_t kAlignment = 4096;
 // The next open_file with direct=true fails with EINVAL (a file system refusing O_DIRECT).
 void inject_direct_refusal();
 

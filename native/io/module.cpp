@@ -45,10 +45,11 @@ PYBIND11_MODULE(_aio, m) {
            py::arg("queue_depth"))
       .def(
           "submit",
-          [](Engine& e, int fd, uintptr_t ptr, size_t nbytes, int64_t offset, bool write) {
-            return e.submit(fd, reinterpret_cast<char*>(ptr), nbytes, offset, write);
+          [](Engine& e, int fd, uintptr_t ptr, size_t nbytes, size_t valid_bytes, int64_t offset, bool write) {
+            if (valid_bytes > nbytes) throw py::value_error("valid_bytes exceeds nbytes");
+            return e.submit(fd, reinterpret_cast<char*>(ptr), nbytes, valid_bytes, offset, write);
           },
-          py::arg("fd"), py::arg("ptr"), py::arg("nbytes"), py::arg("offset"), py::arg("write"),
+          py::arg("fd"), py::arg("ptr"), py::arg("nbytes"), py::arg("valid_bytes"), py::arg("offset"), py::arg("write"),
           py::call_guard<py::gil_scoped_release>())
       .def(
           "inject_fault",

@@ -18,6 +18,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import device as _device
+from ..io.buffers import aligned_empty
 from ._host import Completed, HostTier
 from ._ledger import StorageLedger, is_parameter_like
 from .config import ActivationOffloadConfig, OffloadStats
@@ -136,8 +137,8 @@ class _Load:
         self.prefetched = prefetched
         if isinstance(tier, HostTier):
             self.out = None  # the stored (page-locked) buffer itself: no copy, no new memory
-        elif record.device.type == "cpu":
-            self.out = torch.empty(record.numel, dtype=record.dtype)
+        elif record.device.type == "cpu":  # aligned: read by O_DIRECT with no bounce copy
+            self.out = aligned_empty(record.nbytes).view(record.dtype)
         else:
             self.out = _device.host_empty(record.numel, record.dtype)
         self.get = tier.get(record.name, out=self.out)
@@ -219,8 +220,10 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
       ``with`` block releases what that block saved; :meth:`close` releases all.
 
     Backward may run after the ``with`` block (as with ``save_on_cpu``). A swap
-    store this object opens itself is closed once the block has exited and every
-    tensor it holds has been released, or by :meth:`close`; a
+    store this object opens itself stays open from step to step (released
+    tensors free their space in it for reuse, so the swap files stop growing
+    at the largest step's size) and is closed, its files removed, by
+    :meth:`close` or when this object is garbage-collected; a
     :class:`~nvoffload.io.TensorStore` passed as ``swap_dir`` is never closed here.
     Works with ``torch.utils.checkpoint``, nested contexts, several forwards
     before one backward, ``retain_graph=True`` and double backward.
@@ -290,6 +293,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             self._swap_dirs = _check_swap_dirs(swap_dir)
 
         self._tier = None  # the store in use; opened at the first write when we own it
+        self._close_owned_tier = None  # finalizer closing a store we opened
         self._uid = next(_instance_ids)
         self._handles = itertools.count()
         self._lock = threading.Lock()
@@ -332,7 +336,6 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             if exc_type is not None:
                 for record in [r for h, r in self._records.items() if h >= first]:
                     self._release(record)
-            self._close_tier_if_idle()
 
     def close(self) -> None:
         """Release every offloaded tensor (waiting for I/O in flight) and close an owned store.
@@ -343,7 +346,9 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             self._closed = True
             for record in list(self._records.values()):
                 self._release(record)
-            self._close_tier_if_idle(force=True)
+            if self._close_owned_tier is not None:
+                self._close_owned_tier()
+            self._tier = None
 
     # ------------------------------------------------------------------- stats
 
@@ -393,7 +398,6 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                         self._handle_freed(item)
                     else:
                         self._ledger.remove(item)
-                self._close_tier_if_idle()
             finally:
                 self._lock.release()
 
@@ -456,6 +460,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 from ..io import TensorStore
 
                 self._tier = TensorStore(self._swap_dirs if len(self._swap_dirs) > 1 else self._swap_dirs[0])
+                self._close_owned_tier = weakref.finalize(self, self._tier.close)
         return self._tier
 
     def _start_write(self, record: _Record) -> None:
@@ -641,10 +646,3 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         del self._records[record.handle]
         if self._by_key.get(record.key) is record:
             del self._by_key[record.key]
-
-    def _close_tier_if_idle(self, force: bool = False) -> None:
-        if self._tier is None or self._records or (self._marks and not force):
-            return
-        if self._tier is not self._store:
-            self._tier.close()
-        self._tier = None

@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 from nvoffload.io import _aio
-from nvoffload.io.buffers import is_aligned
-from nvoffload.io.config import DirectIO, IOConfig
+from nvoffload.io.config import ALIGNMENT_BYTES, DirectIO, IOConfig
 from nvoffload.io.errors import StoreIOError
 
 __all__ = ["IOEngine", "IOFuture", "OpenFile"]
@@ -175,21 +174,33 @@ class IOEngine:
         """Write the contiguous CPU ``buffer`` at ``offset``."""
         return IOFuture([self.submit(file, buffer, offset, write=True)], **kwargs)
 
-    def submit(self, file: OpenFile, buffer: torch.Tensor, offset: int, *, write: bool) -> _Part:
-        """Queue one transfer and return its part; :class:`IOFuture` groups parts."""
+    def submit(
+        self, file: OpenFile, buffer: torch.Tensor, offset: int, *, write: bool, nbytes: int | None = None
+    ) -> _Part:
+        """Queue one transfer of ``nbytes`` at ``offset`` and return its part; :class:`IOFuture` groups parts.
+
+        ``buffer`` (contiguous, CPU) backs the first bytes of the transfer;
+        ``nbytes`` (default: the buffer's size) may pad it: zeros are written
+        and the bytes read are dropped. On an O_DIRECT file ``offset`` and
+        ``nbytes`` must be multiples of 4 KiB. The buffer's address need not be
+        aligned: blocks of an unaligned or padded buffer pass through each
+        worker thread's aligned bounce buffer (a copy, on the I/O threads).
+        """
         native = self._native
         if native is None:
             raise RuntimeError(f"the IOEngine is closed: cannot {'write' if write else 'read'} {file.path}")
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
             raise ValueError("I/O buffers must be contiguous CPU tensors")
-        if file.direct and (not is_aligned(buffer) or offset % 4096):
+        valid = buffer.numel() * buffer.element_size()
+        nbytes = valid if nbytes is None else nbytes
+        if nbytes < valid:
+            raise ValueError(f"nbytes ({nbytes}) is smaller than the buffer ({valid} bytes)")
+        if file.direct and (nbytes % ALIGNMENT_BYTES or offset % ALIGNMENT_BYTES):
             raise ValueError(
-                f"O_DIRECT I/O on {file.path} needs a 4 KiB-aligned buffer, size and offset "
-                f"(got address {buffer.data_ptr():#x}, {buffer.numel() * buffer.element_size()} bytes, "
-                f"offset {offset}); use nvoffload.io.aligned_empty"
+                f"O_DIRECT I/O on {file.path} needs sizes and offsets in multiples of 4 KiB "
+                f"(got {nbytes} bytes at offset {offset})"
             )
-        nbytes = buffer.numel() * buffer.element_size()
-        ticket = native.submit(file.fd, buffer.data_ptr(), nbytes, offset, write)
+        ticket = native.submit(file.fd, buffer.data_ptr(), nbytes, valid, offset, write)
         return _Part(ticket, file.path, offset)
 
     def inject_fault(self, fault: str, after_ops: int = 0) -> None:

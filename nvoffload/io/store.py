@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nvoffload.io.buffers import ALIGNMENT_BYTES, BufferPool, aligned_empty, is_aligned, round_up
+from nvoffload.io.buffers import BufferPool, aligned_empty, round_up
 from nvoffload.io.config import IOConfig
 from nvoffload.io.engine import IOEngine, IOFuture, OpenFile, _Part
 from nvoffload.io.errors import ChecksumError, StoreIOError
@@ -250,16 +250,15 @@ class TensorStore:
         try:
             if self._direct_to_device(tensor):
                 source, bounce = _byte_view(tensor), None
-            elif is_aligned(tensor) and sum(e.nbytes for e in extents) == nbytes:
-                source, bounce = _byte_view(tensor), None
-            else:
+            elif tensor.is_cuda:  # staged through an aligned (page-locked) host buffer
                 bounce = self._pool.acquire(sum(e.nbytes for e in extents))
-                staged = bounce[:nbytes]
                 if nbytes:
-                    staged.view(tensor.dtype).view(tensor.shape).copy_(tensor)
-                source = bounce
+                    bounce[:nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+                source = bounce[:nbytes]
+            else:  # the I/O threads bounce unaligned blocks themselves
+                source, bounce = _byte_view(tensor.contiguous()), None
             if self.checksum:
-                record.checksum = zlib.crc32(source[:nbytes].numpy())
+                record.checksum = zlib.crc32(source.numpy())
         except BaseException:
             with self._lock:
                 self._free(extents)
@@ -308,26 +307,26 @@ class TensorStore:
             padded = sum(e.nbytes for e in record.extents)
             if out is not None:
                 self._check_out(record, out)
-                if self._direct_to_device(out) or (is_aligned(out) and padded == record.nbytes):
+                if self._direct_to_device(out) or (out.device.type == "cpu" and out.is_contiguous()):
                     target, bounce = _byte_view(out), None
-                else:
+                else:  # CUDA without GPUDirect, or a non-contiguous view
                     bounce = self._pool.acquire(padded)
-                    target = bounce
-            else:  # read straight into a new aligned tensor, padding included
-                target, bounce = aligned_empty(padded), None
-                out = target[: record.nbytes].view(record.dtype).view(record.shape)
+                    target = bounce[: record.nbytes]
+            else:  # read straight into a new aligned tensor
+                target, bounce = aligned_empty(padded)[: record.nbytes], None
+                out = target.view(record.dtype).view(record.shape)
 
             def finish(error: BaseException | None) -> torch.Tensor:
                 try:
                     if error is not None:
                         raise error
                     if self.checksum and record.checksum is not None:
-                        actual = zlib.crc32(target[: record.nbytes].numpy())
+                        actual = zlib.crc32(target.numpy())
                         if actual != record.checksum:
                             first = record.extents[0]
                             raise ChecksumError(first.swap.file.path, first.offset, name, record.checksum, actual)
                     if bounce is not None and record.nbytes:
-                        out.copy_(bounce[: record.nbytes].view(record.dtype).view(out.shape))
+                        out.copy_(target.view(record.dtype).view(out.shape))
                     return out
                 finally:
                     if bounce is not None:
@@ -451,21 +450,22 @@ class TensorStore:
         )
 
     def _submit(self, extents: list[_Extent], buffer: torch.Tensor, *, write: bool) -> list[_Part]:
-        """One transfer per extent; ``buffer`` holds the extents back to back.
+        """One transfer per extent; ``buffer`` holds the tensor's bytes, the extents' back to back.
 
-        A host buffer is padded to each extent's aligned size; a CUDA buffer
-        (GPUDirect Storage) holds only the tensor's bytes.
+        Each extent's transfer is padded to its aligned size (zeros written,
+        padding read dropped); a CUDA buffer moves by GPUDirect Storage.
         """
         parts, start = [], 0
         for e in extents:
+            piece = buffer[start : start + e.data_bytes]
             if buffer.is_cuda:
                 if e.swap.gds is None:
                     e.swap.gds = GDSFile(e.swap.file.path)
-                ticket = e.swap.gds.submit(buffer[start : start + e.data_bytes], e.offset, write=write)
+                ticket = e.swap.gds.submit(piece, e.offset, write=write)
                 parts.append(_Part(ticket, e.swap.file.path, e.offset))
             else:
-                parts.append(self._engine.submit(e.swap.file, buffer[start : start + e.nbytes], e.offset, write=write))
-            start += e.nbytes
+                parts.append(self._engine.submit(e.swap.file, piece, e.offset, write=write, nbytes=e.nbytes))
+            start += e.data_bytes
         return parts
 
     def _remove_files(self) -> None:
