@@ -9,7 +9,15 @@ Subpackages:
 - :mod:`nvoffload.io` -- async O_DIRECT I/O engine, aligned buffers, tensor store.
 - :mod:`nvoffload.optim` -- fused CPU Adam/AdamW and the NVMe-offloaded optimizer.
 - :mod:`nvoffload.activations` -- saved-tensor offload for activations.
+- :mod:`nvoffload.streaming` -- parameter streaming, block by block.
+- :mod:`nvoffload.memory` -- the budgets of the device and host tiers.
 - :mod:`nvoffload.device` -- the thin CUDA layer (everything else is device-neutral).
+
+:func:`initialize` with an :class:`OffloadConfig` puts all of them to work on a
+model and its optimizer.
 """
 
+from nvoffload.training import OffloadConfig, OffloadSession, initialize
+
+__all__ = ["OffloadConfig", "OffloadSession", "initialize"]
 __version__ = "0.1.0"

@@ -72,6 +72,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(d)
         self.fc = nn.Linear(d, config.mlp_ratio * d)
         self.fc_out = nn.Linear(config.mlp_ratio * d, d)
+        for residual_out in (self.proj, self.fc_out):
+            residual_out.residual_out = True  # initialized with a depth-scaled std
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -92,17 +94,17 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model)
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith(("proj.weight", "fc_out.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
+        self.apply(self.init_weights)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def init_weights(self, module: nn.Module) -> None:
+        """Initialize ``module``'s own parameters as the constructor does (also for a model built on the meta device)."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) if getattr(module, "residual_out", False) else 0.02
+            nn.init.normal_(module.weight, std=std)
         if isinstance(module, nn.Linear):
             nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits of shape ``(batch, seq, vocab)``; with ``targets``, the mean cross-entropy loss."""

@@ -8,7 +8,7 @@
 
 from nvoffload.optim.cpu_adam import CPUAdam, CPUAdamW
 from nvoffload.optim.kernels import adam_step
-from nvoffload.optim.offload import MemoryStats, NVMeAdamW, OffloadConfig, OffloadIOError, OffloadOptimizer
+from nvoffload.optim.offload import MemoryStats, NVMeAdamW, OffloadOptimizerConfig, OffloadIOError, OffloadOptimizer
 
 __all__ = [
     "CPUAdam",
@@ -16,7 +16,7 @@ __all__ = [
     "adam_step",
     "MemoryStats",
     "NVMeAdamW",
-    "OffloadConfig",
+    "OffloadOptimizerConfig",
     "OffloadIOError",
     "OffloadOptimizer",
 ]

@@ -57,6 +57,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -67,13 +68,14 @@ import weakref
 from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from nvoffload import device
 from nvoffload.optim.kernels import adam_step
 
-__all__ = ["OffloadConfig", "OffloadOptimizer", "NVMeAdamW", "OffloadIOError", "MemoryStats"]
+__all__ = ["OffloadOptimizerConfig", "OffloadOptimizer", "NVMeAdamW", "OffloadIOError", "MemoryStats", "WeightHome"]
 
 _MIB = 1 << 20
 _ALIGN_NUMEL = 1024  # chunk boundaries on 4 KiB of fp32, for O_DIRECT
@@ -83,6 +85,23 @@ _ELEMENTWISE = ("SGD", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam"
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _MAX_GENERIC_ROWS = 5  # master + up to four param-shaped state tensors
 _INSTANCES = itertools.count()
+_RELEASED = object()  # in _Record.spec: the hook queued the update and freed the gradient
+
+
+class WeightHome(Protocol):
+    """Where some parameters' weights live while they are off the device (see :mod:`nvoffload.streaming`).
+
+    The optimizer reads and writes those weights through ``acquire`` (a flat,
+    writable host tensor of the parameter's dtype, valid until ``release``);
+    ``release(modified=True)`` tells the home that the weights changed. Called
+    from the optimizer's worker thread as well as the training thread.
+    """
+
+    def holds(self, param: torch.Tensor) -> bool: ...
+
+    def acquire(self, param: torch.Tensor) -> torch.Tensor: ...
+
+    def release(self, param: torch.Tensor, *, modified: bool) -> None: ...
 
 
 class OffloadIOError(RuntimeError):
@@ -90,7 +109,7 @@ class OffloadIOError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class OffloadConfig:
+class OffloadOptimizerConfig:
     """How :class:`OffloadOptimizer` stages its state.
 
     Attributes:
@@ -105,6 +124,11 @@ class OffloadConfig:
         overlap: update each parameter as soon as its gradient is final
             (speculatively, see the module docs); False runs everything in ``step()``.
         checksum: ask the store to checksum every chunk.
+        release_grads: free each gradient as soon as its hook has queued the
+            update (``param.grad`` is None after backward), so that gradients
+            never accumulate in device memory; used by parameter streaming.
+            Needs ``overlap``, one backward per ``step()`` and no
+            ``max_grad_norm`` or fp16 loss scaling (they need every gradient).
     """
 
     cpu_memory_bytes: int = 256 * _MIB
@@ -113,6 +137,7 @@ class OffloadConfig:
     max_grad_norm: float | None = None
     overlap: bool = True
     checksum: bool = False
+    release_grads: bool = False
 
     def __post_init__(self):
         if not isinstance(self.cpu_memory_bytes, int) or self.cpu_memory_bytes <= 0:
@@ -123,6 +148,8 @@ class OffloadConfig:
             raise ValueError(f"prefetch_chunks must be an int >= 0, got {self.prefetch_chunks!r}")
         if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
             raise ValueError(f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm}")
+        if self.release_grads and (not self.overlap or self.max_grad_norm is not None):
+            raise ValueError("release_grads needs overlap=True and max_grad_norm=None: the update must run in the hooks")
 
     @property
     def num_slots(self) -> int:
@@ -175,7 +202,7 @@ class _Record:
         self.chunks: list[_Chunk] = []
         self.step = 0  # committed update count, torch's state["step"]
         self.fires = 0  # post-accumulate-grad hook calls since the last step()
-        self.learned_fires = 0  # hook calls before the previous step() (0 = not learned)
+        self.learned_fires = 0  # hook calls before the previous step() (0 = not learned; 1 with release_grads)
         self.spec: tuple | None = None  # (grad weakref, grad version, hyperparameters) of an early update
         self.hook = None
 
@@ -395,9 +422,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             other torch optimizers run their own ``step`` on CPU chunks.
         swap_dir: a directory (or a list of directories, striped) on NVMe, or an
             open :class:`~nvoffload.io.TensorStore` (not closed by :meth:`close`).
-        **config: fields of :class:`OffloadConfig` (``cpu_memory_bytes``,
+        **config: fields of :class:`OffloadOptimizerConfig` (``cpu_memory_bytes``,
             ``chunk_bytes``, ``prefetch_chunks``, ``max_grad_norm``, ``overlap``,
-            ``checksum``), or ``config=OffloadConfig(...)``.
+            ``checksum``), or ``config=OffloadOptimizerConfig(...)``.
 
     Raises:
         FileNotFoundError / PermissionError: the swap directory is missing or unwritable.
@@ -407,14 +434,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True  # GradScaler passes grad_scale/found_inf instead of unscaling grads
+    session = None  # the nvoffload.OffloadSession, when nvoffload.initialize() built this optimizer
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, swap_dir, config: OffloadConfig | None = None, **kwargs):
+    def __init__(self, optimizer: torch.optim.Optimizer, *, swap_dir, config: OffloadOptimizerConfig | None = None, **kwargs):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, OffloadOptimizer):
             raise TypeError("optimizer is already an OffloadOptimizer")
         if config is None:
-            config = OffloadConfig(**kwargs)
+            config = OffloadOptimizerConfig(**kwargs)
         elif kwargs:
             raise TypeError(f"pass either config= or its fields, not both ({sorted(kwargs)})")
         self.config = config
@@ -442,6 +470,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._io_written = 0
         self._io_lock = threading.Lock()
         self._prefix = f"opt{next(_INSTANCES)}."
+        self._weight_home: WeightHome | None = None
 
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups  # one list: schedulers see the same groups
@@ -559,6 +588,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         rec.chunks = [_Chunk(rec, i, s, min(step, n - s)) for i, s in enumerate(range(0, n, step))]
         if p.requires_grad:
             rec.hook = p.register_post_accumulate_grad_hook(self._hook_for(rec))
+            rec.learned_fires = 1 if self.config.release_grads else 0
         self._records.append(rec)
 
     def _hook_for(self, rec: _Record):
@@ -591,6 +621,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if grad is None:
             return
         hp = self._hparams(rec.group)
+        if self.config.release_grads:
+            rec.spec = (_RELEASED, None, hp)
+            self._submit(rec, grad, hp, 1.0)
+            rec.param.grad = None  # the queued update holds it until the worker is done
+            return
         rec.spec = (weakref.ref(rec.param.grad), rec.param.grad._version, hp)
         self._submit(rec, grad, hp, 1.0)
 
@@ -615,14 +650,30 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._pipeline.submit(_Request(chunk, flat[chunk.start : chunk.start + chunk.numel], hp, rec.step + 1, grad_scale))
 
     # ------------------------------------------------------------------ chunk I/O and update (worker thread)
-    def _param_flat(self, rec: _Record) -> torch.Tensor:
-        return rec.param.detach().view(-1)
+    def set_weight_home(self, home: WeightHome | None) -> None:
+        """Read and write the weights of the parameters ``home`` holds through it (parameter streaming)."""
+        self._pipeline.wait_idle()
+        self._weight_home = home
+
+    @contextlib.contextmanager
+    def _model_weights(self, rec: _Record, *, modify: bool):
+        """The parameter's weights as a flat tensor: on the device, or in its :class:`WeightHome`."""
+        home = self._weight_home
+        if home is None or not home.holds(rec.param):
+            yield rec.param.detach().view(-1)
+            return
+        flat = home.acquire(rec.param)
+        try:
+            yield flat
+        finally:
+            home.release(rec.param, modified=modify)
 
     def _init_chunk(self, chunk: _Chunk, slot: _Slot) -> None:
         """First update of a chunk: master = the model's weights, zero state; saved as generation 0."""
         rec = chunk.record
         rows = slot.rows(self._rows(rec), chunk.numel)
-        rows[0].copy_(self._param_flat(rec)[chunk.start : chunk.start + chunk.numel])
+        with self._model_weights(rec, modify=False) as weights:
+            rows[0].copy_(weights[chunk.start : chunk.start + chunk.numel])
         rows[1:].zero_()
         self._put(chunk.name(0), rows).result()
         chunk.gen = 0
@@ -645,9 +696,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return self._put(chunk.name(gen), slot.rows(self._rows(chunk.record), chunk.numel))
 
     def _update_chunk(self, req: _Request, slot: _Slot, fresh: bool) -> None:
-        chunk, rec, hp = req.chunk, req.chunk.record, req.hparams
+        chunk, rec = req.chunk, req.chunk.record
         rows = slot.rows(self._rows(rec), chunk.numel)
-        model = self._param_flat(rec)[chunk.start : chunk.start + chunk.numel]
+        with self._model_weights(rec, modify=True) as weights:
+            self._update_weights(req, rows, slot, weights[chunk.start : chunk.start + chunk.numel], fresh)
+
+    def _update_weights(self, req: _Request, rows: torch.Tensor, slot: _Slot, model: torch.Tensor, fresh: bool) -> None:
+        chunk, rec, hp = req.chunk, req.chunk.record, req.hparams
         grad = req.grad
         if grad.device.type != "cpu":
             grad = slot.grad[: chunk.numel].copy_(grad)  # synchronous device-to-host copy
@@ -741,7 +796,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             try:
                 self._read_chunk(chunk, chunk.gen, slot).result()
                 rows = slot.rows(self._rows(rec), chunk.numel)
-                self._param_flat(rec)[chunk.start : chunk.start + chunk.numel].copy_(rows[0])
+                with self._model_weights(rec, modify=True) as weights:
+                    weights[chunk.start : chunk.start + chunk.numel].copy_(rows[0])
             except BaseException as exc:  # noqa: BLE001
                 failures.append(f"{rec.name} elements [{chunk.start}, {chunk.start + chunk.numel}): {exc}")
         if slot is not None:
@@ -776,6 +832,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
         records = self._step_order()
         try:
+            if self.config.release_grads and (found_inf is not None or grad_scale is not None):
+                self._restore(c for r in records for c in r.chunks)
+                raise ValueError(
+                    "release_grads (parameter streaming) frees gradients during backward, so fp16 loss scaling"
+                    " (GradScaler) cannot check them for overflow: train in bf16 or fp32"
+                )
             if found_inf is not None and float(found_inf) > 0:
                 self._restore(c for r in records for c in r.chunks)
                 return loss
@@ -788,6 +850,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for rec in records:
                 grad = self._checked_grad(rec)
                 spec, rec.spec = rec.spec, None
+                if spec is not None and spec[0] is _RELEASED:
+                    if spec[2] != self._hparams(rec.group):
+                        self._restore(c for r in records for c in r.chunks)
+                        raise RuntimeError(
+                            f"the hyperparameters of {rec.name} changed between backward and step(); with"
+                            " release_grads the update already ran in backward: change them before backward"
+                        )
+                    continue
                 if grad is None:
                     self._restore(rec.chunks)
                     continue
@@ -812,7 +882,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         finally:
             for rec in self._records:
                 rec.spec = None
-                rec.learned_fires, rec.fires = rec.fires, 0
+                rec.learned_fires = 1 if self.config.release_grads else rec.fires
+                rec.fires = 0
             pipe.errors = []
         if not self._order_learned:
             self._order_learned = True
@@ -929,7 +1000,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         nrows = self._rows(rec)
         shape = rec.param.shape
-        master = st.get("master_param", rec.param.detach())
+        master = st.get("master_param")
         if self._is_adam:
             tensors = [st[k] for k in _ADAM_KEYS[: nrows - 1] if k in st]
             if len(tensors) != nrows - 1:
@@ -949,14 +1020,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
             scalars["__rows__"] = tuple(keys)
             step = st.get("step", 0)
             rec.step = int(float(step)) if isinstance(step, (int, float, torch.Tensor)) else 0
-        for t in [master, *tensors]:
+        for t in [t for t in (master, *tensors) if t is not None]:
             if tuple(t.shape) != tuple(shape):
                 raise ValueError(f"state tensor of shape {tuple(t.shape)} does not fit {rec.name}")
         for c in rec.chunks:
             rows = slot.rows(nrows, c.numel)
             rows.zero_()
-            for i, t in enumerate([master, *tensors]):
+            for i, t in enumerate(tensors, start=1):
                 rows[i].copy_(t.detach().reshape(-1)[c.start : c.start + c.numel])
+            if master is not None:
+                rows[0].copy_(master.detach().reshape(-1)[c.start : c.start + c.numel])
+            else:  # the model's current weights are the master
+                with self._model_weights(rec, modify=False) as weights:
+                    rows[0].copy_(weights[c.start : c.start + c.numel])
             self._put(c.name(0), rows).result()
             c.gen = 0
             c.scalars = dict(scalars)
@@ -1022,7 +1098,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 class NVMeAdamW(OffloadOptimizer):
     """``torch.optim.AdamW`` with its state on NVMe: ``OffloadOptimizer(torch.optim.AdamW(...), swap_dir=...)``.
 
-    Takes AdamW's arguments and :class:`OffloadConfig`'s fields as keywords.
+    Takes AdamW's arguments and :class:`OffloadOptimizerConfig`'s fields as keywords.
     """
 
     def __init__(

@@ -1,0 +1,129 @@
+"""The memory manager: byte budgets per tier, and the accounting every engine draws from.
+
+Two tiers have budgets (the third, NVMe, is the swap directories' free space,
+checked by the :class:`~nvoffload.io.TensorStore`):
+
+- ``device``: the compute device's memory used by streamed parameters, the
+  parameters that stay resident and gradients until the optimizer takes them;
+- ``host``: pinned host memory for cached parameter blocks and the optimizer's
+  staging buffers.
+
+Engines :meth:`~MemoryManager.allocate` before they hold memory and
+:meth:`~MemoryManager.free` after; an allocation past the budget raises
+:class:`MemoryBudgetError` instead of silently using more. The peak of each
+tier is kept for the step report (:meth:`~MemoryManager.stats`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+__all__ = ["MemoryManager", "MemoryBudgetError", "TierStats", "TIERS"]
+
+TIERS = ("device", "host")
+
+
+class MemoryBudgetError(MemoryError):
+    """An engine asked a tier for more bytes than its budget has left."""
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier's accounting, in bytes."""
+
+    used_bytes: int
+    peak_bytes: int
+    limit_bytes: int
+
+
+class MemoryManager:
+    """Budgets for the device and host tiers, with thread-safe accounting.
+
+    Args:
+        device_memory_bytes: the most device memory the engines may hold at once.
+        cpu_memory_bytes: the most host memory the engines may hold at once.
+
+    >>> mm = MemoryManager(device_memory_bytes=1 << 20, cpu_memory_bytes=4 << 20)
+    >>> mm.allocate("host", 3 << 20, "a cached block")
+    >>> mm.free("host", 3 << 20)
+    >>> mm.stats()["host"].peak_bytes
+    3145728
+    """
+
+    def __init__(self, *, device_memory_bytes: int, cpu_memory_bytes: int):
+        for name, value in (("device_memory_bytes", device_memory_bytes), ("cpu_memory_bytes", cpu_memory_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int number of bytes, got {value!r}")
+        self._limit = {"device": device_memory_bytes, "host": cpu_memory_bytes}
+        self._used = dict.fromkeys(TIERS, 0)
+        self._tracked = dict.fromkeys(TIERS, 0)  # of which: counted with track(), freed by other threads
+        self._peak = dict.fromkeys(TIERS, 0)
+        self._lock = threading.Condition()
+
+    def limit_bytes(self, tier: str) -> int:
+        return self._limit[self._check(tier)]
+
+    def available_bytes(self, tier: str) -> int:
+        """Bytes the tier's budget has left now."""
+        with self._lock:
+            return self._limit[self._check(tier)] - self._used[tier]
+
+    def allocate(self, tier: str, nbytes: int, what: str, *, wait_s: float = 0.0, headroom_bytes: int = 0) -> None:
+        """Account ``nbytes`` more in ``tier``, leaving room for ``headroom_bytes`` that will follow.
+
+        Past the budget, while memory counted with :meth:`track` is in use
+        (gradients the optimizer has not taken yet), waits up to ``wait_s``
+        seconds for it to be freed (back-pressure: backward waits for the
+        optimizer), then raises :class:`MemoryBudgetError`.
+        """
+        self._check(tier)
+        needed = nbytes + headroom_bytes
+        with self._lock:
+            self._lock.wait_for(
+                lambda: self._used[tier] + needed <= self._limit[tier] or not self._tracked[tier], timeout=wait_s
+            )
+            if self._used[tier] + needed > self._limit[tier]:
+                raise MemoryBudgetError(
+                    f"{what} needs {needed} bytes of {tier} memory, but {self._used[tier]} of the "
+                    f"{self._limit[tier]}-byte {tier} budget are in use"
+                )
+            self._add(tier, nbytes)
+
+    def track(self, tier: str, nbytes: int) -> None:
+        """Account ``nbytes`` that an engine cannot refuse (gradients autograd made); counted, never refused."""
+        with self._lock:
+            self._add(self._check(tier), nbytes)
+            self._tracked[tier] += nbytes
+
+    def untrack(self, tier: str, nbytes: int) -> None:
+        """Free memory counted with :meth:`track`."""
+        with self._lock:
+            self._tracked[self._check(tier)] -= nbytes
+            self._used[tier] -= nbytes
+            self._lock.notify_all()
+
+    def free(self, tier: str, nbytes: int) -> None:
+        with self._lock:
+            self._used[self._check(tier)] -= nbytes
+            self._lock.notify_all()
+
+    def stats(self) -> dict[str, TierStats]:
+        """Used, peak and limit of each tier."""
+        with self._lock:
+            return {t: TierStats(self._used[t], self._peak[t], self._limit[t]) for t in TIERS}
+
+    def reset_peaks(self) -> None:
+        """Restart each tier's peak from its current use (at the start of a step)."""
+        with self._lock:
+            self._peak = dict(self._used)
+
+    def _add(self, tier: str, nbytes: int) -> None:
+        self._used[tier] += nbytes
+        self._peak[tier] = max(self._peak[tier], self._used[tier])
+
+    @staticmethod
+    def _check(tier: str) -> str:
+        if tier not in TIERS:
+            raise ValueError(f"unknown memory tier {tier!r}; use one of {list(TIERS)}")
+        return tier

@@ -1,0 +1,193 @@
+"""One entry point for training scripts: all three tiers at once, within the user's budgets.
+
+>>> model, optimizer = nvoffload.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+...     nvoffload.OffloadConfig(swap_dirs=["/mnt/nvme0/swap"], cpu_memory_bytes=4 << 30,
+...                             device_memory_bytes=2 << 30))   # doctest: +SKIP
+
+after which the ordinary loop (``loss.backward(); optimizer.step();
+optimizer.zero_grad()``) streams the blocks' parameters from NVMe, updates the
+optimizer state on NVMe during backward and, with ``offload_activations=True``,
+sends the saved activations to NVMe too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from nvoffload.activations import offload_activations as _offload_activations
+from nvoffload.io import TensorStore
+from nvoffload.memory import MemoryManager, TierStats
+from nvoffload.optim import OffloadOptimizer, OffloadOptimizerConfig
+from nvoffload.streaming import ParameterStreamer
+
+__all__ = ["OffloadConfig", "OffloadSession", "initialize"]
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Budgets and placement for :func:`initialize`.
+
+    Attributes:
+        swap_dirs: directories on NVMe (one swap file each, striped).
+        cpu_memory_bytes: host memory for the optimizer's staging buffers and the
+            cache of parameter blocks, together.
+        device_memory_bytes: device memory for streamed blocks, the parameters
+            outside the blocks and gradients in flight (activations are the
+            model's own and not counted).
+        optimizer_memory_fraction: share of ``cpu_memory_bytes`` given to the
+            optimizer's staging buffers; the rest caches parameter blocks.
+        prefetch_blocks: parameter blocks read ahead of the one computing.
+        offload_activations: also send saved activations to the swap directories.
+        checksum: checksum every tensor in the store.
+    """
+
+    swap_dirs: Sequence[str | os.PathLike] = field(default_factory=list)
+    cpu_memory_bytes: int = 4 << 30
+    device_memory_bytes: int = 8 << 30
+    optimizer_memory_fraction: float = 0.5
+    prefetch_blocks: int = 1
+    offload_activations: bool = False
+    checksum: bool = False
+
+    def __post_init__(self):
+        dirs = [self.swap_dirs] if isinstance(self.swap_dirs, (str, os.PathLike)) else list(self.swap_dirs)
+        if not dirs:
+            raise ValueError("swap_dirs needs at least one directory on NVMe")
+        object.__setattr__(self, "swap_dirs", tuple(os.fspath(d) for d in dirs))
+        for name in ("cpu_memory_bytes", "device_memory_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int number of bytes, got {value!r}")
+        if not 0 < self.optimizer_memory_fraction < 1:
+            raise ValueError(f"optimizer_memory_fraction must be in (0, 1), got {self.optimizer_memory_fraction}")
+        if not isinstance(self.prefetch_blocks, int) or self.prefetch_blocks < 0:
+            raise ValueError(f"prefetch_blocks must be an int >= 0, got {self.prefetch_blocks!r}")
+
+
+class OffloadSession:
+    """What :func:`initialize` set up: the store, the budgets, the streamer, the optimizer.
+
+    Reachable as ``optimizer.session``. :meth:`close` (or the optimizer's
+    ``close()``) removes the hooks and the swap files.
+    """
+
+    def __init__(self, config, store, memory, streamer, optimizer, activations):
+        self.config = config
+        self.store = store
+        self.memory = memory
+        self.streamer = streamer
+        self.optimizer = optimizer
+        self._activations = activations
+        self._activation_handles = []
+
+    def memory_stats(self) -> dict[str, TierStats]:
+        """Used, peak and limit bytes of the device and host tiers, plus the bytes on NVMe (as ``nvme``)."""
+        stats = self.memory.stats()
+        used = self.store.used_bytes
+        stats["nvme"] = TierStats(used, used, self.store.capacity_bytes)
+        return stats
+
+    def io_bytes(self) -> tuple[int, int]:
+        """Bytes read and written by the streamer and the optimizer since the last :meth:`reset_stats`."""
+        opt = self.optimizer.memory_stats()
+        return self.streamer.bytes_read + opt.read_bytes, self.streamer.bytes_written + opt.written_bytes
+
+    def reset_stats(self) -> None:
+        """Restart the peaks and I/O counters (call at the start of a step)."""
+        self.memory.reset_peaks()
+        self.optimizer.reset_io_stats()
+        self.streamer.bytes_read = self.streamer.bytes_written = 0
+        self.streamer.io_wait_s = self.streamer.grad_wait_s = 0.0
+
+    def close(self) -> None:
+        for handle in self._activation_handles:
+            handle.remove()
+        self._activation_handles = []
+        if self._activations is not None:
+            self._activations.close()
+        self.streamer.close()
+        self.optimizer.close()
+        self.store.close()
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: OffloadConfig,
+    *,
+    blocks: Sequence[nn.Module] | None = None,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    checkpoint=None,
+) -> tuple[nn.Module, OffloadOptimizer]:
+    """Stream ``model``'s parameters and ``optimizer``'s state through the three tiers.
+
+    Args:
+        model: the model, on the device or on the meta device (then filled from
+            ``checkpoint``, or by ``param_init_fn`` / ``reset_parameters()``, one
+            block at a time, straight into the store).
+        optimizer: a torch optimizer over ``model.parameters()`` (Adam/AdamW run
+            on the fused kernel), with no state yet.
+        config: the budgets; see :class:`OffloadConfig`.
+        blocks: the modules to stream (default: the model's largest ``ModuleList``).
+        param_init_fn, checkpoint: see :class:`~nvoffload.streaming.ParameterStreamer`.
+
+    Returns:
+        ``(model, optimizer)``: the same model with hooks installed, and an
+        :class:`~nvoffload.optim.OffloadOptimizer` whose ``session`` is an
+        :class:`OffloadSession`. Gradients are consumed during backward (the
+        update of each parameter runs as soon as its gradient is final and the
+        gradient is freed), so ``param.grad`` is None after ``backward()``:
+        gradient clipping by the user, fp16 loss scaling and gradient
+        accumulation are not available in this mode (bf16 or fp32 only).
+
+    Raises:
+        MemoryBudgetError: budgets smaller than the model needs (the smallest
+            that works is named).
+    """
+    if not isinstance(config, OffloadConfig):
+        raise TypeError(f"config must be an nvoffload.OffloadConfig, got {type(config).__name__}")
+    if optimizer.state:
+        raise ValueError("initialize() needs an optimizer without state; load its state afterwards")
+    memory = MemoryManager(device_memory_bytes=config.device_memory_bytes, cpu_memory_bytes=config.cpu_memory_bytes)
+    optimizer_bytes = int(config.cpu_memory_bytes * config.optimizer_memory_fraction)
+    memory.allocate("host", optimizer_bytes, "the optimizer's staging buffers")
+    store = TensorStore(list(config.swap_dirs), checksum=config.checksum)
+    streamer = None
+    try:
+        streamer = ParameterStreamer(
+            model, store, memory, blocks=blocks, prefetch_blocks=config.prefetch_blocks,
+            param_init_fn=param_init_fn, checkpoint=checkpoint,
+        )  # fmt: skip
+        for group in optimizer.param_groups:  # parameters built on the meta device were replaced
+            group["params"] = [streamer.replaced.get(p, p) for p in group["params"]]
+        offloaded = OffloadOptimizer(
+            optimizer, swap_dir=store,
+            config=OffloadOptimizerConfig(cpu_memory_bytes=optimizer_bytes, release_grads=True, checksum=config.checksum),
+        )  # fmt: skip
+    except BaseException:
+        if streamer is not None:
+            streamer.close()
+        store.close()
+        raise
+    offloaded.set_weight_home(streamer)
+    activations = _offload_activations(store) if config.offload_activations else None
+    session = OffloadSession(config, store, memory, streamer, offloaded, activations)
+    if activations is not None:
+
+        def enter(module, args) -> None:
+            activations.__enter__()
+
+        def leave(module, args, output) -> None:
+            activations.__exit__(None, None, None)
+
+        session._activation_handles = [
+            model.register_forward_pre_hook(enter),
+            model.register_forward_hook(leave, always_call=True),
+        ]
+    offloaded.session = session
+    return model, offloaded

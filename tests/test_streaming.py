@@ -1,0 +1,186 @@
+"""Parameter streaming through all three tiers, checked against the same model trained without offload."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import nvoffload
+from nvoffload.memory import MemoryBudgetError, MemoryManager
+from nvoffload.models import GPT, GPTConfig
+
+MiB = 1 << 20
+
+
+def make_pair(preset="tiny"):
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset(preset)
+    ref = GPT(cfg)
+    return cfg, ref, copy.deepcopy(ref)
+
+
+def batch(cfg, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=g)
+    return x, x.roll(-1, dims=1)
+
+
+def config(tmp_path, model=None, **kw):
+    """Budgets just above the smallest that stream ``model``: far below its parameters and gradients."""
+    if model is not None:
+        block = max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks)
+        resident = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("blocks."))
+        kw = {"device_memory_bytes": 2 * resident + 3 * block + MiB, "cpu_memory_bytes": 2 * (3 * block + MiB), **kw}
+    return nvoffload.OffloadConfig(swap_dirs=[tmp_path], **kw)
+
+
+@pytest.mark.parametrize("offload_activations", [False, True])
+def test_twenty_steps_match_training_without_offload(tmp_path, offload_activations):
+    cfg, ref, model = make_pair("small")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    model, opt = nvoffload.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1),
+        config(tmp_path, model, offload_activations=offload_activations),
+    )  # fmt: skip
+    session = opt.session
+    block_bytes = max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks)
+    assert session.memory.limit_bytes("device") < sum(p.numel() * 4 for p in model.parameters()) * 2
+    try:
+        for step in range(20):
+            x, y = batch(cfg, step)
+            ref_loss = ref(x, y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            session.reset_stats()
+            loss = model(x, y)
+            loss.backward()
+            assert all(p.grad is None for p in model.parameters())  # consumed during backward
+            opt.step()
+            opt.zero_grad()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            stats = session.memory_stats()
+            assert stats["device"].peak_bytes <= stats["device"].limit_bytes
+            assert stats["host"].peak_bytes <= stats["host"].limit_bytes
+            # streamed blocks leave the device after each pass: only resident parameters stay
+            assert stats["device"].used_bytes < block_bytes + sum(p.numel() * 4 for p in model.tok_emb.parameters())
+            assert all(p.untyped_storage().nbytes() == 0 for p in model.blocks.parameters())
+        got = model.state_dict()
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        assert session.store.used_bytes > 0
+    finally:
+        session.close()
+
+
+def test_eval_and_no_grad_inference_and_load_state_dict(tmp_path):
+    cfg, ref, model = make_pair()
+    model, opt = nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model))
+    try:
+        x, _ = batch(cfg, 0)
+        model.eval()
+        ref.eval()
+        with torch.no_grad():
+            assert torch.equal(model(x), ref(x))
+        new = {k: v + 0.5 for k, v in ref.state_dict().items()}
+        model.load_state_dict(new)
+        ref.load_state_dict(new)
+        with torch.no_grad():
+            assert torch.equal(model(x), ref(x))
+        assert torch.equal(model.state_dict()["blocks.0.fc.weight"], new["blocks.0.fc.weight"])
+    finally:
+        opt.session.close()
+
+
+def test_meta_model_is_built_block_by_block(tmp_path):
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset("small")
+    with torch.device("meta"):
+        model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = nvoffload.initialize(model, opt, config(tmp_path, model), param_init_fn=model.init_weights)
+    try:
+        assert not any(p.is_meta for p in model.parameters())
+        assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
+        w = model.state_dict()["blocks.1.fc.weight"]
+        assert 0.015 < float(w.std()) < 0.025  # the model's own init, not garbage
+        x, y = batch(cfg, 0)
+        losses = []
+        for _ in range(5):
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        assert losses[-1] < losses[0] - 0.5
+    finally:
+        opt.session.close()
+
+
+def test_budget_smaller_than_a_block_names_the_smallest_that_works(tmp_path):
+    _, _, model = make_pair()
+    with pytest.raises(MemoryBudgetError, match=r"device_memory_bytes must be at least \d+"):
+        nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model, device_memory_bytes=4096))
+    with pytest.raises(MemoryBudgetError, match=r"streaming needs at least \d+"):
+        nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model, cpu_memory_bytes=65536))
+    assert not list(tmp_path.iterdir())  # nothing left behind
+
+
+def test_unsupported_modes_are_refused(tmp_path):
+    cfg, _, model = make_pair()
+    model, opt = nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model))
+    try:
+        x, y = batch(cfg, 0)
+        model(x, y).backward()
+        opt.step()
+        model(x, y).backward()
+        with pytest.raises(RuntimeError, match="backward ran again"):
+            model(x, y).backward()  # gradient accumulation: the update already ran
+    finally:
+        opt.session.close()
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="swap_dirs"):
+        nvoffload.OffloadConfig(swap_dirs=[])
+    with pytest.raises(ValueError, match="cpu_memory_bytes"):
+        nvoffload.OffloadConfig(swap_dirs=["/tmp"], cpu_memory_bytes=0)
+    with pytest.raises(ValueError, match="optimizer_memory_fraction"):
+        nvoffload.OffloadConfig(swap_dirs=["/tmp"], optimizer_memory_fraction=1.5)
+    with pytest.raises(ValueError, match="unknown memory tier"):
+        MemoryManager(device_memory_bytes=1, cpu_memory_bytes=1).allocate("gpu", 1, "x")
+
+
+def test_memory_manager_refuses_past_the_budget():
+    mm = MemoryManager(device_memory_bytes=100, cpu_memory_bytes=100)
+    mm.allocate("device", 60, "a")
+    with pytest.raises(MemoryBudgetError, match="b needs 50 bytes of device memory"):
+        mm.allocate("device", 50, "b")
+    mm.track("device", 50)  # gradients are counted, never refused
+    assert mm.stats()["device"].peak_bytes == 110
+    mm.free("device", 110)
+    mm.reset_peaks()
+    assert mm.stats()["device"].peak_bytes == 0
+
+
+def test_scale_benchmark_smoke(tmp_path):
+    """The scale benchmark, on the small preset with budgets smaller than its state: loss falls, budgets hold."""
+    bench = Path(__file__).resolve().parent.parent / "bench" / "bench_streaming.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--results-dir", str(tmp_path), "--swap-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "bench_streaming.json").read_text())
+    rows = report["rows"]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    settings = report["settings"]
+    assert all(r["device_peak_gib"] * (1 << 30) <= settings["device_memory_bytes"] for r in rows)
+    assert all(r["host_peak_gib"] * (1 << 30) <= settings["cpu_memory_bytes"] for r in rows)
+    assert settings["state_vs_host_budget"] > 1
