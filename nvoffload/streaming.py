@@ -216,7 +216,7 @@ class ParameterStreamer:
             if p.is_meta:
                 p = self._replace_meta(p, owners)
                 self._resident[i] = (name, p)
-                self._fill(name, p, [m for m, _ in owners[self._original(p)]])
+                self._fill(name, p, [m for m, _ in owners[p]])
             elif p.device != self.device:
                 raise ValueError(f"parameter {name} is on {p.device}, the streamer's device is {self.device}")
         for block in self._blocks:
@@ -243,9 +243,6 @@ class ParameterStreamer:
         owners[new] = owners[old]
         self.replaced[old] = new
         return new
-
-    def _original(self, new: nn.Parameter) -> nn.Parameter:
-        return next(old for old, p in self.replaced.items() if p is new)
 
     def _fill(self, name: str, p: nn.Parameter, modules: list[nn.Module]) -> None:
         if self._checkpoint is not None:
