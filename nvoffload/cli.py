@@ -53,7 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="parameter dtype on the device")
     ft.add_argument("--device", default=d.device, help="cpu or cuda (default %(default)s)")
     ft.add_argument("--swap-dir", default=None, help=f"directory on NVMe for the optimizer state (default: a fresh one under {default_swap_root()}, removed at the end)")
-    ft.add_argument("--cpu-memory", dest="cpu_memory_bytes", type=_size, default=d.cpu_memory_bytes, help="host staging memory, e.g. 256M")
+    ft.add_argument("--cpu-memory", dest="cpu_memory_bytes", type=_size, default=d.cpu_memory_bytes, help="host memory for the optimizer's staging (and with --stream the parameter cache), e.g. 256M")
+    ft.add_argument("--stream", action="store_true", help="stream the parameters from NVMe too, block by block, within --cpu-memory and --device-memory (no --grad-accum, --max-grad-norm or float16)")
+    ft.add_argument("--device-memory", dest="device_memory_bytes", type=_size, default=d.device_memory_bytes, help="with --stream: device memory for parameters and gradients, e.g. 2G (default 1G)")
+    ft.add_argument("--offload-activations", action="store_true", help="send the activations saved for backward to NVMe")
+    ft.add_argument("--init-from", default=None, help="safetensors checkpoint (file, shard directory or index .json) of the preset's model to start from")
+    ft.add_argument("--save-to", default=None, help="write the fine-tuned weights to this safetensors file")
     ft.add_argument("--seed", type=int, default=d.seed)
     ft.add_argument("--no-progress", action="store_true", help="print one line per step instead of a progress bar")
     return parser
@@ -64,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "finetune":
         from nvoffload.finetune import FinetuneConfig, _postfix, finetune
+        from nvoffload.memory import MemoryBudgetError
 
         fields = {k: v for k, v in vars(args).items() if k not in ("command", "no_progress")}
         try:
@@ -73,13 +79,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         import torch
 
-        result = finetune(config, progress=not args.no_progress)
+        try:
+            result = finetune(config, progress=not args.no_progress)
+        except (ValueError, KeyError, MemoryBudgetError) as exc:  # budgets too small, a checkpoint that does not fit the preset, ...
+            print(f"nvoffload finetune: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+            return 2
         if args.no_progress:
             for s in result.steps:
                 print(f"step {s.step}: {_postfix(s, torch.device(config.device))}")
-        first, last = result.losses[0], sum(result.losses[-10:]) / len(result.losses[-10:])
+        tail = result.losses[-10:]
         print(
             f"{result.num_parameters / 1e6:.2f}M parameters, {len(result.steps)} steps:"
-            f" loss {first:.3f} -> {last:.3f} (mean of the last 10)"
+            f" loss {result.losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)})"
         )
     return 0

@@ -38,10 +38,11 @@ import torch
 from torch import nn
 
 from nvoffload import device as _device
+from nvoffload.checkpoint import SafetensorsWriter
 from nvoffload.io import TensorStore, aligned_empty
 from nvoffload.memory import MemoryBudgetError, MemoryManager
 
-__all__ = ["ParameterStreamer", "find_blocks"]
+__all__ = ["ParameterStreamer", "find_blocks", "state_tensors"]
 
 _GRAD_WAIT_LIMIT_S = 600.0  # longest wait for the optimizer to free device memory held by gradients
 
@@ -54,6 +55,21 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
             f"{type(model).__name__} has no nn.ModuleList of layers to stream; pass blocks= explicitly"
         )
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """What ``module.state_dict()`` holds, without reading it: parameters (every name of a
+    tied one) and persistent buffers, by state-dict key."""
+    tensors = {}
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        for key, p in m._parameters.items():
+            if p is not None:
+                tensors[dot + key] = p
+        for key, b in m._buffers.items():
+            if b is not None and key not in m._non_persistent_buffers_set:
+                tensors[dot + key] = b
+    return tensors
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -114,8 +130,12 @@ class ParameterStreamer:
         prefetch_blocks: blocks read ahead into host memory.
         param_init_fn: called on each module of a meta model to initialize its
             parameters once they have memory (default: ``reset_parameters()``).
-        checkpoint: a reader with ``keys()`` and ``read(name, out=)`` (see
-            :mod:`nvoffload.checkpoint`) to fill a meta model's parameters from.
+        checkpoint: a reader with ``keys()``, ``info(name)`` and ``read(name, out=)``
+            (:func:`nvoffload.checkpoint.open_checkpoint`) to fill a model built on
+            the meta device from, one tensor at a time. Its tensors must match the
+            model's parameters and persistent buffers by name (one name of a tied
+            parameter is enough) and shape; other dtypes are converted. A missing
+            or unexpected tensor raises ``KeyError`` before anything is read.
     """
 
     def __init__(
@@ -160,6 +180,7 @@ class ParameterStreamer:
             self._blocks.append(_Block(i, len(self._blocks), module, params))
         self._resident = [(n, p) for n, p in model.named_parameters() if p not in seen]
         self._check_budgets()
+        self._sources = self._plan_checkpoint() if checkpoint is not None else {}
         self._materialize()
         self._install_hooks()
 
@@ -216,7 +237,7 @@ class ParameterStreamer:
             if p.is_meta:
                 p = self._replace_meta(p, owners)
                 self._resident[i] = (name, p)
-                self._fill(name, p, [m for m, _ in owners[p]])
+                self._fill(p, [m for m, _ in owners[p]])
             elif p.device != self.device:
                 raise ValueError(f"parameter {name} is on {p.device}, the streamer's device is {self.device}")
         for block in self._blocks:
@@ -235,6 +256,7 @@ class ParameterStreamer:
             self._free_host_buffer(block, host)
             block.trainable = [p for p in block.params if p.requires_grad]
             self._by_param.update({p: (block, j) for j, p in enumerate(block.params)})
+        self._materialize_buffers()
 
     def _replace_meta(self, old: nn.Parameter, owners) -> nn.Parameter:
         new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device=self.device), requires_grad=old.requires_grad)
@@ -242,19 +264,21 @@ class ParameterStreamer:
             module._parameters[key] = new
         owners[new] = owners[old]
         self.replaced[old] = new
+        if old in self._sources:
+            self._sources[new] = self._sources.pop(old)
         return new
 
-    def _fill(self, name: str, p: nn.Parameter, modules: list[nn.Module]) -> None:
+    def _fill(self, p: nn.Parameter, modules: list[nn.Module]) -> None:
         if self._checkpoint is not None:
-            self._read_checkpoint(name, p.data)
+            self._read_checkpoint(p, p.data)
         else:
             for m in modules:
                 self._call_init(m)
 
     def _init_block(self, block: _Block) -> None:
         if self._checkpoint is not None:
-            for name, p in zip(block.param_names, block.params):
-                self._read_checkpoint(name, p.data)
+            for p in block.params:
+                self._read_checkpoint(p, p.data)
             return
         for m in block.module.modules():
             self._call_init(m)
@@ -266,10 +290,65 @@ class ParameterStreamer:
             elif hasattr(module, "reset_parameters") and any(True for _ in module.parameters(recurse=False)):
                 module.reset_parameters()
 
-    def _read_checkpoint(self, name: str, out: torch.Tensor) -> None:
-        if name not in self._checkpoint:
-            raise KeyError(f"the checkpoint has no tensor {name!r} for the model's parameter of that name")
-        self._checkpoint.read(name, out=out)
+    def _plan_checkpoint(self) -> dict[torch.Tensor, str]:
+        """The checkpoint tensor to read for each parameter and buffer, checked before anything is read."""
+        ckpt = self._checkpoint
+        aliases: dict[torch.Tensor, list[str]] = {}
+        for name, t in state_tensors(self.model).items():
+            aliases.setdefault(t, []).append(name)
+        sources, missing = {}, []
+        for t, names in aliases.items():
+            if not t.is_meta:
+                if isinstance(t, nn.Parameter):
+                    raise ValueError(
+                        f"checkpoint= fills a model built on the meta device, but {names[0]} is on {t.device}: "
+                        "build the model under `with torch.device('meta'):` or call load_state_dict() instead"
+                    )
+                continue  # a buffer the model computed itself
+            found = next((n for n in names if n in ckpt), None)
+            if found is None:
+                missing.append(names[0])
+                continue
+            shape = tuple(ckpt.info(found).shape)
+            if shape != tuple(t.shape):
+                raise ValueError(f"checkpoint tensor {found!r} has shape {shape}, the model's has {tuple(t.shape)}")
+            sources[t] = found
+        known = {n for names in aliases.values() for n in names}
+        unexpected = [n for n in ckpt.keys() if n not in known]
+        if missing or unexpected:
+            raise KeyError(
+                "the checkpoint does not match the model: "
+                + "; ".join(
+                    f"{what} {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
+                    for what, names in (("missing", missing), ("unexpected", unexpected))
+                    if names
+                )
+            )
+        return sources
+
+    def _read_checkpoint(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        name = self._sources[tensor]
+        stored = self._checkpoint.info(name).dtype
+        if stored == out.dtype and out.device.type == "cpu":
+            self._checkpoint.read(name, out=out)
+        else:
+            with torch.no_grad():
+                out.copy_(self._checkpoint.read(name).view(out.shape))
+
+    def _materialize_buffers(self) -> None:
+        """Give buffers built on the meta device memory and their checkpoint values."""
+        for module in self.model.modules():
+            for key, b in module._buffers.items():
+                if b is None or not b.is_meta:
+                    continue
+                if b not in self._sources:
+                    raise ValueError(
+                        f"buffer {key!r} of {type(module).__name__} is on the meta device and "
+                        "no checkpoint holds it: build buffers on the device (they are not streamed)"
+                    )
+                new = torch.empty(b.shape, dtype=b.dtype, device=self.device)
+                self._read_checkpoint(b, new)
+                module._buffers[key] = new
 
     def _install_hooks(self) -> None:
         for block in self._blocks:
@@ -496,6 +575,20 @@ class ParameterStreamer:
                 return flat.clone().view(param.shape)
             finally:
                 self.release(param, modified=False)
+
+    def save_checkpoint(self, path, metadata: dict[str, str] | None = None) -> None:
+        """Write the model's state (as ``state_dict()`` names it) to a safetensors file, one tensor in memory at a time.
+
+        The file appears under ``path`` only once complete (see
+        :class:`~nvoffload.checkpoint.SafetensorsWriter`); call it after
+        ``optimizer.step()``, not while updates are in flight. A model built on
+        the meta device loads it back with ``checkpoint=open_checkpoint(path)``.
+        """
+        tensors = state_tensors(self.model)
+        shapes = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+        with SafetensorsWriter(path, shapes, metadata) as writer:
+            for name, t in tensors.items():
+                writer.write(name, self.gather(t) if self.holds(t) else t.detach())
 
     def flush(self) -> None:
         """Write every changed cached block back to the store."""

@@ -42,6 +42,9 @@ class OffloadConfig:
         optimizer_memory_fraction: share of ``cpu_memory_bytes`` given to the
             optimizer's staging buffers; the rest caches parameter blocks.
         prefetch_blocks: parameter blocks read ahead of the one computing.
+        device: the compute device for a model built on the meta device
+            (default: CUDA when available, else the CPU); a model with real
+            parameters computes where they are.
         offload_activations: also send saved activations to the swap directories.
         checksum: checksum every tensor in the store.
     """
@@ -51,6 +54,7 @@ class OffloadConfig:
     device_memory_bytes: int = 8 << 30
     optimizer_memory_fraction: float = 0.5
     prefetch_blocks: int = 1
+    device: str | None = None
     offload_activations: bool = False
     checksum: bool = False
 
@@ -104,6 +108,11 @@ class OffloadSession:
         self.streamer.bytes_read = self.streamer.bytes_written = 0
         self.streamer.io_wait_s = self.streamer.grad_wait_s = 0.0
 
+    def save_checkpoint(self, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+        """Write the model's weights to a safetensors file, one tensor at a time: see
+        :meth:`~nvoffload.streaming.ParameterStreamer.save_checkpoint`."""
+        self.streamer.save_checkpoint(path, metadata)
+
     def close(self) -> None:
         for handle in self._activation_handles:
             handle.remove()
@@ -129,7 +138,8 @@ def initialize(
     Args:
         model: the model, on the device or on the meta device (then filled from
             ``checkpoint``, or by ``param_init_fn`` / ``reset_parameters()``, one
-            block at a time, straight into the store).
+            block at a time, straight into the store: a model larger than RAM
+            never is in memory at once).
         optimizer: a torch optimizer over ``model.parameters()`` (Adam/AdamW run
             on the fused kernel), with no state yet.
         config: the budgets; see :class:`OffloadConfig`.
@@ -160,7 +170,7 @@ def initialize(
     streamer = None
     try:
         streamer = ParameterStreamer(
-            model, store, memory, blocks=blocks, prefetch_blocks=config.prefetch_blocks,
+            model, store, memory, device=config.device, blocks=blocks, prefetch_blocks=config.prefetch_blocks,
             param_init_fn=param_init_fn, checkpoint=checkpoint,
         )  # fmt: skip
         for group in optimizer.param_groups:  # parameters built on the meta device were replaced

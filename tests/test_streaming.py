@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import nvoffload
+from nvoffload.checkpoint import load_file, open_checkpoint, save_file
 from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.models import GPT, GPTConfig
 
@@ -184,3 +185,91 @@ def test_scale_benchmark_smoke(tmp_path):
     assert all(r["device_peak_gib"] * (1 << 30) <= settings["device_memory_bytes"] for r in rows)
     assert all(r["host_peak_gib"] * (1 << 30) <= settings["cpu_memory_bytes"] for r in rows)
     assert settings["state_vs_host_budget"] > 1
+
+
+def meta_gpt(cfg):
+    with torch.device("meta"):
+        return GPT(cfg)
+
+
+def test_meta_model_loaded_from_a_safetensors_checkpoint(tmp_path):
+    cfg, ref, _ = make_pair("small")
+    path = tmp_path / "model.safetensors"
+    save_file(ref.state_dict(), path)
+    model = meta_gpt(cfg)
+    with open_checkpoint(path) as ckpt:
+        model, opt = nvoffload.initialize(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-3), config(tmp_path, model), checkpoint=ckpt
+        )
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    try:
+        got = model.state_dict()
+        assert got.keys() == ref.state_dict().keys()
+        for name, value in ref.state_dict().items():
+            assert torch.equal(got[name], value), name
+        for step in range(3):  # and it trains like the original
+            x, y = batch(cfg, step)
+            ref_loss = ref(x, y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        # the trained weights written one tensor at a time, read back by an ordinary model
+        out = tmp_path / "trained.safetensors"
+        opt.session.save_checkpoint(out, metadata={"step": "3"})
+        saved = load_file(out)
+        assert saved.keys() == ref.state_dict().keys()
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(saved[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        with open_checkpoint(out) as ckpt:
+            assert ckpt.metadata == {"step": "3"}
+    finally:
+        opt.session.close()
+
+
+def test_checkpoint_of_another_dtype_is_converted(tmp_path):
+    cfg, ref, _ = make_pair()
+    path = tmp_path / "bf16.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()}, path)
+    model = meta_gpt(cfg)
+    with open_checkpoint(path) as ckpt:
+        model, opt = nvoffload.initialize(
+            model, torch.optim.AdamW(model.parameters()), config(tmp_path, model), checkpoint=ckpt
+        )
+    try:
+        for name, value in model.state_dict().items():
+            assert value.dtype == torch.float32
+            assert torch.equal(value, ref.state_dict()[name].to(torch.bfloat16).float()), name
+    finally:
+        opt.session.close()
+
+
+@pytest.mark.parametrize(
+    "edit, error, match",
+    [
+        (lambda sd: sd.pop("blocks.1.fc.weight"), KeyError, r"missing blocks\.1\.fc\.weight"),
+        (lambda sd: sd.update(extra=torch.zeros(2)), KeyError, r"unexpected extra"),
+        (lambda sd: sd.update({"ln_f.weight": torch.zeros(3)}), ValueError, r"'ln_f.weight' has shape \(3,\)"),
+    ],
+)
+def test_checkpoint_that_does_not_match_the_model(tmp_path, edit, error, match):
+    cfg, ref, _ = make_pair()
+    sd = dict(ref.state_dict())
+    edit(sd)
+    path = tmp_path / "bad.safetensors"
+    save_file(sd, path)
+    model = meta_gpt(cfg)
+    with open_checkpoint(path) as ckpt, pytest.raises(error, match=match):
+        nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model), checkpoint=ckpt)
+
+
+def test_checkpoint_needs_a_meta_model(tmp_path):
+    cfg, ref, model = make_pair()
+    path = tmp_path / "model.safetensors"
+    save_file(ref.state_dict(), path)
+    with open_checkpoint(path) as ckpt, pytest.raises(ValueError, match="built on the meta device"):
+        nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model), checkpoint=ckpt)

@@ -1069,7 +1069,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise RuntimeError("the OffloadOptimizer is closed")
 
     def close(self) -> None:
-        """Stop the worker, remove the hooks, delete the state from the store and close a store it opened."""
+        """Stop the worker, remove the hooks, delete the state from the store and close a store it opened
+        (and the :class:`~nvoffload.OffloadSession` that :func:`nvoffload.initialize` built)."""
         if self._closed:
             return
         self._closed = True
@@ -1084,6 +1085,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         self._store.delete(c.name(gen))
         if self._owns_store:
             self._store.close()
+        if self.session is not None:
+            self.session.close()
 
     def __enter__(self) -> OffloadOptimizer:
         return self
