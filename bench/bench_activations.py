@@ -11,7 +11,13 @@ Cases, each measured in a fresh subprocess so that the peak RSS is its own:
 Reported per case: median step time (forward + backward), the peak bytes that
 saved tensors held in memory, counted exactly with saved-tensor hooks (the
 offload's own counters; a counting wrapper for the others), and the process's
-peak RSS. Run ``python bench/bench_activations.py [--quick]``.
+peak RSS.
+
+Before the cases, a contention probe (``bench/contention.py``) measures how much
+compute and I/O slow each other down on this machine; the report gives its
+figures (JSON key ``contention``) and the floor they put under the ``nvme``
+step: the ``none`` step time as compute and the bytes the ``nvme`` case writes
+and reads per step as I/O. Run ``python bench/bench_activations.py [--quick]``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from contention import QUICK_PROBE, describe, measure_contention, overlap_floor  # noqa: E402
 from report import save_report  # noqa: E402
 
 from nvoffload.activations import SavedTensorCounter, offload_activations  # noqa: E402
@@ -103,15 +110,17 @@ def run_case(case: str, settings: dict, swap_dir: str) -> dict:
             times.append(time.perf_counter() - start)
     if case in ("nvme", "cpu"):
         stats = hooks.stats()
-        peak, written = stats.peak_resident_bytes, stats.bytes_written // (settings["steps"] + 1)
+        peak = stats.peak_resident_bytes
+        written, read = (n // (settings["steps"] + 1) for n in (stats.bytes_written, stats.bytes_read))
         hooks.close()
     else:
-        peak, written = hooks.peak_resident_bytes, hooks.peak_offloaded_bytes
+        peak, written, read = hooks.peak_resident_bytes, hooks.peak_offloaded_bytes, 0
     return {
         "case": case,
         "step_s": statistics.median(times),
         "saved_peak_mib": peak / MiB,
         "moved_mib_per_step": written / MiB,
+        "read_mib_per_step": read / MiB,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "loss": float(loss),
     }
@@ -145,6 +154,8 @@ def main(argv=None) -> Path | None:
         parser.error(f"unknown cases {unknown}; choose from {CASES}")
     rows = []
     with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap:
+        probe = measure_contention(swap, **(QUICK_PROBE if args.quick else {}))
+        print(describe(probe))
         for case in cases:
             cmd = [sys.executable, __file__, "--run-case", case, "--settings-json", json.dumps(settings), "--swap-dir", swap]
             done = subprocess.run(cmd, capture_output=True, text=True)
@@ -155,15 +166,33 @@ def main(argv=None) -> Path | None:
     for row in rows:
         row["step_vs_none"] = row["step_s"] / base["step_s"] if base else float("nan")
         row["saved_peak_vs_none"] = row["saved_peak_mib"] / base["saved_peak_mib"] if base else float("nan")
-    notes = (
+    notes = [
         "saved_peak_mib: peak bytes of distinct storages that saved tensors held in memory, counted with "
         "saved-tensor hooks (parameters excluded). moved_mib_per_step: bytes written to the offload target "
-        "(nvme/cpu) or copied by save_on_cpu. On a CPU-only machine the 'cpu' target and save_on_cpu copy within "
+        "(nvme/cpu) or copied by save_on_cpu; read_mib_per_step: bytes the offload context read back from its "
+        "target (nvme/cpu; 0 for the others). On a CPU-only machine the 'cpu' target and save_on_cpu copy within "
         "the same memory, so peak RSS does not drop for them. Targets: saved peak <= 0.5x none, step <= 1.10x none "
-        "and below checkpoint."
-    )
+        "and below checkpoint.",
+        describe(probe),
+    ]
+    contention = dict(probe)
+    nvme = next((r for r in rows if r["case"] == "nvme"), None)
+    if base and nvme:
+        compute_s = base["step_s"]
+        io_bytes = (nvme["moved_mib_per_step"] + nvme["read_mib_per_step"]) * MiB
+        floor = overlap_floor(compute_s, io_bytes, probe)
+        best_s = floor * max(compute_s, io_bytes / (probe["io_gb_per_s_alone"] * 1e9))
+        contention.update(overlap_floor=floor, floor_compute_s=compute_s, floor_io_bytes=io_bytes)
+        notes.append(
+            f"floor for nvme on this machine: {best_s:.3g} s a step = {best_s / compute_s:.2f}x none"
+            f" (overlap floor {floor:.2f}: none's {compute_s:.3g} s of compute with {io_bytes / MiB:.1f} MiB"
+            f" of I/O a step, at the probe's rates); measured {nvme['step_s']:.3g} s = {nvme['step_vs_none']:.2f}x none"
+        )
     where = {} if args.results_dir is None else {"results_dir": args.results_dir}
-    return save_report(args.name, rows, settings=settings, plot_column="saved_peak_mib", notes=notes, **where)
+    return save_report(
+        args.name, rows, settings=settings, plot_column="saved_peak_mib", notes="\n\n".join(notes),
+        extra={"contention": contention}, **where,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

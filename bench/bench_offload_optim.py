@@ -13,6 +13,12 @@ Reports the median step time and peak RSS of each case and
 ``overlap = full / max(fwd_bwd, optim)`` (target: <= 1.2). Choose ``--batch``
 and ``--seq-len`` so that cases 1 and 2 are within a factor of two.
 
+Before the cases, a contention probe (``bench/contention.py``) measures how much
+compute and I/O slow each other down on this machine; the report gives its
+figures (JSON key ``contention``) and the overlap floor they allow for this
+step: the fwd_bwd time as compute and the bytes the optim case moves per step
+as I/O.
+
     python bench/bench_offload_optim.py [--quick] [--swap-dir DIR] [--batch B] [--seq-len T]
 """
 
@@ -30,6 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from contention import QUICK_PROBE, describe, measure_contention, overlap_floor  # noqa: E402
 from report import RESULTS_DIR, save_report  # noqa: E402
 
 CASES = ["fwd_bwd", "optim", "full", "adamw_ram"]
@@ -115,6 +122,8 @@ def main(argv=None) -> Path:
         raise SystemExit(f"unknown cases {sorted(unknown)}; choose from {CASES}")
     rows = []
     with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap, tempfile.TemporaryDirectory() as tmp:
+        probe = measure_contention(swap, **(QUICK_PROBE if args.quick else {}))
+        print(describe(probe))
         for case in cases:
             out = os.path.join(tmp, f"{case}.json")
             cmd = [sys.executable, __file__, "--case", case, "--out", out, "--swap-dir", swap,
@@ -125,19 +134,30 @@ def main(argv=None) -> Path:
             row.setdefault("host_staging_mib", 0.0)
             rows.append(row)
     by = {r["case"]: r for r in rows}
-    notes = ""
+    notes = [describe(probe)]
+    contention = dict(probe)
+    if {"fwd_bwd", "optim"} <= set(by):
+        compute_s = by["fwd_bwd"]["step_s"]
+        io_bytes = by["optim"]["io_gb_per_s"] * 1e9 * by["optim"]["step_s"]
+        floor = overlap_floor(compute_s, io_bytes, probe)
+        contention.update(overlap_floor=floor, floor_compute_s=compute_s, floor_io_bytes=io_bytes)
+        notes.append(
+            f"overlap floor on this machine = {floor:.2f} (fwd_bwd {compute_s:.3g} s of compute with"
+            f" {io_bytes / 1e9:.3g} GB of optimizer I/O a step, at the probe's rates)"
+        )
     if {"fwd_bwd", "optim", "full"} <= set(by):
         slowest = max(by["fwd_bwd"]["step_s"], by["optim"]["step_s"])
         ratio = by["full"]["step_s"] / slowest
-        notes = (
+        notes.insert(
+            0,
             f"overlap = full / max(fwd_bwd, optim) = {ratio:.2f} (target <= 1.2);"
-            f" fwd_bwd / optim = {by['fwd_bwd']['step_s'] / by['optim']['step_s']:.2f}"
+            f" fwd_bwd / optim = {by['fwd_bwd']['step_s'] / by['optim']['step_s']:.2f}",
         )
         for r in rows:
             r["overlap"] = ratio if r["case"] == "full" else 0.0
     settings = {k: getattr(args, k) for k in ("preset", "batch", "seq_len", "steps", "cpu_memory_mib", "quick")}
-    return save_report("bench_offload_optim", rows, settings=settings, plot_column="step_s", notes=notes,
-                       results_dir=Path(args.results_dir))  # fmt: skip
+    return save_report("bench_offload_optim", rows, settings=settings, plot_column="step_s", notes="\n\n".join(notes),
+                       results_dir=Path(args.results_dir), extra={"contention": contention})  # fmt: skip
 
 
 if __name__ == "__main__":

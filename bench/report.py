@@ -60,14 +60,17 @@ def save_report(
     label_column: str = "case",
     notes: str = "",
     results_dir: Path = RESULTS_DIR,
+    extra: dict | None = None,
 ) -> Path:
     """Write the JSON, markdown and plot for one benchmark run; print the table.
 
     Returns the path of the JSON file. ``plot_column`` names the numeric column
-    drawn as bars, one per row, labelled by ``label_column``.
+    drawn as bars, one per row, labelled by ``label_column``; ``extra`` adds
+    keys to the JSON record (e.g. a contention probe's figures).
     """
     results_dir.mkdir(parents=True, exist_ok=True)
     record = {"benchmark": name, "machine": machine_info(), "settings": settings, "rows": rows, "notes": notes}
+    record.update(extra or {})
     json_path = results_dir / f"{name}.json"
     json_path.write_text(json.dumps(record, indent=2) + "\n")
 
