@@ -1,13 +1,16 @@
 """The NVMe optimizer against its engines: does the step cost little more than its slowest engine?
 
 A GPT-style model (``gpt2-350m`` by default, ~350M parameters, on this
-machine's CPU), four cases, each in its own process so that its peak resident
+machine's CPU), five cases, each in its own process so that its peak resident
 memory is its own:
 
 1. ``fwd_bwd``: forward + backward alone.
 2. ``optim``: ``NVMeAdamW.step()`` alone (gradients given), state on NVMe.
 3. ``full``: forward + backward + step, updates overlapping backward.
 4. ``adamw_ram``: forward + backward + ``torch.optim.AdamW`` with its state in RAM.
+5. ``full_unretained``: ``full`` with glibc's default of handing freed memory
+   back to the OS (every other case runs after
+   :func:`nvoffload.memory.retain_freed_host_memory`, as the optimizer does by default).
 
 Reports the median step time and peak RSS of each case and
 ``overlap = full / max(fwd_bwd, optim)`` (target: <= 1.2). Choose ``--batch``
@@ -39,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contention import QUICK_PROBE, describe, measure_contention, overlap_floor  # noqa: E402
 from report import RESULTS_DIR, save_report  # noqa: E402
 
-CASES = ["fwd_bwd", "optim", "full", "adamw_ram"]
+CASES = ["fwd_bwd", "optim", "full", "adamw_ram", "full_unretained"]
 
 
 def parse_args(argv):
@@ -64,6 +67,7 @@ def parse_args(argv):
 def run_case(args) -> dict:
     import torch
 
+    from nvoffload.memory import retain_freed_host_memory
     from nvoffload.models import GPT, GPTConfig
     from nvoffload.optim.offload import NVMeAdamW
 
@@ -73,8 +77,14 @@ def run_case(args) -> dict:
     model = GPT(cfg)
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len))
     opt = None
-    if args.case in ("optim", "full"):
-        opt = NVMeAdamW(model.parameters(), lr=1e-4, swap_dir=args.swap_dir, cpu_memory_bytes=args.cpu_memory_mib << 20)
+    retain = args.case != "full_unretained"
+    if retain:
+        retain_freed_host_memory()
+    if args.case in ("optim", "full", "full_unretained"):
+        opt = NVMeAdamW(
+            model.parameters(), lr=1e-4, swap_dir=args.swap_dir, cpu_memory_bytes=args.cpu_memory_mib << 20,
+            retain_host_memory=retain,
+        )  # fmt: skip
     elif args.case == "adamw_ram":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if args.case == "optim":

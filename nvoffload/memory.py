@@ -12,14 +12,47 @@ Engines :meth:`~MemoryManager.allocate` before they hold memory and
 :meth:`~MemoryManager.free` after; an allocation past the budget raises
 :class:`MemoryBudgetError` instead of silently using more. The peak of each
 tier is kept for the step report (:meth:`~MemoryManager.stats`).
+
+:func:`retain_freed_host_memory` keeps the C heap from handing memory back to
+the operating system between steps.
 """
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import threading
 from dataclasses import dataclass
 
-__all__ = ["MemoryManager", "MemoryBudgetError", "TierStats", "TIERS"]
+__all__ = ["MemoryManager", "MemoryBudgetError", "TierStats", "TIERS", "retain_freed_host_memory"]
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt() parameter
+_HEAP_LIMIT_BYTES = 2**31 - 1  # mallopt takes an int: allocations up to 2 GiB come from the heap
+
+
+def retain_freed_host_memory() -> bool:
+    """Serve host allocations below 2 GiB from the C heap, so memory freed in one step is reused in the next.
+
+    By default glibc gives each allocation above its mmap threshold (at most
+    32 MiB) its own mapping and unmaps it when freed, so every training step
+    faults its gradients and temporaries in again. On a virtual machine the
+    hypervisor also takes the freed pages back (free page reporting) in the
+    same device thread that serves the disk. On the Firecracker VMs nvoffload
+    is tested on, that made the NVMe optimizer's I/O after a forward and
+    backward 2-5x slower (see ``bench/results/bench_offload_optim.md``, case
+    ``full_unretained``).
+
+    After this call the process keeps its peak heap: resident memory does not
+    shrink between steps. Process-wide and idempotent; the NVMe optimizer and
+    the activation offload call it unless given ``retain_host_memory=False``.
+
+    Returns:
+        True when applied; False where the C library is not glibc.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(_HEAP_LIMIT_BYTES)))
 
 TIERS = ("device", "host")
 

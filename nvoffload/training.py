@@ -46,6 +46,10 @@ class OffloadConfig:
             (default: CUDA when available, else the CPU); a model with real
             parameters computes where they are.
         offload_activations: also send saved activations to the swap directories.
+        activation_memory_bytes: with ``offload_activations``, host memory for
+            activation transfers, half for writes in flight and half for reads
+            ahead (the staging between device and NVMe), taken from
+            ``cpu_memory_bytes``; None: an eighth of it.
         checksum: checksum every tensor in the store.
     """
 
@@ -56,6 +60,7 @@ class OffloadConfig:
     prefetch_blocks: int = 1
     device: str | None = None
     offload_activations: bool = False
+    activation_memory_bytes: int | None = None
     checksum: bool = False
 
     def __post_init__(self):
@@ -63,14 +68,23 @@ class OffloadConfig:
         if not dirs:
             raise ValueError("swap_dirs needs at least one directory on NVMe")
         object.__setattr__(self, "swap_dirs", tuple(os.fspath(d) for d in dirs))
-        for name in ("cpu_memory_bytes", "device_memory_bytes"):
+        for name in ("cpu_memory_bytes", "device_memory_bytes", "activation_memory_bytes"):
             value = getattr(self, name)
+            if name == "activation_memory_bytes" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int number of bytes, got {value!r}")
         if not 0 < self.optimizer_memory_fraction < 1:
             raise ValueError(f"optimizer_memory_fraction must be in (0, 1), got {self.optimizer_memory_fraction}")
         if not isinstance(self.prefetch_blocks, int) or self.prefetch_blocks < 0:
             raise ValueError(f"prefetch_blocks must be an int >= 0, got {self.prefetch_blocks!r}")
+
+    @property
+    def activation_bytes(self) -> int:
+        """Host bytes reserved for activation transfers (0 without ``offload_activations``)."""
+        if not self.offload_activations:
+            return 0
+        return self.activation_memory_bytes if self.activation_memory_bytes is not None else self.cpu_memory_bytes // 8
 
 
 class OffloadSession:
@@ -166,6 +180,8 @@ def initialize(
     memory = MemoryManager(device_memory_bytes=config.device_memory_bytes, cpu_memory_bytes=config.cpu_memory_bytes)
     optimizer_bytes = int(config.cpu_memory_bytes * config.optimizer_memory_fraction)
     memory.allocate("host", optimizer_bytes, "the optimizer's staging buffers")
+    if config.activation_bytes:
+        memory.allocate("host", config.activation_bytes, "activation transfers (offload_activations)")
     store = TensorStore(list(config.swap_dirs), checksum=config.checksum)
     streamer = None
     try:
@@ -185,7 +201,10 @@ def initialize(
         store.close()
         raise
     offloaded.set_weight_home(streamer)
-    activations = _offload_activations(store) if config.offload_activations else None
+    activations = None
+    if config.offload_activations:
+        half = config.activation_bytes // 2
+        activations = _offload_activations(store, max_pending_write_bytes=half, prefetch_bytes=half)
     session = OffloadSession(config, store, memory, streamer, offloaded, activations)
     if activations is not None:
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -373,3 +376,19 @@ def test_swap_files_removed_at_close(tmp_path):
     assert not os.path.exists(path)
     assert os.listdir(tmp_path) == []
     store.close()  # idempotent
+
+
+def test_swap_files_removed_without_close(tmp_path):
+    """A store dropped without close(), or alive when the interpreter exits, still removes its files."""
+    store = TensorStore(tmp_path)
+    store.put("x", torch.ones(10)).result()
+    del store
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+    script = (
+        "import sys, torch\nfrom nvoffload.io import TensorStore\n"
+        "store = TensorStore(sys.argv[1])\nstore.put('x', torch.ones(1 << 20)).result()\n"
+        "assert len(__import__('os').listdir(sys.argv[1])) == 1\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True)
+    assert os.listdir(tmp_path) == []

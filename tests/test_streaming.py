@@ -37,7 +37,13 @@ def config(tmp_path, model=None, **kw):
     if model is not None:
         block = max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks)
         resident = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("blocks."))
-        kw = {"device_memory_bytes": 2 * resident + 3 * block + MiB, "cpu_memory_bytes": 2 * (3 * block + MiB), **kw}
+        activations = 4 * MiB if kw.get("offload_activations") else 0  # their transfers' share of the host budget
+        kw = {
+            "device_memory_bytes": 2 * resident + 3 * block + MiB,
+            "cpu_memory_bytes": 2 * (3 * block + MiB + activations),  # half is the optimizer's
+            "activation_memory_bytes": activations or None,
+            **kw,
+        }
     return nvoffload.OffloadConfig(swap_dirs=[tmp_path], **kw)
 
 
@@ -50,6 +56,9 @@ def test_twenty_steps_match_training_without_offload(tmp_path, offload_activatio
         config(tmp_path, model, offload_activations=offload_activations),
     )  # fmt: skip
     session = opt.session
+    if offload_activations:  # the activation transfers draw on the host budget
+        assert session._activations.config.max_pending_write_bytes == session._activations.config.prefetch_bytes == 2 * MiB
+        assert session.memory.stats()["host"].used_bytes >= session.config.cpu_memory_bytes // 2 + 4 * MiB
     block_bytes = max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks)
     assert session.memory.limit_bytes("device") < sum(p.numel() * 4 for p in model.parameters()) * 2
     try:
@@ -273,3 +282,26 @@ def test_checkpoint_needs_a_meta_model(tmp_path):
     save_file(ref.state_dict(), path)
     with open_checkpoint(path) as ckpt, pytest.raises(ValueError, match="built on the meta device"):
         nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model), checkpoint=ckpt)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
+def test_retain_freed_host_memory_serves_large_blocks_from_the_heap():
+    script = """
+import ctypes, torch
+from nvoffload.memory import retain_freed_host_memory
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+def mapped_bytes_of(nbytes):
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    return libc.mallinfo2().hblkhd
+before = mapped_bytes_of(100 << 20)
+assert retain_freed_host_memory() and retain_freed_host_memory()
+after = mapped_bytes_of(100 << 20)
+print(before >= 100 << 20, after < 100 << 20)
+"""
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
+    assert out.split() == ["True", "True"]  # its own mapping by default; from the heap after the call

@@ -25,6 +25,9 @@ class ActivationOffloadConfig:
             used) for the tensors backward will ask for next, up to this many bytes.
         max_pending_write_bytes: bytes of writes in flight after which forward
             waits for the oldest one (bounds the memory held by slow writes).
+        retain_host_memory: call :func:`nvoffload.memory.retain_freed_host_memory`
+            (process-wide: the activations freed each step are reused, not
+            handed back to the operating system and faulted in again).
     """
 
     target: str = "nvme"
@@ -32,6 +35,7 @@ class ActivationOffloadConfig:
     keep_recent_bytes: int = 64 * MiB
     prefetch_bytes: int = 256 * MiB
     max_pending_write_bytes: int = 256 * MiB
+    retain_host_memory: bool = True
 
     def __post_init__(self):
         if self.target not in TARGETS:

@@ -19,6 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import device as _device
 from ..io.buffers import aligned_empty
+from ..memory import retain_freed_host_memory
 from ._host import Completed, HostTier
 from ._ledger import StorageLedger, is_parameter_like
 from .config import ActivationOffloadConfig, OffloadStats
@@ -233,7 +234,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             files, or an open ``TensorStore``. Required for ``target="nvme"``;
             must be ``None`` for ``target="cpu"``.
         target: ``"nvme"`` or ``"cpu"``.
-        min_bytes, keep_recent_bytes, prefetch_bytes, max_pending_write_bytes:
+        min_bytes, keep_recent_bytes, prefetch_bytes, max_pending_write_bytes, retain_host_memory:
             see :class:`~nvoffload.activations.ActivationOffloadConfig`.
         config: a whole ``ActivationOffloadConfig`` instead of the keywords.
 
@@ -263,6 +264,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         keep_recent_bytes: int | None = None,
         prefetch_bytes: int | None = None,
         max_pending_write_bytes: int | None = None,
+        retain_host_memory: bool | None = None,
         config: ActivationOffloadConfig | None = None,
     ) -> None:
         overrides = {
@@ -273,12 +275,15 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 keep_recent_bytes=keep_recent_bytes,
                 prefetch_bytes=prefetch_bytes,
                 max_pending_write_bytes=max_pending_write_bytes,
+                retain_host_memory=retain_host_memory,
             ).items()
             if v is not None
         }
         if config is not None and overrides:
             raise ValueError(f"give either config or keywords, not both (got config and {sorted(overrides)})")
         self.config = config if config is not None else ActivationOffloadConfig(**overrides)
+        if self.config.retain_host_memory:
+            retain_freed_host_memory()
 
         self._store = None  # a user's TensorStore (never closed here)
         self._swap_dirs: list[str] | None = None

@@ -9,6 +9,7 @@ import os
 import shutil
 import threading
 import uuid
+import weakref
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -154,10 +155,14 @@ class TensorStore:
         self._dirs = dirs
         self._swaps: list[_SwapFile] = []
         self._closed = False
+        # A store never closed (the script ends without close(), or drops it) still removes its files.
+        paths: list[str] = []
+        self._unlink_at_exit = weakref.finalize(self, _unlink, paths)
         try:
             for d in dirs:
                 path = os.path.join(d, f"nvoffload-{os.getpid()}-{uuid.uuid4().hex[:12]}.swap")
                 swap = _SwapFile(self._engine.open(path, create=True), share)
+                paths.append(path)
                 self._swaps.append(swap)
                 if share:
                     self._engine.allocate(swap.file, 0, share)
@@ -473,11 +478,17 @@ class TensorStore:
             if swap.gds is not None:
                 swap.gds.close()
             self._engine.close_file(swap.file)
-            try:
-                os.unlink(swap.file.path)
-            except FileNotFoundError:
-                pass
+        _unlink([swap.file.path for swap in self._swaps])
         self._swaps = []
+        self._unlink_at_exit.detach()
+
+
+def _unlink(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _settle(future: IOFuture) -> None:

@@ -73,6 +73,7 @@ from typing import Protocol
 import torch
 
 from nvoffload import device
+from nvoffload.memory import retain_freed_host_memory
 from nvoffload.optim.kernels import adam_step
 
 __all__ = ["OffloadOptimizerConfig", "OffloadOptimizer", "NVMeAdamW", "OffloadIOError", "MemoryStats", "WeightHome"]
@@ -124,6 +125,9 @@ class OffloadOptimizerConfig:
         overlap: update each parameter as soon as its gradient is final
             (speculatively, see the module docs); False runs everything in ``step()``.
         checksum: ask the store to checksum every chunk.
+        retain_host_memory: call :func:`nvoffload.memory.retain_freed_host_memory`
+            (process-wide: freed host memory is reused, not handed back to the
+            operating system, which keeps the I/O fast between steps).
         release_grads: free each gradient as soon as its hook has queued the
             update (``param.grad`` is None after backward), so that gradients
             never accumulate in device memory; used by parameter streaming.
@@ -137,6 +141,7 @@ class OffloadOptimizerConfig:
     max_grad_norm: float | None = None
     overlap: bool = True
     checksum: bool = False
+    retain_host_memory: bool = True
     release_grads: bool = False
 
     def __post_init__(self):
@@ -283,6 +288,10 @@ class _Pipeline:
         self._queue.put(("plan", plan))
 
     def wait_idle(self) -> None:
+        """Wait until every queued update ran and its writes are on disk."""
+        with self._lock:
+            self._pending += 1
+        self._queue.put(("drain", None))
         with self._lock:
             self._lock.wait_for(lambda: self._pending == 0)
 
@@ -304,20 +313,19 @@ class _Pipeline:
                 self._drop_prefetched()
                 self._finish_writes(0)
                 return
-            if isinstance(item, tuple):
+            if isinstance(item, tuple) and item[0] == "plan":
                 self._drop_prefetched()
                 self._plan, self._plan_pos = item[1], 0
                 continue
+            # Writes stay in flight while updates come in (reads ahead overlap them); a drain
+            # (wait_idle) waits for them all.
             try:
-                if not self.errors:
+                if isinstance(item, tuple):
+                    self._finish_writes(0)
+                elif not self.errors:
                     self._process(item)
             except BaseException as exc:  # noqa: BLE001 - reported from step()
                 self.errors.append(exc)
-            if self._queue.empty():
-                try:
-                    self._finish_writes(0)
-                except BaseException as exc:  # noqa: BLE001
-                    self.errors.append(exc)
             with self._lock:
                 self._pending -= 1
                 self._lock.notify_all()
@@ -447,6 +455,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise TypeError(f"pass either config= or its fields, not both ({sorted(kwargs)})")
         self.config = config
         self.inner = optimizer
+        if config.retain_host_memory:
+            retain_freed_host_memory()
         cls_names = {c.__name__ for c in type(optimizer).__mro__}
         self._is_adam = bool(cls_names & {"Adam", "AdamW"}) and not (cls_names & {"NAdam", "RAdam", "Adamax", "SparseAdam"})
         if cls_names & {"LBFGS", "SparseAdam"}:
