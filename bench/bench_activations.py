@@ -42,6 +42,7 @@ from contention import QUICK_PROBE, describe, measure_contention, overlap_floor 
 from report import save_report  # noqa: E402
 
 from nvoffload.activations import SavedTensorCounter, offload_activations  # noqa: E402
+from nvoffload.memory import retain_freed_host_memory  # noqa: E402
 from nvoffload.models.gpt import GPT, GPTConfig  # noqa: E402
 
 CASES = ["none", "nvme", "cpu", "checkpoint", "save_on_cpu"]
@@ -75,6 +76,7 @@ def checkpointed_loss(model: GPT, idx, targets):
 
 def run_case(case: str, settings: dict, swap_dir: str) -> dict:
     """One case in this process: warm-up step, then ``steps`` timed steps."""
+    retain_freed_host_memory()  # as offload_activations does: every case keeps its freed memory alike
     torch.manual_seed(0)
     config = GPTConfig.preset(settings["preset"])
     model = GPT(config)

@@ -184,7 +184,10 @@ def _build(config: FinetuneConfig, swap_dir: str) -> tuple[nn.Module, OffloadOpt
         model = GPT(mcfg).to(device=config.device, dtype=dtype)
         if config.init_from is not None:
             with open_checkpoint(config.init_from) as ckpt:
-                model.load_state_dict({name: ckpt.read(name) for name in ckpt.keys()})
+                try:
+                    model.load_state_dict({name: ckpt.read(name) for name in ckpt.keys()})
+                except RuntimeError as exc:  # missing, unexpected or misshapen tensors
+                    raise ValueError(f"{config.init_from} does not fit the {config.preset!r} model: {exc}") from None
         opt = NVMeAdamW(
             _param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95), swap_dir=swap_dir,
             cpu_memory_bytes=config.cpu_memory_bytes, max_grad_norm=config.max_grad_norm,

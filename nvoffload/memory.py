@@ -8,6 +8,10 @@ checked by the :class:`~nvoffload.io.TensorStore`):
 - ``host``: pinned host memory for cached parameter blocks and the optimizer's
   staging buffers.
 
+The host buffers themselves come from one pool shared by the engines: with
+CUDA, torch's caching pinned-memory allocator through
+:func:`nvoffload.device.host_empty` (page-locked buffers are reused, not
+registered anew for every block); without CUDA, 4 KiB-aligned heap buffers.
 Engines :meth:`~MemoryManager.allocate` before they hold memory and
 :meth:`~MemoryManager.free` after; an allocation past the budget raises
 :class:`MemoryBudgetError` instead of silently using more. The peak of each

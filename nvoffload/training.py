@@ -51,6 +51,12 @@ class OffloadConfig:
             ahead (the staging between device and NVMe), taken from
             ``cpu_memory_bytes``; None: an eighth of it.
         checksum: checksum every tensor in the store.
+        retain_host_memory: let the optimizer and activation offload call
+            :func:`nvoffload.memory.retain_freed_host_memory`. Off by default
+            here, because freed memory then stays with the process: in the 1.3B
+            scale run steps took 30 and 25 s instead of 39 and 36 s, but peak
+            RSS rose from 1.5 to 4.4 GiB above the budgets
+            (``bench/results/bench_streaming_retained.md``).
     """
 
     swap_dirs: Sequence[str | os.PathLike] = field(default_factory=list)
@@ -62,6 +68,7 @@ class OffloadConfig:
     offload_activations: bool = False
     activation_memory_bytes: int | None = None
     checksum: bool = False
+    retain_host_memory: bool = False
 
     def __post_init__(self):
         dirs = [self.swap_dirs] if isinstance(self.swap_dirs, (str, os.PathLike)) else list(self.swap_dirs)
@@ -193,7 +200,10 @@ def initialize(
             group["params"] = [streamer.replaced.get(p, p) for p in group["params"]]
         offloaded = OffloadOptimizer(
             optimizer, swap_dir=store,
-            config=OffloadOptimizerConfig(cpu_memory_bytes=optimizer_bytes, release_grads=True, checksum=config.checksum),
+            config=OffloadOptimizerConfig(
+                cpu_memory_bytes=optimizer_bytes, release_grads=True, checksum=config.checksum,
+                retain_host_memory=config.retain_host_memory,
+            ),
         )  # fmt: skip
     except BaseException:
         if streamer is not None:
@@ -204,7 +214,9 @@ def initialize(
     activations = None
     if config.offload_activations:
         half = config.activation_bytes // 2
-        activations = _offload_activations(store, max_pending_write_bytes=half, prefetch_bytes=half)
+        activations = _offload_activations(
+            store, max_pending_write_bytes=half, prefetch_bytes=half, retain_host_memory=config.retain_host_memory
+        )
     session = OffloadSession(config, store, memory, streamer, offloaded, activations)
     if activations is not None:
 

@@ -114,3 +114,13 @@ def test_cli_streamed_budget_too_small(tmp_path, capsys):
     rc = main(["finetune", "--preset", "tiny", "--steps", "1", "--swap-dir", str(tmp_path), "--stream",
                "--device-memory", "64K", "--no-progress"])  # fmt: skip
     assert rc == 2 and "device_memory_bytes must be at least" in capsys.readouterr().err
+
+
+def test_cli_checkpoint_of_another_model(tmp_path, capsys):
+    init = tmp_path / "small.safetensors"
+    save_file(GPT(GPTConfig.preset("small")).state_dict(), init)
+    for mode in ([], ["--stream"]):
+        rc = main(["finetune", "--preset", "tiny", "--steps", "1", "--swap-dir", str(tmp_path), "--init-from", str(init),
+                   "--no-progress", *mode])  # fmt: skip
+        err = capsys.readouterr().err
+        assert rc == 2 and "error:" in err and "shape" in err, (mode, err)

@@ -223,6 +223,28 @@ class _Request:
         self.chunk, self.grad, self.hparams, self.step, self.grad_scale = chunk, grad, hparams, step, grad_scale
 
 
+class _AllOf:
+    """Store futures waited for together; ``result()`` raises the first error once all are done."""
+
+    __slots__ = ("_futures",)
+
+    def __init__(self, futures: list):
+        self._futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def result(self, timeout: float | None = None) -> None:
+        error = None
+        for f in self._futures:
+            try:
+                f.result(timeout)
+            except BaseException as exc:  # noqa: BLE001 - every part must finish before the slot is reused
+                error = error or exc
+        if error is not None:
+            raise error
+
+
 class _Slot:
     """A host buffer holding one chunk's state rows (and, for CUDA parameters, staging)."""
 
@@ -240,7 +262,7 @@ def _host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     from nvoffload.io import aligned_empty
 
     if device.cuda_available():
-        return device.host_empty(numel, dtype)  # TODO(lead): page-locked + 4 KiB-aligned via nvoffload.io.BufferPool
+        return device.host_empty(numel, dtype)  # the pinned pool every engine shares (page-aligned blocks)
     return aligned_empty(numel * torch.empty(0, dtype=dtype).element_size()).view(dtype)
 
 
@@ -346,13 +368,14 @@ class _Pipeline:
                 continue
             try:
                 slot = self._take_slot()
-                self._prefetched[chunk] = (slot, self._opt._read_chunk(chunk, chunk.gen, slot))
+                master = self._opt._needs_master(chunk)
+                self._prefetched[chunk] = (slot, self._opt._read_chunk(chunk, chunk.gen, slot, master=master), master)
             except BaseException as exc:  # noqa: BLE001
                 self.errors.append(exc)
             return
 
     def _drop_prefetched(self) -> None:
-        for slot, fut in self._prefetched.values():
+        for slot, fut, _ in self._prefetched.values():
             try:
                 fut.result()
             except BaseException:  # noqa: BLE001 - a dropped read-ahead does not matter
@@ -366,7 +389,7 @@ class _Pipeline:
                 self._finish_writes(len(self._writes) - 1)
             elif self._prefetched:  # read-ahead of chunks that did not come: give one back
                 chunk = next(reversed(self._prefetched))
-                slot, fut = self._prefetched.pop(chunk)
+                slot, fut, _ = self._prefetched.pop(chunk)
                 try:
                     fut.result()
                 except BaseException:  # noqa: BLE001
@@ -389,24 +412,26 @@ class _Pipeline:
     def _process(self, req: _Request) -> None:
         chunk = req.chunk
         opt = self._opt
+        fresh = not chunk.applied  # else the model holds an update of this step: the master comes from the store
         if chunk in self._prefetched:
-            slot, fut = self._prefetched.pop(chunk)
+            slot, fut, master = self._prefetched.pop(chunk)
         else:
             slot = self._take_slot()
-            fut = None
+            fut, master = None, True
             try:
                 if chunk.gen is None:
                     opt._init_chunk(chunk, slot)
                 else:
-                    fut = opt._read_chunk(chunk, chunk.gen, slot)
+                    fut = opt._read_chunk(chunk, chunk.gen, slot, master=opt._needs_master(chunk))
             except BaseException:
                 self._release(slot)
                 raise
         try:
             if fut is not None:
                 fut.result()
+            if not master and not fresh:  # read ahead without the master, then the update had to be redone
+                opt._read_chunk(chunk, chunk.gen, slot, state=False).result()
             gen = (chunk.gen or 0) + 1
-            fresh = not chunk.applied  # else the model holds an update of this step: the master is in the slot
             chunk.applied = True  # from here on the model may hold new values
             opt._update_chunk(req, slot, fresh)
             wfut = opt._write_chunk(chunk, gen, slot)
@@ -685,16 +710,42 @@ class OffloadOptimizer(torch.optim.Optimizer):
         with self._model_weights(rec, modify=False) as weights:
             rows[0].copy_(weights[chunk.start : chunk.start + chunk.numel])
         rows[1:].zero_()
-        self._put(chunk.name(0), rows).result()
+        self._put_rows(chunk, 0, rows).result()
         chunk.gen = 0
         chunk.scalars = {}
 
-    def _read_chunk(self, chunk: _Chunk, gen: int, slot: _Slot):
+    @staticmethod
+    def _split(rec: _Record) -> bool:
+        """fp32 parameters keep their master row in its own store entry: it equals the model's weights
+        at the start of a step, so an update reads only the moments (8 of 12 bytes per element)."""
+        return rec.param.dtype == torch.float32
+
+    def _needs_master(self, chunk: _Chunk) -> bool:
+        """Whether an update must read the master weights (the model's are not the committed ones)."""
+        return not self._split(chunk.record) or chunk.applied
+
+    def _entries(self, chunk: _Chunk, gen: int, rows: torch.Tensor, *, state: bool = True, master: bool = True):
+        """``(store name, rows)`` of a generation; split chunks can leave out the state or the master."""
+        if not self._split(chunk.record):
+            return [(chunk.name(gen), rows)]
+        return [(chunk.name(gen), rows[1:])] * state + [(chunk.name(gen) + ".w", rows[0])] * master
+
+    def _read_chunk(self, chunk: _Chunk, gen: int, slot: _Slot, *, state: bool = True, master: bool = True):
         rows = slot.rows(self._rows(chunk.record), chunk.numel)
-        fut = self._store.get(chunk.name(gen), out=rows)
-        with self._io_lock:
-            self._io_read += rows.numel() * 4
-        return fut
+        futures = []
+        for name, out in self._entries(chunk, gen, rows, state=state, master=master):
+            futures.append(self._store.get(name, out=out))
+            with self._io_lock:
+                self._io_read += out.numel() * 4
+        return _AllOf(futures)
+
+    def _put_rows(self, chunk: _Chunk, gen: int, rows: torch.Tensor):
+        return _AllOf([self._put(name, part) for name, part in self._entries(chunk, gen, rows)])
+
+    def _delete_gen(self, chunk: _Chunk, gen: int) -> None:
+        for name in (chunk.name(gen), chunk.name(gen) + ".w"):
+            if name in self._store:
+                self._store.delete(name)
 
     def _put(self, name: str, rows: torch.Tensor):
         fut = self._store.put(name, rows)
@@ -703,7 +754,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return fut
 
     def _write_chunk(self, chunk: _Chunk, gen: int, slot: _Slot):
-        return self._put(chunk.name(gen), slot.rows(self._rows(chunk.record), chunk.numel))
+        return self._put_rows(chunk, gen, slot.rows(self._rows(chunk.record), chunk.numel))
 
     def _update_chunk(self, req: _Request, slot: _Slot, fresh: bool) -> None:
         chunk, rec = req.chunk, req.chunk.record
@@ -790,9 +841,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         slot = None
         for chunk in chunks:
             if chunk.pending_gen is not None and chunk.pending_gen != chunk.gen:
-                name = chunk.name(chunk.pending_gen)
-                if name in self._store:
-                    self._store.delete(name)
+                self._delete_gen(chunk, chunk.pending_gen)
             chunk.pending_gen = None
             chunk.pending_scalars = {}
             if not chunk.applied:
@@ -804,7 +853,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if slot is None:
                 slot = self._make_slot()
             try:
-                self._read_chunk(chunk, chunk.gen, slot).result()
+                self._read_chunk(chunk, chunk.gen, slot, state=False).result()
                 rows = slot.rows(self._rows(rec), chunk.numel)
                 with self._model_weights(rec, modify=True) as weights:
                     weights[chunk.start : chunk.start + chunk.numel].copy_(rows[0])
@@ -912,7 +961,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     continue
                 updated = True
                 if c.gen is not None and c.gen != c.pending_gen:
-                    self._store.delete(c.name(c.gen))
+                    self._delete_gen(c, c.gen)
                 c.gen, c.pending_gen, c.applied = c.pending_gen, None, False
                 if not self._is_adam:
                     c.scalars, c.pending_scalars = c.pending_scalars, {}
@@ -1003,7 +1052,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _load_record(self, rec: _Record, st: dict | None, slot: _Slot) -> None:
         for c in rec.chunks:
             if c.gen is not None:
-                self._store.delete(c.name(c.gen))
+                self._delete_gen(c, c.gen)
             c.gen, c.pending_gen, c.applied, c.scalars = None, None, False, {}
         rec.step = 0
         if not st:
@@ -1043,7 +1092,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             else:  # the model's current weights are the master
                 with self._model_weights(rec, modify=False) as weights:
                     rows[0].copy_(weights[c.start : c.start + c.numel])
-            self._put(c.name(0), rows).result()
+            self._put_rows(c, 0, rows).result()
             c.gen = 0
             c.scalars = dict(scalars)
 
@@ -1091,8 +1140,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 rec.hook = None
             for c in rec.chunks:
                 for gen in (c.gen, c.pending_gen):
-                    if gen is not None and c.name(gen) in self._store:
-                        self._store.delete(c.name(gen))
+                    if gen is not None:
+                        self._delete_gen(c, gen)
         if self._owns_store:
             self._store.close()
         if self.session is not None:
