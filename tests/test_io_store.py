@@ -392,3 +392,14 @@ def test_swap_files_removed_without_close(tmp_path):
     )
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True)
     assert os.listdir(tmp_path) == []
+
+
+def test_warns_about_swap_files_of_killed_processes(tmp_path):
+    with open("/proc/sys/kernel/pid_max") as f:
+        dead = int(f.read()) + 1  # above pid_max: no process can have it
+    orphan = tmp_path / f"nvoffload-{dead}-0123456789ab.swap"
+    orphan.write_bytes(b"\0" * 4096)
+    (tmp_path / f"nvoffload-{os.getpid()}-0123456789ab.swap").write_bytes(b"")  # this process: not an orphan
+    with pytest.warns(UserWarning, match=rf"1 swap file\(s\) .* no longer run .*nvoffload-{dead}-0123456789ab\.swap"):
+        TensorStore(tmp_path).close()
+    assert orphan.exists()  # only named, never deleted

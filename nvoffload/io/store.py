@@ -6,9 +6,11 @@ import bisect
 import errno
 import math
 import os
+import re
 import shutil
 import threading
 import uuid
+import warnings
 import weakref
 import zlib
 from collections.abc import Sequence
@@ -142,6 +144,7 @@ class TensorStore:
         share = None if capacity_bytes is None else round_up(math.ceil(capacity_bytes / len(dirs)))
         for d in dirs:
             self._check_dir(d, share)
+            _warn_about_orphans(d)
 
         self.checksum = checksum
         self._engine = IOEngine(config)
@@ -481,6 +484,32 @@ class TensorStore:
         _unlink([swap.file.path for swap in self._swaps])
         self._swaps = []
         self._unlink_at_exit.detach()
+
+
+_SWAP_NAME = re.compile(r"nvoffload-(\d+)-[0-9a-f]{12}\.swap")
+
+
+def _warn_about_orphans(directory: str) -> None:
+    """Warn about swap files whose process no longer runs (it was killed): they hold disk space until removed."""
+    orphans = []
+    for entry in os.scandir(directory):
+        match = _SWAP_NAME.fullmatch(entry.name)
+        if match is None or int(match.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            orphans.append(entry)
+        except (PermissionError, OverflowError):
+            pass  # another user's live process (or no such pid at all: OverflowError)
+    if orphans:
+        gib = sum(e.stat().st_size for e in orphans) / 2**30
+        names = ", ".join(e.name for e in orphans[:3]) + (", ..." if len(orphans) > 3 else "")
+        warnings.warn(
+            f"{directory} holds {len(orphans)} swap file(s) ({gib:.2f} GiB) of processes that no longer run on this"
+            f" machine, probably killed: {names}. Delete them unless another machine shares this directory.",
+            stacklevel=3,
+        )
 
 
 def _unlink(paths: list[str]) -> None:
