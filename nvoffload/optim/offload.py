@@ -14,7 +14,9 @@ How a step runs:
   reverse layer order), update with the fused kernel
   (:func:`~nvoffload.optim.kernels.adam_step`; other torch optimizers run their
   own ``step`` on the chunk), write the updated low-precision/fp32 weights to
-  the model and the new state to the store.
+  the model and the new state to the store. fp32 weights are their own master
+  copy: their master row is a separate store entry that an update does not
+  read (8 of the 12 bytes per element are read, all 12 written).
 * With ``overlap=True``, a post-accumulate-grad hook on each parameter queues
   that parameter's chunks as soon as its gradient is final, on the micro-batch
   that the previous steps showed to be the last before ``step()`` (gradient
