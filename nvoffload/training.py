@@ -13,6 +13,7 @@ sends the saved activations to NVMe too.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -108,7 +109,7 @@ class OffloadSession:
         self.streamer = streamer
         self.optimizer = optimizer
         self._activations = activations
-        self._activation_handles = []
+        self._handles = []  # the model's forward hooks installed by initialize()
 
     def memory_stats(self) -> dict[str, TierStats]:
         """Used, peak and limit bytes of the device and host tiers, plus the bytes on NVMe (as ``nvme``)."""
@@ -135,9 +136,9 @@ class OffloadSession:
         self.streamer.save_checkpoint(path, metadata)
 
     def close(self) -> None:
-        for handle in self._activation_handles:
+        for handle in self._handles:
             handle.remove()
-        self._activation_handles = []
+        self._handles = []
         if self._activations is not None:
             self._activations.close()
         self.streamer.close()
@@ -218,6 +219,15 @@ def initialize(
             store, max_pending_write_bytes=half, prefetch_bytes=half, retain_host_memory=config.retain_host_memory
         )
     session = OffloadSession(config, store, memory, streamer, offloaded, activations)
+    optimizer_ref = weakref.ref(offloaded)
+
+    def settle(module, args) -> None:
+        # A forward sees every update its previous backward queued (normally step() already waited).
+        opt = optimizer_ref()
+        if opt is not None:
+            opt.synchronize()
+
+    session._handles.append(model.register_forward_pre_hook(settle))
     if activations is not None:
 
         def enter(module, args) -> None:
@@ -226,9 +236,6 @@ def initialize(
         def leave(module, args, output) -> None:
             activations.__exit__(None, None, None)
 
-        session._activation_handles = [
-            model.register_forward_pre_hook(enter),
-            model.register_forward_hook(leave, always_call=True),
-        ]
+        session._handles += [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
     offloaded.session = session
     return model, offloaded

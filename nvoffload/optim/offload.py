@@ -1099,6 +1099,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             c.scalars = dict(scalars)
 
     # ------------------------------------------------------------------ misc
+    def synchronize(self) -> None:
+        """Wait until the updates that backward queued have run and their state is written (``step()`` does too)."""
+        self._check_open()
+        self._pipeline.wait_idle()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; waits for updates still reading gradients."""
         self._pipeline.wait_idle()
