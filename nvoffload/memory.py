@@ -39,11 +39,10 @@ def retain_freed_host_memory() -> bool:
 
     By default glibc gives each allocation above its mmap threshold (at most
     32 MiB) its own mapping and unmaps it when freed, so every training step
-    faults its gradients and temporaries in again. On a virtual machine the
-    hypervisor also takes the freed pages back (free page reporting) in the
-    same device thread that serves the disk. On the Firecracker VMs nvoffload
-    is tested on, that made the NVMe optimizer's I/O after a forward and
-    backward 2-5x slower (see ``bench/results/bench_offload_optim.md``, case
+    faults its gradients and temporaries in again. On a virtual machine with
+    free page reporting the hypervisor also takes the freed pages back. On the
+    Firecracker VMs nvoffload is tested on, that made the NVMe optimizer's I/O
+    after a forward and backward 2-5x slower (see ``bench/results/bench_offload_optim.md``, case
     ``full_unretained``).
 
     After this call the process keeps its peak heap: resident memory does not

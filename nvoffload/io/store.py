@@ -503,13 +503,20 @@ def _warn_about_orphans(directory: str) -> None:
         except (PermissionError, OverflowError):
             pass  # another user's live process (or no such pid at all: OverflowError)
     if orphans:
-        gib = sum(e.stat().st_size for e in orphans) / 2**30
+        gib = sum(_size_bytes(e.path) for e in orphans) / 2**30
         names = ", ".join(e.name for e in orphans[:3]) + (", ..." if len(orphans) > 3 else "")
         warnings.warn(
             f"{directory} holds {len(orphans)} swap file(s) ({gib:.2f} GiB) of processes that no longer run on this"
             f" machine, probably killed: {names}. Delete them unless another machine shares this directory.",
             stacklevel=3,
         )
+
+
+def _size_bytes(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:  # removed meanwhile
+        return 0
 
 
 def _unlink(paths: list[str]) -> None:
