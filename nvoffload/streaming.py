@@ -29,6 +29,7 @@ and ``model.load_state_dict()`` scatters them back the same way.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 import weakref
@@ -567,14 +568,20 @@ class ParameterStreamer:
         block.in_use -= 1
         self._off_device(block)
 
-    def gather(self, param: torch.Tensor) -> torch.Tensor:
-        """A full copy of a streamed parameter's current weights (CPU)."""
+    @contextlib.contextmanager
+    def _held(self, param: torch.Tensor):
+        """A streamed parameter's current weights in host memory, shaped like it, while the block stays cached."""
         with self._lock:
             flat = self.acquire(param)
             try:
-                return flat.clone().view(param.shape)
+                yield flat.view(param.shape)
             finally:
                 self.release(param, modified=False)
+
+    def gather(self, param: torch.Tensor) -> torch.Tensor:
+        """A full copy of a streamed parameter's current weights (CPU)."""
+        with self._held(param) as weights:
+            return weights.clone()
 
     def save_checkpoint(self, path, metadata: dict[str, str] | None = None) -> None:
         """Write the model's state (as ``state_dict()`` names it) to a safetensors file, one tensor in memory at a time.
@@ -588,7 +595,11 @@ class ParameterStreamer:
         shapes = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
         with SafetensorsWriter(path, shapes, metadata) as writer:
             for name, t in tensors.items():
-                writer.write(name, self.gather(t) if self.holds(t) else t.detach())
+                if not self.holds(t):
+                    writer.write(name, t.detach())
+                    continue
+                with self._held(t) as weights:  # written from the cache, no copy
+                    writer.write(name, weights)
 
     def flush(self) -> None:
         """Write every changed cached block back to the store."""
@@ -612,7 +623,7 @@ class ParameterStreamer:
 
 def _state_dict_hook(streamer: ParameterStreamer):
     ref = weakref.ref(streamer)
-    names = {n: p for n, p in streamer.model.named_parameters()}
+    names = state_tensors(streamer.model)
 
     def hook(module, state_dict, prefix, local_metadata):
         s = ref()

@@ -76,10 +76,10 @@ class OffloadConfig:
         if not dirs:
             raise ValueError("swap_dirs needs at least one directory on NVMe")
         object.__setattr__(self, "swap_dirs", tuple(os.fspath(d) for d in dirs))
-        for name in ("cpu_memory_bytes", "device_memory_bytes", "activation_memory_bytes"):
-            value = getattr(self, name)
-            if name == "activation_memory_bytes" and value is None:
-                continue
+        sizes = {"cpu_memory_bytes": self.cpu_memory_bytes, "device_memory_bytes": self.device_memory_bytes}
+        if self.activation_memory_bytes is not None:
+            sizes["activation_memory_bytes"] = self.activation_memory_bytes
+        for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int number of bytes, got {value!r}")
         if not 0 < self.optimizer_memory_fraction < 1:

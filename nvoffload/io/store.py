@@ -494,10 +494,11 @@ def _warn_about_orphans(directory: str) -> None:
     orphans = []
     for entry in os.scandir(directory):
         match = _SWAP_NAME.fullmatch(entry.name)
-        if match is None or int(match.group(1)) == os.getpid():
+        pid = int(match.group(1)) if match else None
+        if pid is None or pid == os.getpid():
             continue
         try:
-            os.kill(int(match.group(1)), 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
             orphans.append(entry)
         except (PermissionError, OverflowError):

@@ -730,7 +730,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """``(store name, rows)`` of a generation; split chunks can leave out the state or the master."""
         if not self._split(chunk.record):
             return [(chunk.name(gen), rows)]
-        return [(chunk.name(gen), rows[1:])] * state + [(chunk.name(gen) + ".w", rows[0])] * master
+        entries = []
+        if state:
+            entries.append((chunk.name(gen), rows[1:]))
+        if master:
+            entries.append((chunk.name(gen) + ".w", rows[0]))
+        return entries
 
     def _read_chunk(self, chunk: _Chunk, gen: int, slot: _Slot, *, state: bool = True, master: bool = True):
         rows = slot.rows(self._rows(chunk.record), chunk.numel)
