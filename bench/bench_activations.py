@@ -170,7 +170,7 @@ def main(argv=None) -> Path | None:
         row["saved_peak_vs_none"] = row["saved_peak_mib"] / base["saved_peak_mib"] if base else float("nan")
     notes = [
         "saved_peak_mib: peak bytes of distinct storages that saved tensors held in memory, counted with "
-        "saved-tensor hooks (parameters excluded). moved_mib_per_step: bytes written to the offload target "
+        "saved-tensor hooks (parameters and module buffers excluded). moved_mib_per_step: bytes written to the offload target "
         "(nvme/cpu) or copied by save_on_cpu; read_mib_per_step: bytes the offload context read back from its "
         "target (nvme/cpu; 0 for the others). On a CPU-only machine the 'cpu' target and save_on_cpu copy within "
         "the same memory, so peak RSS does not drop for them. Targets: saved peak <= 0.5x none, step <= 1.10x none "

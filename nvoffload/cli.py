@@ -60,16 +60,29 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--init-from", default=None, help="safetensors checkpoint (file, shard directory or index .json) of the preset's model to start from")
     ft.add_argument("--save-to", default=None, help="write the fine-tuned weights to this safetensors file")
     ft.add_argument("--seed", type=int, default=d.seed)
-    ft.add_argument("--no-progress", action="store_true", help="print one line per step instead of a progress bar")
+    ft.add_argument("--no-progress", action="store_true", help="print one line per step, as it finishes, instead of a progress bar")
     return parser
 
 
+def _message(exc: BaseException) -> str:
+    """An error as one line: an OSError's text and path, else the error's message."""
+    if isinstance(exc, OSError) and exc.strerror:
+        text = exc.strerror
+        if exc.filename is not None and str(exc.filename) not in text:
+            text += f": {exc.filename}"
+    else:
+        text = str(exc.args[0]) if exc.args else str(exc)
+    return " ".join(text.split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``nvoffload`` command; returns the exit status."""
+    """Entry point of the ``nvoffload`` command; returns the exit status (2 for a bad configuration, file or
+    swap directory, with a one-line message on stderr)."""
     args = build_parser().parse_args(argv)
     if args.command == "finetune":
         from nvoffload.finetune import FinetuneConfig, _postfix, finetune
         from nvoffload.memory import MemoryBudgetError
+        from nvoffload.optim.offload import OffloadIOError
 
         fields = {k: v for k, v in vars(args).items() if k not in ("command", "no_progress")}
         try:
@@ -79,14 +92,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         import torch
 
+        dev = torch.device(config.device)
+        on_step = (lambda s: print(f"step {s.step}: {_postfix(s, dev)}", flush=True)) if args.no_progress else None
         try:
-            result = finetune(config, progress=not args.no_progress)
-        except (ValueError, KeyError, MemoryBudgetError) as exc:  # budgets too small, a checkpoint that does not fit the preset, ...
-            print(f"nvoffload finetune: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+            result = finetune(config, progress=not args.no_progress, on_step=on_step)
+        # budgets too small, a checkpoint that does not fit the preset, a missing file or swap directory, I/O errors
+        except (ValueError, KeyError, MemoryBudgetError, OSError, OffloadIOError) as exc:
+            print(f"nvoffload finetune: error: {_message(exc)}", file=sys.stderr)
             return 2
-        if args.no_progress:
-            for s in result.steps:
-                print(f"step {s.step}: {_postfix(s, torch.device(config.device))}")
         tail = result.losses[-10:]
         print(
             f"{result.num_parameters / 1e6:.2f}M parameters, {len(result.steps)} steps:"

@@ -33,6 +33,7 @@ import resource
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -213,13 +214,18 @@ def _save(model: nn.Module, opt: OffloadOptimizer, path: str) -> None:
         save_file(model.state_dict(), path)
 
 
-def finetune(config: FinetuneConfig, *, progress: bool = True) -> FinetuneResult:
+def finetune(
+    config: FinetuneConfig, *, progress: bool = True, on_step: Callable[[StepStats], None] | None = None
+) -> FinetuneResult:
     """Train ``config.steps`` optimizer steps; returns the per-step statistics.
+
+    ``progress`` shows a progress bar; ``on_step`` is called with each step's
+    :class:`StepStats` as soon as the step finishes.
 
     Raises ValueError for a bad configuration or a text too short for one
     sequence, :class:`~nvoffload.memory.MemoryBudgetError` for budgets too
-    small to stream the model (naming the smallest that works), and the
-    optimizer's errors for a bad swap directory.
+    small to stream the model (naming the smallest that works), OSError for a
+    missing text file or swap directory, and the optimizer's errors.
     """
     torch.manual_seed(config.seed)
     dev = torch.device(config.device)
@@ -268,6 +274,8 @@ def finetune(config: FinetuneConfig, *, progress: bool = True) -> FinetuneResult
                 if bar is not None:
                     bar.set_postfix_str(_postfix(stats, dev), refresh=False)
                     bar.update()
+                if on_step is not None:
+                    on_step(stats)
             if config.save_to is not None:
                 _save(model, opt, config.save_to)
     finally:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from nvoffload.activations import offload_activations as _offload_activations
-from nvoffload.io import TensorStore
+from nvoffload.io import TensorStore, swap_directories
 from nvoffload.memory import MemoryManager, TierStats
 from nvoffload.optim import OffloadOptimizer, OffloadOptimizerConfig
 from nvoffload.streaming import ParameterStreamer
@@ -72,10 +72,7 @@ class OffloadConfig:
     retain_host_memory: bool = False
 
     def __post_init__(self):
-        dirs = [self.swap_dirs] if isinstance(self.swap_dirs, (str, os.PathLike)) else list(self.swap_dirs)
-        if not dirs:
-            raise ValueError("swap_dirs needs at least one directory on NVMe")
-        object.__setattr__(self, "swap_dirs", tuple(os.fspath(d) for d in dirs))
+        object.__setattr__(self, "swap_dirs", tuple(swap_directories(self.swap_dirs)))
         sizes = {"cpu_memory_bytes": self.cpu_memory_bytes, "device_memory_bytes": self.device_memory_bytes}
         if self.activation_memory_bytes is not None:
             sizes["activation_memory_bytes"] = self.activation_memory_bytes

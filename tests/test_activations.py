@@ -1,8 +1,10 @@
 """Activation offload: gradients equal the plain model's, swap space comes back, errors are clear."""
 
+import contextlib
 import doctest
 import gc
 import importlib
+import os
 
 import pytest
 import torch
@@ -15,8 +17,7 @@ from nvoffload.models.gpt import GPT, GPTConfig
 
 from conftest import DEVICES
 
-HAS_STORE = hasattr(importlib.import_module("nvoffload.io"), "TensorStore")
-TARGETS = ["cpu", pytest.param("nvme", marks=pytest.mark.skipif(not HAS_STORE, reason="no TensorStore yet"))]
+TARGETS = ["cpu", "nvme"]
 
 
 class CNN(nn.Module):
@@ -91,7 +92,7 @@ def assert_same(ref, got):
 def make_offload(target, tmp_path, **kw):
     kw.setdefault("min_bytes", 1024)
     if target == "nvme":
-        return offload_activations(tmp_path / "swap", **kw)
+        return offload_activations(tmp_path, **kw)
     return offload_activations(target="cpu", **kw)
 
 
@@ -147,7 +148,8 @@ def test_peak_resident_below_plain_saved_tensors(target, tmp_path):
     model, inputs = make_case("gpt")
     counter = SavedTensorCounter()
     step(model, inputs, counter)
-    offload = make_offload(target, tmp_path, keep_recent_bytes=0, prefetch_bytes=0)
+    # Nothing kept, read ahead or left writing: what remains is what one backward node needs at once.
+    offload = make_offload(target, tmp_path, keep_recent_bytes=0, prefetch_bytes=0, max_pending_write_bytes=0)
     step(model, inputs, offload)
     stats = offload.stats()
     assert counter.resident_bytes == 0
@@ -171,7 +173,6 @@ def test_forward_without_backward_releases(target, tmp_path):
     assert offload._tier is None
 
 
-@pytest.mark.skipif(not HAS_STORE, reason="no TensorStore yet")
 def test_user_store_shared_and_left_open(tmp_path):
     from nvoffload.io import TensorStore
 
@@ -237,14 +238,18 @@ def test_checkpoint(reentrant, target, tmp_path):
         logits = F.linear(model.ln_f(x), model.tok_emb.weight)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
-    offload = make_offload(target, tmp_path, keep_recent_bytes=0)
-    model.zero_grad(set_to_none=True)
-    with offload:
-        loss = forward(*inputs)
-        loss.backward()  # inside: re-entrant recomputation saves through the hooks too
-    assert_same(ref, (loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    assert offload.stats().bytes_written > 0
-    assert_released(offload)
+    for backward_inside in (True, False):
+        offload = make_offload(target, tmp_path, keep_recent_bytes=0)
+        model.zero_grad(set_to_none=True)
+        with offload:
+            loss = forward(*inputs)
+            if backward_inside:
+                loss.backward()  # re-entrant recomputation then saves through the hooks too
+        if not backward_inside:
+            loss.backward()
+        assert_same(ref, (loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        assert offload.stats().bytes_written > 0
+        assert_released(offload)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -272,7 +277,8 @@ def test_gradient_accumulation_and_retain_graph(target, tmp_path):
     assert_released(offload)
 
 
-def test_double_backward(tmp_path):
+@pytest.mark.parametrize("target", TARGETS)
+def test_double_backward(target, tmp_path):
     torch.manual_seed(0)
     lin = nn.Linear(64, 64)
     x = torch.randn(128, 64)
@@ -286,7 +292,7 @@ def test_double_backward(tmp_path):
         g.square().sum().backward()
         return lin.weight.grad.clone()
 
-    offload = offload_activations(target="cpu", min_bytes=1024, keep_recent_bytes=0)
+    offload = make_offload(target, tmp_path, keep_recent_bytes=0)
     assert torch.equal(penalty(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)), penalty(offload))
     assert offload.stats().bytes_written > 0
     assert_released(offload)
@@ -308,6 +314,117 @@ def test_dedup_and_small_and_parameters_stay():
     assert stats.bytes_written == 2 * 512 * 256 * 4
     loss.backward()
     assert_released(offload)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_views_inside_one_extent_are_written_once(target, tmp_path):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 256)
+    w2 = nn.Parameter(torch.randn(512, 32))
+    x = torch.randn(512, 64)
+
+    def run(ctx):
+        lin.zero_grad(set_to_none=True)
+        w2.grad = None
+        with ctx:
+            h = torch.tanh(lin(x))  # saves x (128 KiB) and h, tanh's output (512 KiB)
+            a = h.t() @ w2  # saves h.t(): h's extent, other strides
+            b = h.view(-1, 128)[1:].sin()  # saves a slice inside h's extent
+            loss = a.square().mean() + b.mean()  # a (32 KiB): under min_bytes
+        loss.backward()
+        return loss.detach(), lin.weight.grad.clone(), w2.grad.clone()
+
+    offload = make_offload(target, tmp_path, min_bytes=64 << 10, keep_recent_bytes=0)
+    ref = run(contextlib.nullcontext())
+    got = run(offload)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    stats = offload.stats()
+    assert (stats.tensors_written, stats.dedup_hits) == (2, 2)
+    assert stats.bytes_written == (512 * 64 + 512 * 256) * 4
+    assert_released(offload)
+
+
+class WithBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(128, 128)
+        self.register_buffer("scale", torch.rand(512, 128))  # 256 KiB, saved by the product below
+
+    def forward(self, x):
+        return (self.lin(x) * self.scale).square().mean()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_buffers_stay_in_place(target, tmp_path):
+    torch.manual_seed(0)
+    model, x = WithBuffer(), torch.randn(512, 128)
+    ref = step(model, (x,))
+    counter = SavedTensorCounter()
+    step(model, (x,), counter)
+    offload = make_offload(target, tmp_path, keep_recent_bytes=0)
+    assert_same(ref, step(model, (x,), offload))
+    stats = offload.stats()
+    assert stats.tensors_written == 2 and stats.bytes_written == 2 * 512 * 128 * 4  # x and the product
+    assert counter.peak_resident_bytes == 2 * 512 * 128 * 4  # the counter leaves buffers out too
+    assert_released(offload)
+
+
+def test_dropped_context_removes_its_swap_files_without_gc(tmp_path):
+    model, inputs = make_case("gpt")
+    swap_files = lambda: [f for f in os.listdir(tmp_path) if f.endswith(".swap")]  # noqa: E731
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):  # a new context each step, as in the README
+            offload = make_offload("nvme", tmp_path, keep_recent_bytes=0)
+            step(model, inputs, offload)
+            assert offload.stats().bytes_written > 0
+            del offload
+            assert swap_files() == []
+        offload = make_offload("nvme", tmp_path, keep_recent_bytes=0)
+        with offload:
+            loss = model(*inputs)
+        del offload  # the graph's handles keep it alive until backward is done
+        assert len(swap_files()) == 1
+        loss.backward()
+        del loss
+        assert swap_files() == []
+    finally:
+        gc.enable()
+
+
+def test_reads_after_the_kept_tensors_and_in_a_second_backward_are_prefetched(tmp_path):
+    model, inputs = make_case("gpt")
+    offload = make_offload("nvme", tmp_path, keep_recent_bytes=300_000, prefetch_bytes=1 << 30)
+    with offload:
+        loss = model(*inputs)
+    loss.backward(retain_graph=True)
+    first = offload.stats()
+    assert first.tensors_forwarded > 0 and first.tensors_written > 0
+    assert first.reads_prefetched == first.tensors_written  # the first stored tensor too
+    loss.backward()
+    second = offload.stats()
+    assert second.bytes_read == 2 * first.bytes_read
+    assert second.reads_prefetched - first.reads_prefetched == first.tensors_written
+    del loss
+    assert_released(offload)
+
+
+def test_memory_bounds_of_keep_recent_and_prefetch(tmp_path):
+    model, inputs = make_case("gpt")
+    largest = 4 * 64 * 256 * 4  # the tiny GPT's biggest saved tensor (the MLP's hidden layer)
+
+    def peak(keep, prefetch):
+        offload = make_offload("nvme", tmp_path, keep_recent_bytes=keep, prefetch_bytes=prefetch, max_pending_write_bytes=0)
+        step(model, inputs, offload)
+        return offload.stats().peak_resident_bytes
+
+    base = peak(0, 0)
+    for budget in (100_000, 600_000):
+        assert base <= peak(budget, 0) <= base + budget + largest
+        ahead = peak(0, budget)
+        assert base <= ahead <= base + budget + largest
+    assert ahead > base + largest  # 600 KB of reads ahead do take memory
 
 
 def test_forwarding_keeps_recent_in_memory():
@@ -362,10 +479,18 @@ def test_bad_settings(tmp_path):
         offload_activations(target="cpu", config=ActivationOffloadConfig(target="cpu"))
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(ValueError, match="is not a writable directory"):
-        offload_activations(blocker / "swap")
-    with pytest.raises(ValueError, match="is not a writable directory"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        offload_activations(tmp_path / "missing")
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
         offload_activations(blocker)
+    with pytest.raises(TypeError, match="a path or a list of paths, got 5"):
+        offload_activations(5)
+    with pytest.raises(TypeError, match="a path or a list of paths, got b'/tmp'"):
+        offload_activations(b"/tmp")
+    with pytest.raises(TypeError, match=r"must be paths \(str or os.PathLike\), got 7"):
+        offload_activations([tmp_path, 7])
+    with pytest.raises(ValueError, match="at least one swap directory"):
+        offload_activations([])
 
 
 @pytest.mark.cuda
@@ -385,7 +510,7 @@ def test_cuda_gradients_equal(target, tmp_path):
 
 @pytest.mark.parametrize(
     "module",
-    ["counting", pytest.param("offload", marks=pytest.mark.skipif(not HAS_STORE, reason="no TensorStore yet"))],
+    ["counting", "offload"],
 )
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(f"nvoffload.activations.{module}"))

@@ -1,6 +1,8 @@
 """The main job: ``nvoffload finetune`` trains, reports per step, and cleans up its swap directory."""
 
+import io
 import os
+import sys
 
 import pytest
 import torch
@@ -50,13 +52,34 @@ def test_finetune_loss_decreases_and_cleans_up(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "nvoffload") == []  # the run's swap directory is gone
 
 
-def test_cli(tmp_path, capsys):
+def test_cli(tmp_path, monkeypatch):
+    """--no-progress prints each step's line as the step finishes: while the run's swap file still exists."""
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 50)
+    printed = []  # (line, whether the run was still on when it was written)
+
+    class Stdout(io.StringIO):
+        def write(self, s):
+            if s.strip():
+                printed.append((s, any(tmp_path.glob("*.swap"))))
+            return super().write(s)
+
+    monkeypatch.setattr(sys, "stdout", Stdout())
     rc = main(["finetune", "--preset", "tiny", "--steps", "3", "--text", str(text), "--swap-dir", str(tmp_path),
                "--cpu-memory", "8M", "--no-progress"])  # fmt: skip
-    out = capsys.readouterr().out
-    assert rc == 0 and "step 3:" in out and "tok/s" in out and "loss" in out
+    assert rc == 0 and len(printed) == 4
+    for i, (line, running) in enumerate(printed[:3], start=1):
+        assert line.startswith(f"step {i}: loss ") and "tok/s" in line and running
+    assert "3 steps: loss" in printed[3][0] and not printed[3][1]
+
+
+def test_cli_missing_text_or_swap_dir(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for option, path in (("--swap-dir", tmp_path / "no-swap"), ("--text", tmp_path / "no-text.txt")):
+        rc = main(["finetune", "--preset", "tiny", "--steps", "1", "--no-progress", option, str(path)])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith("nvoffload finetune: error: ") and str(path) in err, (option, err)
+        assert err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_cli_errors(capsys):

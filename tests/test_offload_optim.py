@@ -1,12 +1,18 @@
 """OffloadOptimizer / NVMeAdamW against torch's optimizers, with the state in a real TensorStore."""
 
+import concurrent.futures
 import copy
+import errno
 import io
+import re
+import threading
+import time
 
 import pytest
 import torch
 from torch import nn
 
+from nvoffload.io import TensorStore
 from nvoffload.models import GPT, GPTConfig
 from nvoffload.optim import CPUAdamW
 from nvoffload.optim.offload import NVMeAdamW, OffloadIOError, OffloadOptimizer
@@ -85,31 +91,77 @@ def test_mlp_matches_adamw(tmp_path, accum, clip):
     assert torch.equal(off.unused.weight, ref.unused.weight)
 
 
-def test_gpt_matches_adamw_and_max_grad_norm(tmp_path):
+def gpt_data(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 256, (2, 33), generator=g),) * 2 for _ in range(n)]
+
+
+def gpt_loss(m, x, y):
+    return m(x[:, :-1], y[:, 1:])
+
+
+def gpt_groups(model, extra):
+    """Matrices, embeddings (own betas) and vectors (own lr) plus ``extra``, a parameter that never gets a gradient."""
+    named = dict(model.named_parameters())
+    return [
+        {"params": [p for n, p in named.items() if p.dim() >= 2 and "emb" not in n], "weight_decay": 0.1},
+        {"params": [p for n, p in named.items() if "emb" in n], "weight_decay": 0.05, "betas": (0.8, 0.95)},
+        {"params": [p for n, p in named.items() if p.dim() < 2] + [extra], "weight_decay": 0.0, "lr": 1e-3},
+    ]
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_gpt_matches_adamw(tmp_path, clip):
+    """Three groups, an LR schedule, two micro-batches per step, a frozen parameter, one without gradient and,
+    with ``clip``, the user's clip_grad_norm_ between backward and step(): bit for bit with torch's AdamW."""
     torch.manual_seed(0)
-    cfg = GPTConfig.preset("tiny")
-    ref = GPT(cfg)
-    off, clipped_ref, clipped = copy.deepcopy(ref), copy.deepcopy(ref), copy.deepcopy(ref)
-    opt_ref = CPUAdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
-    opt_cref = CPUAdamW(clipped_ref.parameters(), lr=3e-3, weight_decay=0.1)
-    torch_ref = copy.deepcopy(ref)
+    off = GPT(GPTConfig.preset("tiny"))
+    off.pos_emb.weight.requires_grad_(False)
+    ref = copy.deepcopy(off)
+    extra_off = nn.Parameter(torch.randn(300))
+    extra_ref = copy.deepcopy(extra_off)
     # torch's fused CPU AdamW rounds exactly like the native kernel; its
-    # single-tensor path can be an ulp off (MKL's sqrt), which 50 steps amplify.
-    opt_torch = torch.optim.AdamW(torch_ref.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randint(0, 256, (2, 33), generator=g),) * 2 for _ in range(50)]
-    loss_fn = lambda m, x, y: m(x[:, :-1], y[:, 1:])  # noqa: E731
-    with NVMeAdamW(off.parameters(), lr=3e-3, weight_decay=0.1, swap_dir=tmp_path, chunk_bytes=CHUNK) as opt, \
-         NVMeAdamW(clipped.parameters(), lr=3e-3, weight_decay=0.1, swap_dir=tmp_path, chunk_bytes=CHUNK, max_grad_norm=0.1) as opt_c:  # fmt: skip
-        train(off, opt, data, loss_fn=loss_fn)
-        train(ref, opt_ref, data, loss_fn=loss_fn)
-        train(torch_ref, opt_torch, data, loss_fn=loss_fn)
-        train(clipped, opt_c, data, loss_fn=loss_fn)
-        train(clipped_ref, opt_cref, data, loss_fn=loss_fn, clip=0.1)
-        assert opt.overlap_active
+    # single-tensor path can be an ulp off (MKL's sqrt), which many steps amplify.
+    opt_ref = torch.optim.AdamW(gpt_groups(ref, extra_ref), lr=3e-3, fused=True)
+    frozen_before = off.pos_emb.weight.detach().clone()
+    data = gpt_data(30)
+    with OffloadOptimizer(torch.optim.AdamW(gpt_groups(off, extra_off), lr=3e-3), swap_dir=tmp_path, chunk_bytes=CHUNK) as opt:
+        for m, o in ((off, opt), (ref, opt_ref)):
+            sched = torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.9**s)
+            train(m, o, data, accum=2, clip=clip, sched=sched, loss_fn=gpt_loss)
+        assert opt.overlap_active == (clip is None)
+        assert opt.param_groups[2]["lr"] == opt_ref.param_groups[2]["lr"] < 1e-3
+        state = opt.state_dict()["state"]
+        assert set(state) == set(opt_ref.state_dict()["state"])  # nothing for the frozen and the unused one
     assert_params_equal(off, ref)
-    assert_params_equal(clipped, clipped_ref)
-    assert_params_equal(off, torch_ref)  # bit for bit
+    assert torch.equal(off.pos_emb.weight, frozen_before) and torch.equal(extra_off, extra_ref)
+
+
+def test_gpt_max_grad_norm(tmp_path):
+    """max_grad_norm clips as torch.nn.utils.clip_grad_norm_ before torch's AdamW."""
+    torch.manual_seed(0)
+    clipped = GPT(GPTConfig.preset("tiny"))
+    ref = copy.deepcopy(clipped)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
+    data = gpt_data(20)
+    with NVMeAdamW(clipped.parameters(), lr=3e-3, weight_decay=0.1, swap_dir=tmp_path, chunk_bytes=CHUNK, max_grad_norm=0.1) as opt:
+        train(clipped, opt, data, loss_fn=gpt_loss)
+        assert not opt.overlap_active
+    train(ref, opt_ref, data, loss_fn=gpt_loss, clip=0.1)
+    assert_params_equal(clipped, ref)
+
+
+def train_fp32_master(model, master, opt, data, loss_fn):
+    """The reference mixed-precision loop: fp32 master weights, a low-precision model, one micro-batch per step."""
+    for x, y in data:
+        loss_fn(model, x, y).float().backward()
+        for m, p in zip(master, model.parameters()):
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(master, model.parameters()):
+                p.copy_(m)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -118,7 +170,7 @@ def test_low_precision_model_equals_fp32_master_loop(tmp_path, dtype):
     model = MLP().to(dtype)
     ref = copy.deepcopy(model)
     master = [p.detach().float() for p in ref.parameters()]
-    opt_ref = CPUAdamW([{"params": master[:4]}, {"params": master[4:], "weight_decay": 0.0}], lr=1e-2)
+    opt_ref = torch.optim.AdamW([{"params": master[:4]}, {"params": master[4:], "weight_decay": 0.0}], lr=1e-2, fused=True)
     opt = OffloadOptimizer(
         CPUAdamW([{"params": list(model.parameters())[:4]}, {"params": list(model.parameters())[4:], "weight_decay": 0.0}], lr=1e-2),
         swap_dir=tmp_path, chunk_bytes=CHUNK,
@@ -126,19 +178,26 @@ def test_low_precision_model_equals_fp32_master_loop(tmp_path, dtype):
     data = [(x.to(dtype), y.to(dtype)) for x, y in batches(30)]
     with opt:
         train(model, opt, data)
-        for x, y in data:  # the reference mixed-precision loop: fp32 master, low-precision model
-            (ref(x) - y).float().square().mean().backward()
-            for m, p in zip(master, ref.parameters()):
-                m.grad = None if p.grad is None else p.grad.float()
-                p.grad = None
-            opt_ref.step()
-            with torch.no_grad():
-                for m, p in zip(master, ref.parameters()):
-                    p.copy_(m)
+        train_fp32_master(ref, master, opt_ref, data, mse)
         state = opt.state_dict()["state"]
     assert_params_equal(model, ref)
     assert 0 not in state  # the frozen parameter (first in parameters()) has no state
     assert torch.equal(state[1]["master_param"], master[1])
+
+
+def test_bf16_gpt_equals_fp32_master_loop(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny")).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    master = [p.detach().float() for p in ref.parameters()]
+    opt_ref = torch.optim.AdamW(master, lr=3e-3, weight_decay=0.1, fused=True)
+    data = gpt_data(15)
+    with NVMeAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, swap_dir=tmp_path, chunk_bytes=CHUNK) as opt:
+        train(model, opt, data, loss_fn=gpt_loss)
+        assert opt.overlap_active
+        train_fp32_master(ref, master, opt_ref, data, gpt_loss)
+        assert torch.equal(opt.state_dict()["state"][0]["master_param"], master[0])
+    assert_params_equal(model, ref)
 
 
 def test_state_dict_round_trip(tmp_path):
@@ -163,24 +222,170 @@ def test_state_dict_round_trip(tmp_path):
 
 
 def test_state_dict_interchangeable_with_adamw(tmp_path):
+    """torch's AdamW state dict loads into the offloaded optimizer, and its state dict back into torch's AdamW."""
     torch.manual_seed(0)
     model = MLP()
-    data = batches(20)
+    data = batches(30)
     plain = copy.deepcopy(model)
-    opt_plain = CPUAdamW(groups(plain))
+    opt_plain = torch.optim.AdamW(groups(plain), fused=True)
     train(plain, opt_plain, data[:10])
     ours = copy.deepcopy(plain)
-    with OffloadOptimizer(CPUAdamW(groups(ours)), swap_dir=tmp_path, chunk_bytes=CHUNK) as opt:
+    with OffloadOptimizer(torch.optim.AdamW(groups(ours)), swap_dir=tmp_path, chunk_bytes=CHUNK) as opt:
         opt.load_state_dict(opt_plain.state_dict())
         sd = opt.state_dict()
         for k, st in opt_plain.state_dict()["state"].items():
             assert torch.equal(sd["state"][k]["exp_avg_sq"], st["exp_avg_sq"]) and float(sd["state"][k]["step"]) == 10
-        train(ours, opt, data[10:])
-        back = CPUAdamW(groups(copy.deepcopy(ours)))
-        back.load_state_dict(opt.state_dict())  # and back into a plain optimizer
-    train(plain, opt_plain, data[10:])
+        assert set(sd["state"]) == set(opt_plain.state_dict()["state"])  # no state for params without grads
+        train(ours, opt, data[10:20])
+        back = copy.deepcopy(ours)
+        opt_back = torch.optim.AdamW(groups(back), fused=True)
+        opt_back.load_state_dict(opt.state_dict())
+    train(plain, opt_plain, data[10:20])
     assert_params_equal(ours, plain)
-    assert set(sd["state"]) == set(opt_plain.state_dict()["state"])  # no state for params without grads
+    train(back, opt_back, data[20:])
+    train(plain, opt_plain, data[20:])
+    assert_params_equal(back, plain)
+
+
+def test_add_param_group_after_some_steps(tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    model.head.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    data = batches(10)
+    opt_ref = torch.optim.AdamW([*ref.fc1.parameters(), *ref.fc2.parameters()], lr=1e-2, fused=True)
+    with NVMeAdamW([*model.fc1.parameters(), *model.fc2.parameters()], lr=1e-2, swap_dir=tmp_path, chunk_bytes=CHUNK) as opt:
+        for m, o in ((model, opt), (ref, opt_ref)):
+            train(m, o, data[:4])
+            m.head.requires_grad_(True)
+            o.add_param_group({"params": list(m.head.parameters()), "lr": 3e-3, "weight_decay": 0.0})
+            train(m, o, data[4:])
+        assert set(opt.state_dict()["state"]) == {0, 1, 2, 3, 4, 5}
+    assert_params_equal(model, ref)
+
+
+def test_striped_swap_directories(tmp_path):
+    dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    for d in dirs:
+        d.mkdir()
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    data = batches(10)
+    with NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=dirs, chunk_bytes=CHUNK) as opt:
+        train(model, opt, data)
+        for d in dirs:
+            (swap,) = d.glob("*.swap")
+            assert swap.stat().st_size > 0
+    train(ref, opt_ref, data)
+    assert_params_equal(model, ref)
+    assert not any(list(d.iterdir()) for d in dirs)  # swap files removed
+
+
+class RecordingStore(TensorStore):
+    """A real store that notes the names it is asked to read, in order."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reads = []
+
+    def get(self, name, out=None):
+        self.reads.append(name)
+        return super().get(name, out)
+
+
+def test_read_ahead_follows_gradient_arrival(tmp_path):
+    """After the first step the chunks are read ahead in the order the gradients arrived (reverse layer order)."""
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    index = {p: i for i, p in enumerate(model.parameters())}
+    arrival = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: arrival.append(index[p])) for p in index if p.requires_grad]
+    data = batches(3)
+    with RecordingStore(tmp_path) as store, \
+         NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=store, chunk_bytes=CHUNK, prefetch_chunks=4) as opt:  # fmt: skip
+        train(model, opt, data[:1])
+        for h in hooks:
+            h.remove()
+        deadline = time.monotonic() + 5
+        while len(store.reads) < 4 and time.monotonic() < deadline:  # the read-ahead runs while training waits
+            time.sleep(0.01)
+        read_order = list(dict.fromkeys(int(re.search(r"\.p(\d+)\.c", name).group(1)) for name in store.reads[:4]))
+        assert read_order == arrival[:4]  # one chunk each: head (two parameters), fc2.bias, fc2.weight's first
+        assert set(arrival[:2]) == {index[model.head.weight], index[model.head.bias]}  # reverse layer order
+        assert set(arrival[2:4]) == {index[model.fc2.weight], index[model.fc2.bias]}
+        train(model, opt, data[1:])
+    train(ref, opt_ref, data)
+    assert_params_equal(model, ref)
+
+
+def mse(m, x, y):
+    return (m(x) - y).square().mean()
+
+
+def accumulate(model, micro_batches):
+    for x, y in micro_batches:
+        (mse(model, x, y) / len(micro_batches)).backward()
+
+
+def changed(before, model):
+    return any(not torch.equal(a, b) for a, b in zip(before, params(model)))
+
+
+def test_micro_batches_per_step_change(tmp_path):
+    """2 -> 3 micro-batches: the third forward ran on weights updated during the second backward, so step()
+    restores them, skips the step with a clear error and re-learns the count. 3 -> 2: the update runs in
+    step() once, then during backward again. Against torch.optim.AdamW at every step."""
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt_ref = torch.optim.AdamW(groups(ref), lr=1e-2, fused=True)
+    data = batches(19)
+    with OffloadOptimizer(torch.optim.AdamW(groups(model), lr=1e-2), swap_dir=tmp_path, chunk_bytes=CHUNK) as opt:
+        train(model, opt, data[:6], accum=2)
+        train(ref, opt_ref, data[:6], accum=2)
+        before = params(model)
+        accumulate(model, data[6:9])
+        with pytest.raises(RuntimeError, match=r"backward ran 3 times for .* learned 2 per step .* restored"):
+            opt.step()
+        assert not changed(before, model)
+        opt.zero_grad()
+        for i, micro_batches in enumerate((data[6:9], data[9:12], data[12:15], data[15:17], data[17:19])):
+            before = params(model)
+            accumulate(model, micro_batches)
+            opt.synchronize()
+            # updated during backward once the count is known: 3 (re-learned above), 2 after one step of 2
+            assert changed(before, model) == (i != 3)
+            opt.step()
+            opt.zero_grad()
+            train(ref, opt_ref, micro_batches, accum=len(micro_batches))
+            assert_params_equal(model, ref)
+        assert opt.overlap_active
+
+
+def test_lr_changed_between_backward_and_step(tmp_path):
+    """An lr set after backward is the one step() uses (the early updates are redone); overlap is off for the
+    next step, which shows the hyperparameters stay put, and back on after it."""
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    data = batches(8)
+    with NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path, chunk_bytes=CHUNK) as opt:
+        for i, (x, y) in enumerate(data):
+            before = params(model)
+            for m, o in ((model, opt), (ref, opt_ref)):
+                mse(m, x, y).backward()
+                if i == 3:
+                    o.param_groups[0]["lr"] = 3e-3
+                o.step()
+                o.zero_grad()
+            assert changed(before, model)
+            assert_params_equal(model, ref)
+            assert opt.overlap_active == (i != 3)
 
 
 class WideShallow(nn.Module):
@@ -194,19 +399,39 @@ class WideShallow(nn.Module):
         return sum((t[: x.numel()] * x).sum() * (i + 1) for i, t in enumerate(self.tables))
 
 
+class SlowWriteStore(TensorStore):
+    """A real store whose writes start 20 ms after ``put`` returns and read the caller's buffer only then,
+    as a slow drive would: a buffer reused before its write's future is done is written with the wrong bytes."""
+
+    def put(self, name, tensor):
+        future = concurrent.futures.Future()
+
+        def write():
+            time.sleep(0.02)
+            try:
+                future.set_result(TensorStore.put(self, name, tensor).result())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                future.set_exception(exc)
+
+        threading.Thread(target=write, daemon=True).start()
+        return future
+
+
 def test_long_transfers_short_compute(tmp_path):
-    """Updates overlap a near-instant backward; any missing wait on a read or write shows as wrong values."""
+    """Updates overlap a near-instant backward while writes are slow; a slot reused before its write is done
+    (or any other missing wait) shows as wrong values."""
     torch.manual_seed(0)
     model = WideShallow()
     ref = copy.deepcopy(model)
-    opt_ref = CPUAdamW(ref.parameters(), lr=1e-2)
-    data = [(torch.randn(4096), None) for _ in range(8)]
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    data = [(torch.randn(4096), None) for _ in range(4)]
     loss_fn = lambda m, x, y: m(x)  # noqa: E731
-    with NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path, chunk_bytes=1 << 16, prefetch_chunks=3) as opt:
+    with SlowWriteStore(tmp_path) as store, \
+         NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=store, chunk_bytes=1 << 16, prefetch_chunks=3) as opt:  # fmt: skip
         train(model, opt, data, loss_fn=loss_fn)
         assert opt.overlap_active
         train(ref, opt_ref, data, loss_fn=loss_fn)
-        assert opt.memory_stats().read_bytes > 8 * 6 * (1 << 18) * 12 * 0.5
+        assert opt.memory_stats().read_bytes > 4 * 6 * (1 << 18) * 12 * 0.5
     assert_params_equal(model, ref)
 
 
@@ -269,6 +494,41 @@ def test_io_error_in_step_leaves_params_unchanged(tmp_path):
         assert any(not torch.equal(a, b) for a, b in zip(before, params(model)))
 
 
+def test_restores_and_state_dicts_stay_within_cpu_memory(tmp_path):
+    """An exact-fit budget holds through an I/O error, a GradScaler overflow and a state dict round trip."""
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    budget = 4 * 4096 * 12  # prefetch_chunks=2: four slots of one chunk's three fp32 rows
+    data = batches(8)
+    mse = lambda m, x, y: (m(x) - y).square().mean()  # noqa: E731
+    with NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path, chunk_bytes=CHUNK, cpu_memory_bytes=budget) as opt:
+        train(model, opt, data[:3])
+        train(ref, opt_ref, data[:3])
+        opt._store.inject_fault("eio", after_ops=4)
+        mse(model, *data[3]).backward()  # updates start here
+        with pytest.raises(OffloadIOError, match="Input/output error"):
+            opt.step()  # restores the weights the early updates changed
+        opt.step()  # the same gradients again
+        opt.zero_grad()
+        train(ref, opt_ref, data[3:4])
+        assert_params_equal(model, ref)
+        for m, o in ((model, opt), (ref, opt_ref)):  # an overflow: the early updates are undone
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+            scaler.scale(mse(m, *data[4])).backward()
+            m.fc1.weight.grad[0, 0] = float("inf")
+            scaler.step(o)
+            o.zero_grad()
+        assert_params_equal(model, ref)
+        opt.load_state_dict(opt.state_dict())
+        train(model, opt, data[5:])
+        train(ref, opt_ref, data[5:])
+        stats = opt.memory_stats()
+        assert stats.host_peak_bytes <= stats.host_limit_bytes == budget
+    assert_params_equal(model, ref)
+
+
 def test_bad_input(tmp_path, monkeypatch):
     lin = nn.Linear(4, 4)
     with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -284,9 +544,15 @@ def test_bad_input(tmp_path, monkeypatch):
     import shutil as _shutil
 
     real = _shutil.disk_usage
-    monkeypatch.setattr("nvoffload.optim.offload.shutil.disk_usage", lambda p: real(p)._replace(free=100))
-    with pytest.raises(ValueError, match=r"needs \d+ bytes"):
+    monkeypatch.setattr("nvoffload.io.store.shutil.disk_usage", lambda p: real(p)._replace(free=100))
+    state = 2 * 1024 * 3 * 4  # weight and bias: a 1024-element aligned chunk each, of master, m and v in fp32
+    with pytest.raises(OSError, match=rf"needs \d+ bytes for the optimizer state \(two generations of {state} bytes\)") as info:
         NVMeAdamW(lin.parameters(), swap_dir=tmp_path)
+    assert info.value.errno == errno.ENOSPC
+    (tmp_path / "b").mkdir()  # two directories on one file system do not count its free space twice
+    monkeypatch.setattr("nvoffload.io.store.shutil.disk_usage", lambda p: real(p)._replace(free=state + 4096))
+    with pytest.raises(OSError, match=r"swap directories .*, .*/b need"):
+        NVMeAdamW(lin.parameters(), swap_dir=[tmp_path, tmp_path / "b"])
     monkeypatch.undo()
 
     emb = nn.Embedding(10, 4, sparse=True)
@@ -294,11 +560,45 @@ def test_bad_input(tmp_path, monkeypatch):
         emb(torch.tensor([1, 2])).sum().backward()
         with pytest.raises(ValueError, match="sparse gradient"):
             opt.step()
-    ada = nn.Linear(8, 8, bias=False)
-    with OffloadOptimizer(torch.optim.Adafactor(ada.parameters()), swap_dir=tmp_path) as opt:
-        ada(torch.randn(2, 8)).sum().backward()
-        with pytest.raises(Exception, match="cannot be offloaded"):
+    with pytest.raises(ValueError, match="Adafactor state 'row_var' of shape .* cannot be offloaded"):
+        OffloadOptimizer(torch.optim.Adafactor(nn.Linear(8, 8).parameters()), swap_dir=tmp_path)
+    vector = nn.Parameter(torch.zeros(8))
+    with OffloadOptimizer(torch.optim.Adafactor([vector]), swap_dir=tmp_path) as opt:  # unfactored: elementwise
+        with pytest.raises(ValueError, match="'row_var'"):
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(4, 4))]})
+
+
+class FiniteSGD(torch.optim.SGD):
+    """SGD that refuses non-finite gradients: a failure of the wrapped optimizer's step that is not I/O."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not torch.isfinite(p.grad).all():
+                    raise FloatingPointError("non-finite gradient")
+        return super().step(closure)
+
+
+def test_failure_of_a_wrapped_step_keeps_its_type_and_restores(tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    data = batches(6)
+    with OffloadOptimizer(FiniteSGD(model.parameters(), lr=0.05, momentum=0.9), swap_dir=tmp_path, chunk_bytes=CHUNK) as opt:
+        train(model, opt, data[:3])
+        train(ref, opt_ref, data[:3])
+        before = params(model)
+        (model(data[3][0]) - data[3][1]).square().mean().backward()  # updates run here
+        model.head.bias.grad[0] = float("nan")  # after its hook: noticed in step()
+        with pytest.raises(FloatingPointError, match="non-finite gradient") as info:
             opt.step()
+        assert "parameters were restored" in "".join(info.value.__notes__)
+        assert all(torch.equal(a, b) for a, b in zip(before, params(model)))
+        opt.zero_grad()
+        train(model, opt, data[3:])
+        train(ref, opt_ref, data[3:])
+    assert_params_equal(model, ref)
 
 
 @pytest.mark.parametrize("dtype, read_per_elem", [(torch.float32, 8), (torch.bfloat16, 12)])

@@ -157,8 +157,10 @@ def test_unsupported_modes_are_refused(tmp_path):
 
 
 def test_bad_config():
-    with pytest.raises(ValueError, match="swap_dirs"):
+    with pytest.raises(ValueError, match="at least one swap directory"):
         nvoffload.OffloadConfig(swap_dirs=[])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        nvoffload.OffloadConfig(swap_dirs=["/nonexistent/nvme"])
     with pytest.raises(ValueError, match="cpu_memory_bytes"):
         nvoffload.OffloadConfig(swap_dirs=["/tmp"], cpu_memory_bytes=0)
     with pytest.raises(ValueError, match="optimizer_memory_fraction"):

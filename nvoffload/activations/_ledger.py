@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -19,6 +21,50 @@ def is_parameter_like(tensor: torch.Tensor) -> bool:
         base = tensor._base
         return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
     return False
+
+
+class ModuleBuffers:
+    """The storages of module buffers, noted while the context is active.
+
+    Saved tensors that are buffers (running statistics, masks, position tables)
+    live as long as their module: moving them would cost I/O and free nothing.
+    While active, a global forward pre-hook notes the buffers of every module
+    that runs (all of its submodules' too, the first time it runs), so that
+    :meth:`holds` recognises them. Contexts nest; the hook is removed and the
+    notes are cleared when the outermost one exits.
+    """
+
+    def __init__(self) -> None:
+        self._storages: set[StorageWeakRef] = set()
+        self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._hook = None
+        self._depth = 0
+
+    def __enter__(self) -> ModuleBuffers:
+        if self._depth == 0:
+            self._hook = nn.modules.module.register_module_forward_pre_hook(self._note)
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._hook.remove()
+            self._hook = None
+            self._storages.clear()
+            self._seen = weakref.WeakSet()
+
+    def _note(self, module: nn.Module, args) -> None:
+        modules = [module] if module in self._seen else module.modules()
+        for m in modules:  # a module's own buffers every call: one may be reassigned between calls
+            self._seen.add(m)
+            for buffer in m._buffers.values():
+                if buffer is not None:
+                    self._storages.add(StorageWeakRef(buffer.untyped_storage()))
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """True for parameters, leaves that require grad (and views of them) and noted buffers."""
+        return is_parameter_like(tensor) or StorageWeakRef(tensor.untyped_storage()) in self._storages
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -8,7 +8,7 @@ import weakref
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from ._ledger import StorageLedger, is_parameter_like, same_storage
+from ._ledger import ModuleBuffers, StorageLedger, same_storage
 
 __all__ = ["SavedTensorCounter"]
 
@@ -35,8 +35,8 @@ class SavedTensorCounter(saved_tensors_hooks):
     ``inner`` hooks (``torch.autograd.graph.save_on_cpu()``, for instance), the
     inner pack runs and what it returns is inspected: tensors sharing the
     original's storage count as ``resident`` (the original stays in memory),
-    other tensors (copies) count as ``offloaded``. Parameters and leaves that
-    require grad are not counted. A storage counts once however many saved
+    other tensors (copies) count as ``offloaded``. Parameters, leaves that
+    require grad and module buffers are not counted. A storage counts once however many saved
     tensors refer to it; it stops counting when autograd drops the saved tensor.
 
     Example::
@@ -57,13 +57,15 @@ class SavedTensorCounter(saved_tensors_hooks):
         self._resident = StorageLedger()
         self._offloaded = StorageLedger()
         self._lock = threading.Lock()
+        self._buffers = ModuleBuffers()
+        buffers = self._buffers
         inner_pack = inner.pack_hook if inner is not None else (lambda t: t.detach())
         inner_unpack = inner.unpack_hook if inner is not None else (lambda p: p)
 
         def pack(tensor: torch.Tensor) -> _Counted:
             packed = inner_pack(tensor)
             handle = _Counted(packed)
-            if not is_parameter_like(tensor):
+            if not buffers.holds(tensor):
                 with self._lock:
                     keys = [
                         (ledger, ledger.add(t))
@@ -80,8 +82,13 @@ class SavedTensorCounter(saved_tensors_hooks):
         super().__init__(pack, unpack)
 
     def __enter__(self) -> SavedTensorCounter:
+        self._buffers.__enter__()
         super().__enter__()
         return self
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._buffers.__exit__(*exc)
 
     def _forget(self, keys) -> None:
         with self._lock:

@@ -7,11 +7,8 @@ import collections
 import contextlib
 import enum
 import itertools
-import os
-import tempfile
 import threading
 import weakref
-from pathlib import Path
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -19,9 +16,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import device as _device
 from ..io.buffers import aligned_empty
+from ..io.store import swap_directories
 from ..memory import retain_freed_host_memory
 from ._host import Completed, HostTier
-from ._ledger import StorageLedger, is_parameter_like
+from ._ledger import ModuleBuffers, StorageLedger
 from .config import ActivationOffloadConfig, OffloadStats
 
 __all__ = ["offload_activations"]
@@ -41,8 +39,8 @@ class _Record:
 
     __slots__ = (
         "handle", "name", "key", "nbytes", "numel", "size", "stride", "dtype", "device", "version",
-        "state", "original", "original_key", "write", "load", "loaded_key", "live", "pending", "error",
-        "written",
+        "offset", "dense", "state", "original", "original_key", "write", "load", "loaded_key", "live", "pending",
+        "error", "written",
     )  # fmt: skip
 
     def __init__(self, handle: int, name: str, key: tuple, tensor: torch.Tensor, dense: bool):
@@ -53,6 +51,8 @@ class _Record:
         self.nbytes = self.numel * tensor.element_size()
         self.size = tuple(tensor.shape)
         self.stride = tuple(tensor.stride()) if dense else _contiguous_strides(self.size)
+        self.offset = tensor.storage_offset()
+        self.dense = dense  # written as its storage span [offset, offset + numel)
         self.dtype = tensor.dtype
         self.device = tensor.device
         self.version = tensor._version
@@ -63,7 +63,7 @@ class _Record:
         self.load: _Load | None = None
         self.loaded_key = None
         self.live = 0  # packed handles alive in some graph
-        self.pending = 0  # live handles not unpacked yet
+        self.pending = 0  # live handles not unpacked yet in this backward pass
         self.error: BaseException | None = None
         self.written = False
 
@@ -72,13 +72,18 @@ class _Record:
 
 
 class _Ticket:
-    """What a packed handle's finalizer needs: the record and whether it was unpacked."""
+    """What a packed handle's finalizer needs: the record and how often backward unpacked it.
 
-    __slots__ = ("record", "unpacked")
+    ``view`` is None when the saved tensor is the record's own; for a tensor
+    lying inside a record's extent it is its ``(size, stride, storage_offset)``.
+    """
 
-    def __init__(self, record: _Record):
+    __slots__ = ("record", "view", "uses")
+
+    def __init__(self, record: _Record, view: tuple | None = None):
         self.record = record
-        self.unpacked = False
+        self.view = view
+        self.uses = 0  # backward passes that unpacked it (more than one through a retained graph)
 
 
 class _Packed:
@@ -102,14 +107,15 @@ class _Resident:
 class _Write:
     """Device-to-host staging (CUDA only), then ``put`` into the tier."""
 
-    __slots__ = ("record", "tier", "staging", "host", "put")
+    __slots__ = ("record", "tier", "staging", "host", "put", "copy_key")
 
-    def __init__(self, record: _Record, tier, staging, host: torch.Tensor):
+    def __init__(self, record: _Record, tier, staging, host: torch.Tensor, copy_key=None):
         self.record = record
         self.tier = tier
         self.staging = staging
         self.host = host
         self.put = None
+        self.copy_key = copy_key  # ledger key of a contiguous copy made on the device for this write
 
     def _start_put(self) -> None:
         self.staging.result()
@@ -161,6 +167,31 @@ class _Load:
         return self.to_device.result()
 
 
+def _extent_key(key: tuple) -> tuple:
+    """(storage, dtype, version) of a record key: what tensors lying in one extent share."""
+    return key[0], key[4], key[5]
+
+
+def _weak_hooks(hooks: offload_activations):
+    """Pack and unpack functions that do not keep ``hooks`` alive.
+
+    Bound methods would make a reference cycle (the context holds its hooks),
+    and a context dropped after backward would keep its swap store open until
+    the cyclic garbage collector ran. Every handle that needs the context holds
+    it through its finalizer, so a context that is gone left only tensors.
+    """
+    ref = weakref.ref(hooks)
+
+    def pack(tensor: torch.Tensor):
+        return ref()._pack(tensor)  # packing runs inside the with block, which holds the context
+
+    def unpack(packed):
+        owner = ref()
+        return packed if owner is None else owner._unpack(packed)
+
+    return pack, unpack
+
+
 def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for n in reversed(size):
@@ -180,25 +211,6 @@ def _is_dense(tensor: torch.Tensor) -> bool:
     return True
 
 
-def _check_swap_dirs(swap_dir) -> list[str]:
-    dirs = [swap_dir] if isinstance(swap_dir, (str, os.PathLike)) else list(swap_dir)
-    if not dirs:
-        raise ValueError("swap_dir is an empty list; give at least one directory")
-    checked = []
-    for d in dirs:
-        if not isinstance(d, (str, os.PathLike)):
-            raise ValueError(f"swap_dir entries must be paths, got {d!r}")
-        path = Path(d)
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=path):
-                pass
-        except OSError as e:
-            raise ValueError(f"swap_dir {str(path)!r} is not a writable directory: {e}") from e
-        checked.append(str(path))
-    return checked
-
-
 class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch.autograd.graph.save_on_cpu
     """Context manager that moves the tensors forward saves for backward off the device.
 
@@ -208,10 +220,12 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
     memory (``target="cpu"``, page-locked when CUDA is present), and comes back
     when backward asks for it.
 
-    - Parameters, leaves that require grad (and views of them) and tensors under
-      ``min_bytes`` stay where they are.
+    - Parameters, leaves that require grad (and views of them), the buffers of
+      modules that run inside the block, and tensors under ``min_bytes`` stay
+      where they are.
     - Tensors that share storage, offset, size and stride (the same tensor saved
-      by several ops) are written once.
+      by several ops) are written once, and so are views lying inside the
+      storage span of a dense tensor already saved (``h.t()``, a slice of ``h``).
     - The most recent ``keep_recent_bytes`` of saved tensors, which backward needs
       first, stay in memory and make no round trip.
     - During backward, reads for the next tensors (in reverse order of saving)
@@ -220,19 +234,20 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
       it, or when the graph is freed without backward. An exception inside the
       ``with`` block releases what that block saved; :meth:`close` releases all.
 
-    Backward may run after the ``with`` block (as with ``save_on_cpu``). A swap
-    store this object opens itself stays open from step to step (released
-    tensors free their space in it for reuse, so the swap files stop growing
-    at the largest step's size) and is closed, its files removed, by
-    :meth:`close` or when this object is garbage-collected; a
-    :class:`~nvoffload.io.TensorStore` passed as ``swap_dir`` is never closed here.
+    Backward may run after the ``with`` block (as with ``save_on_cpu``). Use one
+    object for the whole training loop: the swap store it opens stays open from
+    step to step (released tensors free their space in it for reuse, so the
+    swap files stop growing at the largest step's size). It is closed, its
+    files removed, by :meth:`close`, or as soon as the object is dropped and no
+    graph holds one of its tensors; a :class:`~nvoffload.io.TensorStore` passed
+    as ``swap_dir`` is never closed here.
     Works with ``torch.utils.checkpoint``, nested contexts, several forwards
     before one backward, ``retain_graph=True`` and double backward.
 
     Args:
-        swap_dir: a directory (or a list of them, one per NVMe) for the swap
-            files, or an open ``TensorStore``. Required for ``target="nvme"``;
-            must be ``None`` for ``target="cpu"``.
+        swap_dir: an existing directory (or a list of them, one per NVMe) for
+            the swap files, or an open ``TensorStore``. Required for
+            ``target="nvme"``; must be ``None`` for ``target="cpu"``.
         target: ``"nvme"`` or ``"cpu"``.
         min_bytes, keep_recent_bytes, prefetch_bytes, max_pending_write_bytes, retain_host_memory:
             see :class:`~nvoffload.activations.ActivationOffloadConfig`.
@@ -295,7 +310,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         elif hasattr(swap_dir, "put") and hasattr(swap_dir, "get"):
             self._store = swap_dir
         else:
-            self._swap_dirs = _check_swap_dirs(swap_dir)
+            self._swap_dirs = swap_directories(swap_dir)
 
         self._tier = None  # the store in use; opened at the first write when we own it
         self._close_owned_tier = None  # finalizer closing a store we opened
@@ -305,11 +320,14 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         self._freed: collections.deque[_Ticket | StorageWeakRef] = collections.deque()
         self._records: dict[int, _Record] = {}
         self._by_key: dict[tuple, _Record] = {}
+        self._by_extent: dict[tuple, list[_Record]] = {}  # dense records by storage, dtype and version
         self._window: collections.OrderedDict[int, _Record] = collections.OrderedDict()
         self._window_bytes = 0
         self._writes: collections.OrderedDict[int, _Record] = collections.OrderedDict()
         self._write_bytes = 0
         self._stored: list[int] = []  # handles of STORED records not being read, sorted
+        self._consumed: set[int] = set()  # STORED records every live handle has used (a retained graph's)
+        self._passes = 0  # backward passes seen through the live graphs
         self._prefetched_bytes = 0
         self._ledger = StorageLedger()
         self._offloaded_bytes = 0
@@ -322,7 +340,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         self._reads_prefetched = 0
         self._marks: list[int] = []  # first handle of each open ``with`` block
         self._closed = False
-        super().__init__(self._pack, self._unpack)
+        self._buffers = ModuleBuffers()
+        super().__init__(*_weak_hooks(self))
 
     # ----------------------------------------------------------------- context
 
@@ -331,11 +350,13 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             if self._closed:
                 raise RuntimeError("this offload_activations was closed; create a new one")
             self._marks.append(next(self._handles))
+        self._buffers.__enter__()
         super().__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         super().__exit__(exc_type, exc, tb)
+        self._buffers.__exit__(exc_type, exc, tb)
         with self._locked():
             first = self._marks.pop()
             if exc_type is not None:
@@ -415,7 +436,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
     def _offloadable(self, tensor: torch.Tensor) -> bool:
         if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
             return False
-        if tensor.device.type not in ("cpu", "cuda") or is_parameter_like(tensor):
+        if tensor.device.type not in ("cpu", "cuda") or self._buffers.holds(tensor):
             return False
         nbytes = tensor.numel() * tensor.element_size()
         # min_bytes of 0 still skips empty tensors; overlapping ones (expanded) stay.
@@ -425,15 +446,18 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         with self._locked():
             self._reap_writes()
             if not self._offloadable(tensor):
-                if is_parameter_like(tensor):
+                if self._buffers.holds(tensor):
                     return tensor.detach()
                 resident = _Resident(tensor.detach())
                 key = self._ledger.add(resident.tensor)
                 weakref.finalize(resident, self._on_free, key).atexit = False
                 return resident
             t = tensor.detach()
-            key = (StorageWeakRef(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-            record = self._by_key.get(key)
+            storage = StorageWeakRef(t.untyped_storage())
+            key = (storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+            record, view = self._by_key.get(key), None
+            if record is None and (record := self._container_of(t, key)) is not None:
+                view = (tuple(t.shape), t.stride(), t.storage_offset())
             if record is not None:
                 self._dedup_hits += 1
             else:
@@ -442,6 +466,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 record.original_key = self._ledger.add(t)
                 self._records[handle] = record
                 self._by_key[key] = record
+                if record.dense:
+                    self._by_extent.setdefault(_extent_key(key), []).append(record)
                 self._window[handle] = record
                 self._window_bytes += record.nbytes
                 while self._window and self._window_bytes > self.config.keep_recent_bytes:
@@ -450,10 +476,19 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                     self._finish_write(next(iter(self._writes.values())), wait=True)
             record.live += 1
             record.pending += 1
-            ticket = _Ticket(record)
+            ticket = _Ticket(record, view)
             packed = _Packed(ticket)
             weakref.finalize(packed, self._on_free, ticket).atexit = False
             return packed
+
+    def _container_of(self, t: torch.Tensor, key: tuple) -> _Record | None:
+        """A live record whose written extent holds every element of ``t`` (same storage, dtype and version)."""
+        first = t.storage_offset()
+        last = first + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        for record in self._by_extent.get(_extent_key(key), ()):
+            if record.error is None and record.offset <= first and last < record.offset + record.numel:
+                return record
+        return None
 
     def _open_tier(self):
         if self._tier is None:
@@ -477,10 +512,12 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             return
         tier = self._open_tier()
         t = record.original
-        if record.stride == tuple(t.stride()):
+        copy_key = None
+        if record.dense:
             flat = t.as_strided((record.numel,), (1,), t.storage_offset())
         else:
             flat = t.contiguous().view(-1)
+            copy_key = self._ledger.add(flat)
         if t.device.type != "cpu":
             host = _device.host_empty(record.numel, record.dtype)
             staging = _device.copy_async(host, flat)
@@ -489,7 +526,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             host.copy_(flat)
         else:
             host, staging = flat, None
-        record.write = _Write(record, tier, staging if staging is not None else Completed(), host)
+        record.write = _Write(record, tier, staging if staging is not None else Completed(), host, copy_key)
         record.write.poll()  # starts the put at once when no staging copy is needed
         record.state = _State.WRITING
         record.written = True
@@ -509,6 +546,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         del self._writes[record.handle]
         self._write_bytes -= record.nbytes
         write, record.write = record.write, None
+        if write.copy_key is not None:
+            self._ledger.remove(write.copy_key)
         try:
             if wait:
                 write.wait()
@@ -547,6 +586,12 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         ticket = packed.ticket
         record = ticket.record
         with self._locked():
+            if ticket.uses == self._passes:  # the first backward, or a handle used again: a retained graph's next
+                self._passes += 1
+                for live in self._records.values():
+                    live.pending = live.live  # each live handle is unpacked once a pass
+                self._stored = sorted(self._consumed.union(self._stored))  # to read again: prefetch again
+                self._consumed.clear()
             if record.state is _State.RELEASED:
                 raise RuntimeError(
                     f"{record.describe()} was released before backward used it "
@@ -558,9 +603,10 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             if record.original is not None:
                 if record.original._version != record.version:
                     raise self._modified_error(record, record.original._version)
-                result = record.original
+                result = record.original if ticket.view is None else record.original.as_strided(*ticket.view)
                 if not record.written:
                     self._tensors_forwarded += 1
+                self._prefetch_before(record.handle)  # the tensors after the ones kept in memory
             else:
                 if record.load is None:
                     self._start_load(record)
@@ -573,10 +619,12 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 except Exception as e:
                     raise RuntimeError(f"reading {record.describe()} back failed: {e}") from e
                 self._count_load(record)
-                result = flat.as_strided(record.size, record.stride)
-            if not ticket.unpacked:
-                ticket.unpacked = True
-                record.pending -= 1
+                size, stride, offset = ticket.view or (record.size, record.stride, record.offset)
+                result = flat.as_strided(size, stride, flat.storage_offset() + offset - record.offset)
+            # Counted until autograd drops it (the load's own count ends when every handle was unpacked).
+            weakref.finalize(result, self._on_free, self._ledger.add(result)).atexit = False
+            ticket.uses += 1
+            record.pending -= 1
             if record.pending == 0:
                 self._drop_load(record)
             return result
@@ -585,6 +633,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         index = bisect.bisect_left(self._stored, record.handle)
         if index < len(self._stored) and self._stored[index] == record.handle:
             del self._stored[index]
+        self._consumed.discard(record.handle)
         record.load = _Load(record, self._tier, prefetch)
         self._prefetched_bytes += record.nbytes
         self._bytes_read += record.nbytes
@@ -613,6 +662,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             if record.loaded_key is not None:
                 self._ledger.remove(record.loaded_key)
                 record.loaded_key = None
+            if record.live > 0 and record.state is _State.STORED and record.error is None:
+                self._consumed.add(record.handle)  # a retained graph may read it again
 
     # ----------------------------------------------------------------- release
 
@@ -621,7 +672,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         if record.state is _State.RELEASED:
             return
         record.live -= 1
-        if not ticket.unpacked:
+        if ticket.uses < max(self._passes, 1):  # not unpacked in this pass
             record.pending -= 1
             if record.pending == 0:
                 self._drop_load(record)
@@ -643,6 +694,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         index = bisect.bisect_left(self._stored, record.handle)
         if index < len(self._stored) and self._stored[index] == record.handle:
             del self._stored[index]
+        self._consumed.discard(record.handle)
         self._drop_original(record)
         if record.written:
             self._tier.delete(record.name)
@@ -651,3 +703,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         del self._records[record.handle]
         if self._by_key.get(record.key) is record:
             del self._by_key[record.key]
+        if record.dense:
+            extent = _extent_key(record.key)
+            self._by_extent[extent].remove(record)
+            if not self._by_extent[extent]:
+                del self._by_extent[extent]

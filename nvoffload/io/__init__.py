@@ -1,7 +1,8 @@
 """The I/O engine: async O_DIRECT reads and writes, aligned host buffers, the tensor store.
 
 - :class:`IOEngine` -- submit a read or write of a buffer at a file offset, get an :class:`IOFuture`.
-- :class:`TensorStore` -- named tensors in aligned extents of swap files, striped over directories.
+- :class:`TensorStore` -- named tensors in aligned extents of swap files, striped over directories;
+  :func:`swap_directories` checks the directories (and their free space) before anything is written.
 - :func:`aligned_empty`, :class:`BufferPool` -- 4 KiB-aligned host buffers (page-locked with CUDA).
 """
 
@@ -9,7 +10,7 @@ from nvoffload.io.buffers import BufferPool, aligned_empty
 from nvoffload.io.config import DirectIO, IOConfig
 from nvoffload.io.engine import IOEngine, IOFuture, OpenFile
 from nvoffload.io.errors import ChecksumError, StoreIOError
-from nvoffload.io.store import TensorStore
+from nvoffload.io.store import TensorStore, swap_directories
 
 __all__ = [
     "BufferPool",
@@ -22,4 +23,5 @@ __all__ = [
     "StoreIOError",
     "TensorStore",
     "aligned_empty",
+    "swap_directories",
 ]

@@ -24,7 +24,61 @@ from nvoffload.io.engine import IOEngine, IOFuture, OpenFile, _Part
 from nvoffload.io.errors import ChecksumError, StoreIOError
 from nvoffload.io.gds import GDSFile, gds_available
 
-__all__ = ["TensorStore"]
+__all__ = ["TensorStore", "swap_directories"]
+
+
+def swap_directories(swap_dirs, *, needed_bytes: int = 0, what: str = "swap files") -> list[str]:
+    """The directories ``swap_dirs`` names, checked before anything is written to them.
+
+    Args:
+        swap_dirs: one path (``str`` or ``os.PathLike``) or a sequence of them.
+        needed_bytes: bytes that will be spread evenly over the directories; each
+            file system must have free space for the shares of the directories on it.
+        what: what needs the space, for the error message.
+
+    Raises:
+        TypeError: ``swap_dirs`` is not a path or a sequence of paths.
+        ValueError: an empty sequence.
+        FileNotFoundError, NotADirectoryError, PermissionError: a directory that
+            is missing, not a directory, or not writable (nothing is created).
+        OSError: ``ENOSPC`` when a file system has too little free space.
+    """
+    if isinstance(swap_dirs, (str, os.PathLike)):
+        entries = [swap_dirs]
+    elif isinstance(swap_dirs, Sequence) and not isinstance(swap_dirs, (bytes, bytearray)):
+        entries = list(swap_dirs)
+    else:
+        raise TypeError(f"swap directories must be a path or a list of paths, got {swap_dirs!r}")
+    if not entries:
+        raise ValueError("give at least one swap directory")
+    dirs = []
+    for entry in entries:
+        if not isinstance(entry, (str, os.PathLike)):
+            raise TypeError(f"swap directories must be paths (str or os.PathLike), got {entry!r}")
+        d = os.fspath(entry)
+        if not os.path.exists(d):
+            raise FileNotFoundError(errno.ENOENT, f"swap directory {d} does not exist (create it on an NVMe drive)", d)
+        if not os.path.isdir(d):
+            raise NotADirectoryError(errno.ENOTDIR, f"swap directory {d} is not a directory", d)
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, f"swap directory {d} is not writable", d)
+        dirs.append(d)
+    if needed_bytes > 0:
+        share = round_up(math.ceil(needed_bytes / len(dirs)))
+        by_fs: dict[int, list[str]] = {}
+        for d in dirs:  # two directories on one file system share its free space
+            by_fs.setdefault(os.stat(d).st_dev, []).append(d)
+        for group in by_fs.values():
+            free = shutil.disk_usage(group[0]).free
+            if free < share * len(group):
+                names = ("swap directory " if len(group) == 1 else "swap directories ") + ", ".join(group)
+                raise OSError(
+                    errno.ENOSPC,
+                    f"{names} {'needs' if len(group) == 1 else 'need'} {share * len(group)} bytes for {what}"
+                    f" but the file system has only {free} bytes free",
+                    group[0],
+                )
+    return dirs
 
 
 class _Extents:
@@ -135,15 +189,11 @@ class TensorStore:
         checksum: bool = False,
         config: IOConfig | None = None,
     ):
-        dirs = [swap_dirs] if isinstance(swap_dirs, (str, os.PathLike)) else list(swap_dirs)
-        if not dirs:
-            raise ValueError("TensorStore needs at least one swap directory")
         if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes < 0):
             raise ValueError(f"capacity_bytes must be a non-negative int or None, got {capacity_bytes!r}")
-        dirs = [os.fspath(d) for d in dirs]
+        dirs = swap_directories(swap_dirs, needed_bytes=capacity_bytes or 0, what="its share of the store's capacity")
         share = None if capacity_bytes is None else round_up(math.ceil(capacity_bytes / len(dirs)))
         for d in dirs:
-            self._check_dir(d, share)
             _warn_about_orphans(d)
 
         self.checksum = checksum
@@ -174,24 +224,6 @@ class TensorStore:
         except BaseException:
             self._remove_files()
             raise
-
-    @staticmethod
-    def _check_dir(directory: str, share: int | None) -> None:
-        if not os.path.exists(directory):
-            raise FileNotFoundError(errno.ENOENT, f"swap directory {directory} does not exist", directory)
-        if not os.path.isdir(directory):
-            raise NotADirectoryError(errno.ENOTDIR, f"swap directory {directory} is not a directory", directory)
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, f"swap directory {directory} is not writable", directory)
-        if share:
-            free = shutil.disk_usage(directory).free
-            if free < share:
-                raise OSError(
-                    errno.ENOSPC,
-                    f"swap directory {directory} needs {share} bytes for its share of the store's "
-                    f"capacity but has only {free} bytes free",
-                    directory,
-                )
 
     # -- public API ---------------------------------------------------------
 

@@ -19,22 +19,29 @@ How a step runs:
   read (8 of the 12 bytes per element are read, all 12 written).
 * With ``overlap=True``, a post-accumulate-grad hook on each parameter queues
   that parameter's chunks as soon as its gradient is final, on the micro-batch
-  that the previous steps showed to be the last before ``step()`` (gradient
+  that the previous step showed to be the last before ``step()`` (gradient
   accumulation is learned), while backward continues on earlier layers.
   ``step()`` waits for the pipeline's tail and commits. Until it commits, a
-  parameter whose update ran early already holds its new value.
+  parameter whose update ran early already holds its new value: the weights
+  change during backward, before ``step()`` returns.
 * Every update is written to a new generation of the chunk's state; the old
   generation is deleted only when ``step()`` commits. That makes the early
   updates speculative: when ``step()`` finds that a gradient was changed after
   its hook copied it (``tensor._version``: the user's ``clip_grad_norm_``, a
-  ``GradScaler``'s unscale) or a hyperparameter changed, it recomputes that
-  parameter from the old generation with the current gradient; when a
-  ``GradScaler`` reports an overflow it restores the old weights and skips the
-  step; when an I/O error happens it restores every parameter it touched and
-  raises from ``step()``. After a step whose early updates had to be redone,
-  the pipeline stops updating early (those modes need every gradient first)
-  and runs the whole update inside ``step()``; ``max_grad_norm`` does so from
-  the start. The cost of these modes is the lost overlap, never other results.
+  ``GradScaler``'s scale) or a hyperparameter (``lr``, ...) changed, it
+  recomputes that parameter from the old generation with the current gradient
+  and hyperparameters; when a ``GradScaler`` reports an overflow it restores
+  the old weights and skips the step; when an error happens (I/O or not) it
+  restores every parameter it touched and raises from ``step()``.
+* After a step whose gradients or hyperparameters changed between backward
+  and ``step()``, the next step runs its whole update inside ``step()`` (the
+  hooks only watch); overlap comes back after a step in which nothing changed.
+  ``max_grad_norm`` always updates in ``step()``. The cost of these modes is
+  the lost overlap, never other results.
+* Fewer micro-batches than learned: that step updates in ``step()``, and the
+  new count is learned. More: the forward passes after the learned last one
+  ran on weights already updated, so ``step()`` restores the weights, skips the
+  step with a RuntimeError and learns the new count (run the step again).
 
 Semantics follow torch: ``param_groups``, ``add_param_group``, ``zero_grad``,
 LR schedulers, per-parameter ``step`` counts, parameters without gradients
@@ -64,7 +71,6 @@ import itertools
 import math
 import os
 import queue
-import shutil
 import threading
 import weakref
 from collections import defaultdict, deque
@@ -210,7 +216,9 @@ class _Record:
         self.step = 0  # committed update count, torch's state["step"]
         self.fires = 0  # post-accumulate-grad hook calls since the last step()
         self.learned_fires = 0  # hook calls before the previous step() (0 = not learned; 1 with release_grads)
-        self.spec: tuple | None = None  # (grad weakref, grad version, hyperparameters) of an early update
+        # (grad weakref, grad version, hyperparameters, applied) seen by the hook on the learned fire;
+        # applied: the update was queued then (else only observed, to re-learn overlap)
+        self.spec: tuple | None = None
         self.hook = None
 
     @property
@@ -268,21 +276,6 @@ def _host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return aligned_empty(numel * torch.empty(0, dtype=dtype).element_size()).view(dtype)
 
 
-def _check_swap_dirs(swap_dir) -> list[str]:
-    dirs = [swap_dir] if isinstance(swap_dir, (str, os.PathLike)) else list(swap_dir)
-    if not dirs:
-        raise ValueError("swap_dir must name at least one directory")
-    out = []
-    for d in dirs:
-        d = os.fspath(d)
-        if not os.path.isdir(d):
-            raise FileNotFoundError(f"swap directory {d!r} does not exist (create it on an NVMe drive)")
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise PermissionError(f"swap directory {d!r} is not writable")
-        out.append(d)
-    return out
-
-
 class _Pipeline:
     """One worker thread: reads chunks ahead, runs the update, writes back; errors are collected, not lost."""
 
@@ -319,6 +312,19 @@ class _Pipeline:
         with self._lock:
             self._lock.wait_for(lambda: self._pending == 0)
 
+    @contextlib.contextmanager
+    def lend(self):
+        """A slot for the training thread's own transfers (restoring weights, state dicts), so that host
+        memory stays within the budget; the worker waits, idle, until it is given back."""
+        handover: queue.Queue = queue.Queue()
+        given_back = threading.Event()
+        self._queue.put(("lend", (handover, given_back)))
+        slot = handover.get()
+        try:
+            yield slot
+        finally:
+            given_back.set()
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
@@ -340,6 +346,13 @@ class _Pipeline:
             if isinstance(item, tuple) and item[0] == "plan":
                 self._drop_prefetched()
                 self._plan, self._plan_pos = item[1], 0
+                continue
+            if isinstance(item, tuple) and item[0] == "lend":
+                handover, given_back = item[1]
+                slot = self._take_slot()
+                handover.put(slot)
+                given_back.wait()
+                self._release(slot)
                 continue
             # Writes stay in flight while updates come in (reads ahead overlap them); a drain
             # (wait_idle) waits for them all.
@@ -403,13 +416,14 @@ class _Pipeline:
         self._free.append(slot)
 
     def _finish_writes(self, keep: int) -> None:
-        """Wait for the oldest writes until at most ``keep`` are in flight."""
+        """Wait for the oldest writes until at most ``keep`` are in flight; their errors go to ``errors``."""
         while len(self._writes) > keep:
             slot, fut = self._writes.popleft()
             try:
                 fut.result()
-            finally:
-                self._release(slot)
+            except BaseException as exc:  # noqa: BLE001 - reported from step()
+                self.errors.append(exc)
+            self._release(slot)
 
     def _process(self, req: _Request) -> None:
         chunk = req.chunk
@@ -465,7 +479,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         FileNotFoundError / PermissionError: the swap directory is missing or unwritable.
         ValueError: the swap directory is too small (the bytes needed are named),
             parameters on several devices, an unsupported optimizer or option,
-            or ``cpu_memory_bytes`` too small for one chunk.
+            an optimizer whose state is not shaped like its parameters (found by a
+            trial step on a small stand-in; the state is named), or
+            ``cpu_memory_bytes`` too small for one chunk.
     """
 
     _step_supports_amp_scaling = True  # GradScaler passes grad_scale/found_inf instead of unscaling grads
@@ -499,7 +515,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._records: list[_Record] = []
         self._order: list[_Record] = []  # first iteration's gradient order
         self._order_learned = False
-        self._speculate = config.overlap and config.max_grad_norm is None
+        self._can_speculate = config.overlap and config.max_grad_norm is None
+        self._speculate = self._can_speculate
         self._closed = False
         self._host_bytes = 0
         self._host_peak = 0
@@ -512,6 +529,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups  # one list: schedulers see the same groups
         self._device = self._check_devices()
+        for group in self.param_groups:
+            self._check_state_offloadable(group)
         self._chunk_numel = self._plan_chunks()
         self._open_store(swap_dir)
         self._pipeline = _Pipeline(self, config.num_slots, self._make_slot)
@@ -528,6 +547,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self.param_groups = inner.param_groups
             group = inner.param_groups[-1]
             self._check_devices()
+            self._check_state_offloadable(group)
             for p in group["params"]:
                 self._add_record(p, group)
             return
@@ -598,20 +618,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return sum(-(-p.numel() // _ALIGN_NUMEL) * _ALIGN_NUMEL * per_elem for g in self.param_groups for p in g["params"])
 
     def _open_store(self, swap_dir) -> None:
-        from nvoffload.io import TensorStore
+        from nvoffload.io import TensorStore, swap_directories
 
         if isinstance(swap_dir, TensorStore):
             self._store = swap_dir
         else:
-            dirs = _check_swap_dirs(swap_dir)
-            # Two generations of each chunk coexist until step() commits.
-            needed = 2 * self._state_bytes()
-            free = sum(shutil.disk_usage(d).free for d in dirs)
-            if free < needed:
-                raise ValueError(
-                    f"swap directory {', '.join(dirs)} has {free} bytes free but the optimizer state needs"
-                    f" {needed} bytes (two generations of {needed // 2} bytes)"
-                )
+            state = self._state_bytes()  # two generations of each chunk coexist until step() commits
+            what = f"the optimizer state (two generations of {state} bytes)"
+            dirs = swap_directories(swap_dir, needed_bytes=2 * state, what=what)
             self._store = TensorStore(dirs if len(dirs) > 1 else dirs[0], checksum=self.config.checksum)
             self._owns_store = True
         for g in self.param_groups:
@@ -643,28 +657,28 @@ class OffloadOptimizer(torch.optim.Optimizer):
         rec.fires += 1
         if not self._order_learned and rec.fires == 1:
             self._order.append(rec)
-        if rec.spec is not None and rec.fires > rec.learned_fires:
+        if rec.spec is not None and rec.spec[0] is _RELEASED and rec.fires > 1:
             self._pipeline.wait_idle()
             self._restore(rec.chunks)
             rec.spec = None
             raise RuntimeError(
-                f"backward ran again for {rec.name} after its update had been applied early: the optimizer learned"
-                f" {rec.learned_fires} backward pass(es) per step(). Keep the number of micro-batches per step"
-                " constant, or construct the optimizer with overlap=False"
+                f"backward ran again for {rec.name} after its update had been applied early: release_grads"
+                " (parameter streaming) needs exactly one backward pass per step()"
             )
-        if not (self._speculate and rec.learned_fires and rec.fires == rec.learned_fires):
-            return
+        if not (rec.learned_fires and rec.fires == rec.learned_fires):
+            return  # more backward passes than learned: step() finds them (fires > learned_fires)
         grad = self._checked_grad(rec)
         if grad is None:
             return
         hp = self._hparams(rec.group)
         if self.config.release_grads:
-            rec.spec = (_RELEASED, None, hp)
+            rec.spec = (_RELEASED, None, hp, True)
             self._submit(rec, grad, hp, 1.0)
             rec.param.grad = None  # the queued update holds it until the worker is done
             return
-        rec.spec = (weakref.ref(rec.param.grad), rec.param.grad._version, hp)
-        self._submit(rec, grad, hp, 1.0)
+        rec.spec = (weakref.ref(grad), grad._version, hp, self._speculate)
+        if self._speculate:
+            self._submit(rec, grad, hp, 1.0)
 
     def _checked_grad(self, rec: _Record) -> torch.Tensor | None:
         g = rec.param.grad
@@ -809,65 +823,85 @@ class OffloadOptimizer(torch.optim.Optimizer):
         state: dict = dict(chunk.scalars)
         for i, key in enumerate(state.pop("__rows__", ())):
             state[key] = rows[1 + i].view(shape)
+        row_items, scalars = self._split_state(self._inner_step(cp, dict(rec.group, **req.hparams), state), cp.shape)
+        for i, (key, value) in enumerate(row_items):
+            row = rows[1 + i]
+            if value.data_ptr() != row.data_ptr():
+                row.copy_(value.reshape(-1))
+        scalars["__rows__"] = tuple(key for key, _ in row_items)
+        chunk.pending_scalars = scalars
+
+    def _inner_step(self, cp: torch.Tensor, group: dict, state: dict) -> dict:
+        """The wrapped optimizer's ``step`` on the single tensor ``cp`` (its ``grad`` set) with ``group``'s
+        hyperparameters, starting from ``state``; returns the new state."""
         inner = self.inner
         saved_groups, saved_state = inner.param_groups, inner.state
-        group = dict(rec.group, **req.hparams)
-        group["params"] = [cp]
         try:
-            inner.param_groups = [group]
+            inner.param_groups = [dict(group, params=[cp])]
             inner.state = defaultdict(dict, {cp: state} if state else {})
             inner.step()
-            new_state = inner.state[cp]
+            return inner.state[cp]
         finally:
             inner.param_groups, inner.state = saved_groups, saved_state
             cp.grad = None
-        row_keys, scalars = [], {}
-        for key, value in new_state.items():
-            if isinstance(value, torch.Tensor) and value.numel() == chunk.numel and value.numel() > 1:
-                if value.dtype != torch.float32:
-                    raise ValueError(f"{type(inner).__name__} state {key!r} of dtype {value.dtype} cannot be offloaded (fp32 only)")
-                if len(row_keys) + 1 >= _MAX_GENERIC_ROWS:
-                    raise ValueError(f"{type(inner).__name__} keeps more than {_MAX_GENERIC_ROWS - 1} tensors per parameter")
-                row = rows[1 + len(row_keys)]
-                if value.data_ptr() != row.data_ptr():
-                    row.copy_(value.reshape(-1))
-                row_keys.append(key)
-            elif isinstance(value, torch.Tensor) and value.numel() > 1:
+
+    def _split_state(self, state: dict, shape: torch.Size) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+        """A generic optimizer's state as (key, tensor) rows shaped like the parameter, and scalars;
+        raises ValueError for state that cannot be split into chunks."""
+        name = type(self.inner).__name__
+        rows, scalars = [], {}
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor) or value.numel() <= 1:
+                scalars[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            elif value.shape != shape:
                 raise ValueError(
-                    f"{type(inner).__name__} state {key!r} of shape {tuple(value.shape)} cannot be offloaded:"
+                    f"{name} state {key!r} of shape {tuple(value.shape)} cannot be offloaded:"
                     f" only tensors shaped like the parameter {tuple(shape)} and scalars are supported"
                 )
+            elif value.dtype != torch.float32:
+                raise ValueError(f"{name} state {key!r} of dtype {value.dtype} cannot be offloaded (fp32 only)")
+            elif len(rows) + 1 >= _MAX_GENERIC_ROWS:
+                raise ValueError(f"{name} keeps more than {_MAX_GENERIC_ROWS - 1} tensors per parameter: cannot be offloaded")
             else:
-                scalars[key] = value.clone() if isinstance(value, torch.Tensor) else value
-        scalars["__rows__"] = tuple(row_keys)
-        chunk.pending_scalars = scalars
+                rows.append((key, value))
+        return rows, scalars
+
+    def _check_state_offloadable(self, group: dict) -> None:
+        """Refuse a generic optimizer whose state for ``group`` cannot be split into chunks: two trial steps
+        on a small fp32 stand-in of each parameter rank in the group, with the group's hyperparameters."""
+        if self._is_adam:
+            return
+        for ndim in sorted({p.dim() for p in group["params"]}):
+            cp = torch.zeros(tuple(range(2, 2 + ndim)), requires_grad=True)
+            state: dict = {}
+            for _ in range(2):
+                cp.grad = torch.full_like(cp, 0.1)
+                state = self._inner_step(cp, group, state)
+                self._split_state(state, cp.shape)
 
     def _restore(self, chunks: Iterable[_Chunk]) -> None:
         """Put back the committed weights of chunks whose update reached the model; drop their new generation."""
-        failures = []
-        slot = None
+        to_read = []
         for chunk in chunks:
             if chunk.pending_gen is not None and chunk.pending_gen != chunk.gen:
                 self._delete_gen(chunk, chunk.pending_gen)
             chunk.pending_gen = None
             chunk.pending_scalars = {}
-            if not chunk.applied:
-                continue
+            if chunk.applied and chunk.gen is not None:
+                to_read.append(chunk)
             chunk.applied = False
-            if chunk.gen is None:
-                continue
-            rec = chunk.record
-            if slot is None:
-                slot = self._make_slot()
-            try:
-                self._read_chunk(chunk, chunk.gen, slot, state=False).result()
-                rows = slot.rows(self._rows(rec), chunk.numel)
-                with self._model_weights(rec, modify=True) as weights:
-                    weights[chunk.start : chunk.start + chunk.numel].copy_(rows[0])
-            except BaseException as exc:  # noqa: BLE001
-                failures.append(f"{rec.name} elements [{chunk.start}, {chunk.start + chunk.numel}): {exc}")
-        if slot is not None:
-            self._host_bytes -= self._slot_bytes()
+        if not to_read:
+            return
+        failures = []
+        with self._pipeline.lend() as slot:
+            for chunk in to_read:
+                rec = chunk.record
+                try:
+                    self._read_chunk(chunk, chunk.gen, slot, state=False).result()
+                    with self._model_weights(rec, modify=True) as weights:
+                        weights[chunk.start : chunk.start + chunk.numel].copy_(slot.rows(self._rows(rec), chunk.numel)[0])
+                except BaseException as exc:  # noqa: BLE001
+                    failures.append(f"{rec.name} elements [{chunk.start}, {chunk.start + chunk.numel}): {exc}")
         if failures:
             raise OffloadIOError("could not restore the weights of " + "; ".join(failures))
 
@@ -885,6 +919,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             OffloadIOError: an I/O error; the parameters hold their values from
                 before this step and the optimizer state is unchanged.
             ValueError: a sparse gradient, or one on another device.
+            Any other error of the update (e.g. of a wrapped optimizer's own
+            ``step``) is raised with its own type, after the same restore.
         """
         self._check_open()
         loss = None
@@ -904,6 +940,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     "release_grads (parameter streaming) frees gradients during backward, so fp16 loss scaling"
                     " (GradScaler) cannot check them for overflow: train in bf16 or fp32"
                 )
+            extra = next((r for r in records if r.spec is not None and r.spec[3] and r.fires > r.learned_fires), None)
+            if extra is not None:
+                self._restore(c for r in records for c in r.chunks)
+                raise RuntimeError(
+                    f"backward ran {extra.fires} times for {extra.name} before step(), but the optimizer had learned"
+                    f" {extra.learned_fires} per step and updated the parameters during backward pass"
+                    f" {extra.learned_fires}: the forward passes after it saw the updated weights, so these gradients"
+                    " are not the ones of the step's weights. The parameters were restored and the step skipped;"
+                    f" zero the gradients and run the step again (the optimizer now expects {extra.fires} backward"
+                    " passes per step), keep the number of micro-batches per step constant, or construct the"
+                    " optimizer with overlap=False"
+                )
             if found_inf is not None and float(found_inf) > 0:
                 self._restore(c for r in records for c in r.chunks)
                 return loss
@@ -912,7 +960,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 with_grad = [r.param for r in self._records if r.param.grad is not None]  # in group order
                 if with_grad:
                     torch.nn.utils.clip_grad_norm_(with_grad, self.config.max_grad_norm)
-            stale = False
+            clean = True  # every gradient and hyperparameter is the one its hook saw
             for rec in records:
                 grad = self._checked_grad(rec)
                 spec, rec.spec = rec.spec, None
@@ -929,21 +977,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     continue
                 hp = self._hparams(rec.group)
                 if spec is not None:
-                    gref, version, spec_hp = spec
-                    if gref() is grad and grad._version == version and spec_hp == hp and scale == 1.0 and not pipe.errors:
+                    gref, version, spec_hp, applied = spec
+                    unchanged = gref() is grad and grad._version == version and spec_hp == hp and scale == 1.0
+                    clean = clean and unchanged
+                    if applied and unchanged and not pipe.errors:
                         continue
-                    stale = True
                     for c in rec.chunks:  # recompute from the committed generation
                         if c.pending_gen is not None and c.pending_gen != c.gen:
                             c.pending_gen = None
                 self._submit(rec, grad, hp, scale)
             pipe.wait_idle()
             if pipe.errors:
-                errors, pipe.errors = list(pipe.errors), []
+                error, pipe.errors = pipe.errors[0], []
                 self._restore(c for r in records for c in r.chunks)
-                raise OffloadIOError(f"optimizer step failed, parameters restored: {errors[0]}") from errors[0]
-            if stale:
-                self._speculate = False  # gradients are edited between backward and step: update in step()
+                if isinstance(error, OSError):
+                    raise OffloadIOError(f"optimizer step failed, parameters restored: {error}") from error
+                error.add_note("nvoffload: the parameters were restored to their values before this step()")
+                raise error
+            # Gradients or hyperparameters edited between backward and step(): update in step() until a step
+            # shows that they no longer are (the hooks still observe them).
+            self._speculate = self._can_speculate and clean
             self._commit(records)
         finally:
             for rec in self._records:
@@ -986,10 +1039,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._check_open()
         self._pipeline.wait_idle()
         state = {}
-        for rec in self._records:
-            if rec.step == 0 or any(c.gen is None for c in rec.chunks):
-                continue
-            state[rec.index] = self._gather_state(rec)
+        with self._pipeline.lend() as slot:
+            for rec in self._records:
+                if rec.step == 0 or any(c.gen is None for c in rec.chunks):
+                    continue
+                state[rec.index] = self._gather_state(rec, slot)
         groups = []
         for g in self.param_groups:
             entry = {k: v for k, v in g.items() if k != "params"}
@@ -997,11 +1051,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             groups.append(entry)
         return {"state": state, "param_groups": groups}
 
-    def _gather_state(self, rec: _Record) -> dict:
+    def _gather_state(self, rec: _Record, slot: _Slot) -> dict:
         n = rec.param.numel()
         nrows = self._rows(rec)
         full = torch.empty(nrows, n, dtype=torch.float32)
-        slot = _Slot(_host_buffer(nrows * self._chunk_numel, torch.float32), None, None)
         for c in rec.chunks:
             self._read_chunk(c, c.gen, slot).result()
             full[:, c.start : c.start + c.numel] = slot.rows(nrows, c.numel)
@@ -1050,10 +1103,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for k, v in saved.items():
                 if k != "params":
                     g[k] = v
-        slot = _Slot(_host_buffer(_MAX_GENERIC_ROWS * self._chunk_numel, torch.float32), None, None)
-        for idx, rec in by_index.items():
-            st = state_dict["state"].get(idx)
-            self._load_record(rec, st, slot)
+        with self._pipeline.lend() as slot:
+            for idx, rec in by_index.items():
+                self._load_record(rec, state_dict["state"].get(idx), slot)
         self._pipeline.set_plan([c for r in self._step_order() for c in r.chunks if r.param.requires_grad])
 
     def _load_record(self, rec: _Record, st: dict | None, slot: _Slot) -> None:
@@ -1132,7 +1184,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     @property
     def overlap_active(self) -> bool:
-        """Whether updates still run during backward (False after gradients were found edited before step())."""
+        """Whether the next step's updates run during backward: False with ``overlap=False`` or
+        ``max_grad_norm``, and for the step after one whose gradients or hyperparameters changed
+        between backward and ``step()``, until a step without such a change."""
         return self._speculate
 
     def _check_open(self) -> None:
