@@ -182,9 +182,10 @@ def main(argv=None) -> Path | None:
     if base and nvme:
         compute_s = base["step_s"]
         io_bytes = (nvme["moved_mib_per_step"] + nvme["read_mib_per_step"]) * MiB
-        floor = overlap_floor(compute_s, io_bytes, probe)
-        best_s = floor * max(compute_s, io_bytes / (probe["io_gb_per_s_alone"] * 1e9))
-        contention.update(overlap_floor=floor, floor_compute_s=compute_s, floor_io_bytes=io_bytes)
+        io_s = io_bytes / (probe["io_gb_per_s_alone"] * 1e9)  # no case moves these bytes alone: the probe's rate
+        floor = overlap_floor(compute_s, io_s, probe)
+        best_s = floor * max(compute_s, io_s)
+        contention.update(overlap_floor=floor, floor_compute_s=compute_s, floor_io_s=io_s)
         notes.append(
             f"floor for nvme on this machine: {best_s:.3g} s a step = {best_s / compute_s:.2f}x none"
             f" (overlap floor {floor:.2f}: none's {compute_s:.3g} s of compute with {io_bytes / MiB:.1f} MiB"

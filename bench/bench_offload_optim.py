@@ -147,13 +147,12 @@ def main(argv=None) -> Path:
     notes = [describe(probe)]
     contention = dict(probe)
     if {"fwd_bwd", "optim"} <= set(by):
-        compute_s = by["fwd_bwd"]["step_s"]
-        io_bytes = by["optim"]["io_gb_per_s"] * 1e9 * by["optim"]["step_s"]
-        floor = overlap_floor(compute_s, io_bytes, probe)
-        contention.update(overlap_floor=floor, floor_compute_s=compute_s, floor_io_bytes=io_bytes)
+        compute_s, io_s = by["fwd_bwd"]["step_s"], by["optim"]["step_s"]
+        floor = overlap_floor(compute_s, io_s, probe)
+        contention.update(overlap_floor=floor, floor_compute_s=compute_s, floor_io_s=io_s)
         notes.append(
-            f"overlap floor on this machine = {floor:.2f} (fwd_bwd {compute_s:.3g} s of compute with"
-            f" {io_bytes / 1e9:.3g} GB of optimizer I/O a step, at the probe's rates)"
+            f"overlap floor on this machine = {floor:.2f} (fwd_bwd's {compute_s:.3g} s beside optim's {io_s:.3g} s,"
+            " each slowed by the probe's factors while the other runs)"
         )
     if {"fwd_bwd", "optim", "full"} <= set(by):
         slowest = max(by["fwd_bwd"]["step_s"], by["optim"]["step_s"])

@@ -182,32 +182,30 @@ def measure_contention(swap_dir: str, seconds: float = 4.0, io_bytes: int = 256 
     }
 
 
-def overlap_floor(compute_s: float, io_bytes: float, probe: dict) -> float:
+def overlap_floor(compute_s: float, io_s: float, probe: dict) -> float:
     """The best ``overlap`` a step can reach here, given a :func:`measure_contention` result.
 
-    The step has ``compute_s`` seconds of compute (as measured alone) and
-    ``io_bytes`` of I/O that overlaps it. While both run, compute goes at
+    The step has ``compute_s`` seconds of compute and ``io_s`` seconds of I/O,
+    each as measured alone (the benchmark's own cases, so that the probe's
+    noisy absolute rates do not enter). While both run, compute goes at
     ``f = compute_fraction_with_io`` of its alone speed and I/O at
-    ``B = io_gb_per_s_with_compute * 1e9`` bytes/s; whichever is left when the
-    other ends runs alone (compute at full speed, I/O at
-    ``A = io_gb_per_s_alone * 1e9``)::
+    ``g = io_fraction_with_compute`` of its own; whichever is left when the
+    other ends runs alone at full speed::
 
-        t_io  = io_bytes / A                          # the I/O alone
-        t_both = min(compute_s / f, io_bytes / B)     # both running
-        step  = t_both + (compute_s - f * t_both) + (io_bytes - B * t_both) / A
-        floor = step / max(compute_s, t_io)
+        t_both = min(compute_s / f, io_s / g)         # both running
+        step   = t_both + (compute_s - f * t_both) + (io_s - g * t_both)
+        floor  = step / max(compute_s, io_s)
 
     (one of the two remainders is zero). 1.0 means the two overlap for free;
     with no compute or no I/O the floor is 1.0.
     """
     f = probe["compute_fraction_with_io"]
-    alone = probe["io_gb_per_s_alone"] * 1e9
-    shared = probe["io_gb_per_s_with_compute"] * 1e9
-    bound = max(compute_s, io_bytes / alone)
+    g = probe["io_fraction_with_compute"]
+    bound = max(compute_s, io_s)
     if bound <= 0:
         return 1.0
-    t_both = min(compute_s / f, io_bytes / shared)
-    step = t_both + max(0.0, compute_s - f * t_both) + max(0.0, io_bytes - shared * t_both) / alone
+    t_both = min(compute_s / f, io_s / g)
+    step = t_both + max(0.0, compute_s - f * t_both) + max(0.0, io_s - g * t_both)
     return step / bound
 
 
