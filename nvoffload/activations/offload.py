@@ -178,7 +178,7 @@ def _weak_hooks(hooks: offload_activations):
     Bound methods would make a reference cycle (the context holds its hooks),
     and a context dropped after backward would keep its swap store open until
     the cyclic garbage collector ran. Every handle that needs the context holds
-    it through its finalizer, so a context that is gone left only tensors.
+    it through its finalizer: once the context is gone, only plain tensors remain.
     """
     ref = weakref.ref(hooks)
 
