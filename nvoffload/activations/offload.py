@@ -434,9 +434,10 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
     # -------------------------------------------------------------------- pack
 
     def _offloadable(self, tensor: torch.Tensor) -> bool:
+        """Whether a saved tensor that is not model state (see ``ModuleBuffers.holds``) is worth moving."""
         if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
             return False
-        if tensor.device.type not in ("cpu", "cuda") or self._buffers.holds(tensor):
+        if tensor.device.type not in ("cpu", "cuda"):
             return False
         nbytes = tensor.numel() * tensor.element_size()
         # min_bytes of 0 still skips empty tensors; overlapping ones (expanded) stay.
@@ -445,9 +446,9 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
     def _pack(self, tensor: torch.Tensor):
         with self._locked():
             self._reap_writes()
+            if self._buffers.holds(tensor):
+                return tensor.detach()
             if not self._offloadable(tensor):
-                if self._buffers.holds(tensor):
-                    return tensor.detach()
                 resident = _Resident(tensor.detach())
                 key = self._ledger.add(resident.tensor)
                 weakref.finalize(resident, self._on_free, key).atexit = False
@@ -629,11 +630,15 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 self._drop_load(record)
             return result
 
-    def _start_load(self, record: _Record, prefetch: bool = False) -> None:
+    def _unlist(self, record: _Record) -> None:
+        """Take ``record`` off the lists of stored records waiting to be read."""
         index = bisect.bisect_left(self._stored, record.handle)
         if index < len(self._stored) and self._stored[index] == record.handle:
             del self._stored[index]
         self._consumed.discard(record.handle)
+
+    def _start_load(self, record: _Record, prefetch: bool = False) -> None:
+        self._unlist(record)
         record.load = _Load(record, self._tier, prefetch)
         self._prefetched_bytes += record.nbytes
         self._bytes_read += record.nbytes
@@ -691,10 +696,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             with contextlib.suppress(Exception):
                 record.load.wait()
             self._drop_load(record)
-        index = bisect.bisect_left(self._stored, record.handle)
-        if index < len(self._stored) and self._stored[index] == record.handle:
-            del self._stored[index]
-        self._consumed.discard(record.handle)
+        self._unlist(record)
         self._drop_original(record)
         if record.written:
             self._tier.delete(record.name)

@@ -27,6 +27,11 @@ from nvoffload.io.gds import GDSFile, gds_available
 __all__ = ["TensorStore", "swap_directories"]
 
 
+def _share_bytes(total_bytes: int, count: int) -> int:
+    """Each of ``count`` swap files' aligned share of ``total_bytes``."""
+    return round_up(math.ceil(total_bytes / count))
+
+
 def swap_directories(swap_dirs, *, needed_bytes: int = 0, what: str = "swap files") -> list[str]:
     """The directories ``swap_dirs`` names, checked before anything is written to them.
 
@@ -64,7 +69,7 @@ def swap_directories(swap_dirs, *, needed_bytes: int = 0, what: str = "swap file
             raise PermissionError(errno.EACCES, f"swap directory {d} is not writable", d)
         dirs.append(d)
     if needed_bytes > 0:
-        share = round_up(math.ceil(needed_bytes / len(dirs)))
+        share = _share_bytes(needed_bytes, len(dirs))
         by_fs: dict[int, list[str]] = {}
         for d in dirs:  # two directories on one file system share its free space
             by_fs.setdefault(os.stat(d).st_dev, []).append(d)
@@ -192,7 +197,7 @@ class TensorStore:
         if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes < 0):
             raise ValueError(f"capacity_bytes must be a non-negative int or None, got {capacity_bytes!r}")
         dirs = swap_directories(swap_dirs, needed_bytes=capacity_bytes or 0, what="its share of the store's capacity")
-        share = None if capacity_bytes is None else round_up(math.ceil(capacity_bytes / len(dirs)))
+        share = None if capacity_bytes is None else _share_bytes(capacity_bytes, len(dirs))
         for d in dirs:
             _warn_about_orphans(d)
 
