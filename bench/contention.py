@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from nvoffload.io import IOFuture, TensorStore, aligned_empty
+from nvoffload.io import TensorStore, aligned_empty
+from nvoffload.transfer import Future
 
 MATMUL_SIZE = 1024
 CHUNK_BYTES = 4 << 20  # the size of each put and get
@@ -86,7 +87,7 @@ class _IOLoop(threading.Thread):
         self.gb_per_s = 0.0
         self.error: BaseException | None = None
 
-    def _submit(self, op: str, i: int) -> IOFuture:
+    def _submit(self, op: str, i: int) -> Future:
         if op == "w":
             return self.store.put(f"w{i}", self.writes[i])
         return self.store.get(f"r{i}", self.reads[i])

@@ -1,23 +1,48 @@
 """The thin device layer: everything CUDA-specific in nvoffload goes through here.
 
-Every engine also runs with the CPU standing in for the GPU. Without CUDA,
-page-locking is skipped (``tensor.pin_memory()`` raises on a CPU-only torch),
-and host-device copies are plain memcpy.
+The transfer engine sees the compute device through one small interface,
+:class:`ComputeDevice`: an event recorded on the compute stream, a wait of the
+compute stream on an event, and copy streams (one per direction) on which a
+copy is queued after an event and completes at an event of its own.
+
+- :class:`CudaDevice`: torch's CUDA streams and events. A wait of the compute
+  stream never blocks the host; copies from page-locked memory run on the copy
+  engines while kernels run.
+- :class:`SimDevice`: the CPU standing in for a GPU, with CUDA's ordering rules.
+  A copy returns at once and runs later on its stream's worker thread, in
+  order, after the event it was queued behind; it lands no sooner than
+  ``NVOFFLOAD_SIM_COPY_DELAY_US`` microseconds after it was issued, and takes at
+  least its bytes over ``NVOFFLOAD_SIM_COPY_GBPS`` (a PCIe-like rate), so a
+  missing wait reads a buffer before its copy landed and gives a wrong result.
+  Compute is the host thread itself: an event recorded on it is complete at
+  once, and waiting on an event blocks the host until the event completes.
+
+Page-locking (:func:`register_host_memory`) is a no-op without CUDA:
+``tensor.pin_memory()`` raises on a CPU-only torch.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import queue
+import threading
+import time
+import weakref
+from typing import Protocol
 
 import torch
 
 __all__ = [
+    "ComputeDevice",
+    "CopyStream",
+    "CudaDevice",
+    "Event",
+    "SimDevice",
     "cuda_available",
+    "compute_device",
     "register_host_memory",
     "unregister_host_memory",
-    "host_empty",
-    "copy_async",
-    "CopyFuture",
 ]
 
 
@@ -54,23 +79,254 @@ def unregister_host_memory(tensor: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostUnregister failed with CUDA error {int(err)}")
 
 
-def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A flat CPU tensor for staging device data, page-locked when CUDA is present.
+class Event(Protocol):
+    """A point in a stream's work: ``query()`` without waiting, ``synchronize(timeout_s)`` on the host."""
 
-    Uses torch's caching pinned-memory allocator (cheap to reuse, unlike one
-    ``cudaHostRegister`` per buffer); a plain CPU tensor without CUDA.
-    """
+    def query(self) -> bool: ...
+
+    def synchronize(self, timeout_s: float) -> bool:
+        """Block the host until the event completes or ``timeout_s`` passes; True when complete."""
+        ...
+
+    def error(self) -> BaseException | None:
+        """The failure of the work before the event (the stand-in's copies), once complete."""
+        ...
+
+
+class CopyStream(Protocol):
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event:
+        """Queue ``dst.copy_(src)`` behind ``after`` (and the stream's earlier copies); the event completes when it landed.
+
+        ``src`` must stay unmodified and ``dst`` unread until then.
+        """
+        ...
+
+
+class ComputeDevice(Protocol):
+    """The compute device as the transfer engine sees it."""
+
+    device: torch.device
+    simulated: bool
+
+    def record(self) -> Event:
+        """An event at the end of the work queued on the compute stream so far."""
+        ...
+
+    def wait(self, event: Event) -> None:
+        """Order the compute stream's later work after ``event`` (blocks the host only on the stand-in)."""
+        ...
+
+    def copy_stream(self, direction: str) -> CopyStream:
+        """The copy stream for ``"h2d"`` or ``"d2h"`` (one per direction, so writes out never queue behind reads in)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def compute_device(device: torch.device | str | None = None) -> ComputeDevice:
+    """The :class:`CudaDevice` for a CUDA ``device``, else the CPU stand-in (default: CUDA when available)."""
+    device = torch.device(device) if device is not None else torch.device("cuda" if cuda_available() else "cpu")
+    if device.type == "cuda":
+        return CudaDevice(device)
+    if device.type != "cpu":
+        raise ValueError(f"nvoffload computes on CUDA or on the CPU, not on {device}")
+    return SimDevice()
+
+
+# ---------------------------------------------------------------------------- CUDA
+
+
+class _CudaEvent:
+    __slots__ = ("raw",)
+
+    def __init__(self, stream):
+        self.raw = torch.cuda.Event()
+        self.raw.record(stream)
+
+    def query(self) -> bool:
+        return self.raw.query()
+
+    def synchronize(self, timeout_s: float) -> bool:
+        # cudaEventSynchronize has no timeout: poll, backing off from 20 us to 1 ms.
+        deadline, pause = time.monotonic() + timeout_s, 2e-5
+        while not self.raw.query():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return True
+
+    def error(self) -> BaseException | None:
+        return None  # CUDA reports copy failures as sticky errors on the next call
+
+
+class _CudaCopyStream:
+    def __init__(self, device: torch.device):
+        self._stream = torch.cuda.Stream(device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event:
+        if after is not None:
+            self._stream.wait_event(after.raw)
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+            event = _CudaEvent(self._stream)
+        for t in (dst, src):  # the caching allocator must not hand this memory out before the copy ends
+            if t.is_cuda:
+                t.record_stream(self._stream)
+        return event
+
+
+class CudaDevice:
+    """A CUDA GPU: the current stream computes; one copy stream per direction."""
+
+    simulated = False
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        self._streams = {d: _CudaCopyStream(self.device) for d in ("h2d", "d2h")}
+
+    def record(self) -> Event:
+        return _CudaEvent(torch.cuda.current_stream(self.device))
+
+    def wait(self, event: Event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event.raw)
+
+    def copy_stream(self, direction: str) -> CopyStream:
+        return self._streams[direction]
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------- the CPU stand-in
+
+
+def _env_number(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {raw!r}")
+    return value
+
+
+class _SimEvent:
+    """Completes when the stand-in's copy stream reaches it (or at once, on the compute stream)."""
+
+    __slots__ = ("_flag", "_error")
+
+    def __init__(self, complete: bool = False):
+        self._flag = threading.Event()
+        self._error: BaseException | None = None
+        if complete:
+            self._flag.set()
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+    def synchronize(self, timeout_s: float) -> bool:
+        return self._flag.wait(timeout_s)
+
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def _complete(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._flag.set()
+
+
+class _SimCopyStream:
+    """One worker thread running queued copies in order, each no sooner than its issue time plus the delay."""
+
+    def __init__(self, name: str, delay_s: float, bytes_per_s: float):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._delay_s = delay_s
+        self._bytes_per_s = bytes_per_s
+        thread = threading.Thread(target=_run_sim_stream, args=(self._queue,), name=name, daemon=True)
+        thread.start()
+        self._stop = weakref.finalize(self, self._queue.put, None)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event:
+        if dst.shape != src.shape:
+            raise ValueError(f"copy of shape {tuple(src.shape)} into shape {tuple(dst.shape)}")
+        event = _SimEvent()
+        nbytes = src.numel() * src.element_size()
+        duration_s = nbytes / self._bytes_per_s if self._bytes_per_s else 0.0
+        self._queue.put((dst, src, after, time.monotonic() + self._delay_s, duration_s, event))
+        return event
+
+    def close(self) -> None:
+        self._stop()
+
+
+def _run_sim_stream(ops: queue.SimpleQueue) -> None:
+    from nvoffload.transfer.future import WAIT_LIMIT_S
+
+    while (op := ops.get()) is not None:
+        dst, src, after, not_before, duration_s, event = op
+        error = None
+        if after is not None and not after.synchronize(WAIT_LIMIT_S):
+            error = TimeoutError(f"a stand-in copy waited {WAIT_LIMIT_S:g} s for the event it was queued behind")
+        else:
+            # The bytes land at the end: until then the destination holds its old contents, as on a GPU.
+            wake = max(not_before, time.monotonic() + duration_s)
+            while (left := wake - time.monotonic()) > 0:
+                time.sleep(left)
+            try:
+                with torch.no_grad():
+                    dst.copy_(src)
+            except BaseException as exc:  # noqa: BLE001 - reported through the event
+                error = exc
+        del dst, src, after
+        event._complete(error)
+
+
+class SimDevice:
+    """The CPU standing in for a GPU: compute on the host thread, copies on worker threads (see the module docs)."""
+
+    simulated = True
+
+    def __init__(self, *, copy_delay_us: float | None = None, copy_gbps: float | None = None):
+        self.device = torch.device("cpu")
+        self.copy_delay_us = _env_number("NVOFFLOAD_SIM_COPY_DELAY_US", 0.0) if copy_delay_us is None else copy_delay_us
+        self.copy_gbps = _env_number("NVOFFLOAD_SIM_COPY_GBPS", 0.0) if copy_gbps is None else copy_gbps
+        if self.copy_delay_us < 0 or self.copy_gbps < 0:
+            raise ValueError(f"copy_delay_us and copy_gbps must be >= 0, got {self.copy_delay_us}, {self.copy_gbps}")
+        self._streams = {
+            d: _SimCopyStream(f"nvoffload-sim-{d}", self.copy_delay_us * 1e-6, self.copy_gbps * 1e9)
+            for d in ("h2d", "d2h")
+        }
+
+    def record(self) -> Event:
+        return _SimEvent(complete=True)  # the host thread has run everything queued before
+
+    def wait(self, event: Event) -> None:
+        from nvoffload.transfer.future import WAIT_LIMIT_S
+
+        if not event.synchronize(WAIT_LIMIT_S):
+            raise TimeoutError(f"compute waited {WAIT_LIMIT_S:g} s for a copy that did not land")
+
+    def copy_stream(self, direction: str) -> CopyStream:
+        return self._streams[direction]
+
+    def close(self) -> None:
+        for stream in self._streams.values():
+            stream.close()
+
+
+# ---------------------------------------------------------------------------- legacy helpers (until every engine uses nvoffload.transfer)
+
+
+def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat CPU tensor for staging device data, page-locked when CUDA is present."""
     return torch.empty(numel, dtype=dtype, pin_memory=cuda_available())
 
 
 class CopyFuture:
-    """The pending result of :func:`copy_async`: ``done()`` and ``result()``.
-
-    ``result()`` returns the destination. For a device destination it only
-    orders the current stream after the copy (no host wait); for a host
-    destination it waits for the copy to finish.
-    """
-
     __slots__ = ("_dst", "_event")
 
     def __init__(self, dst: torch.Tensor, event=None):
@@ -93,14 +349,6 @@ _copy_streams: dict = {}
 
 
 def copy_async(dst: torch.Tensor, src: torch.Tensor) -> CopyFuture:
-    """Copy ``src`` into ``dst`` (same shape) on a dedicated copy stream.
-
-    Without a CUDA tensor involved this is a plain synchronous memcpy. With one,
-    the copy stream first waits for the current stream (so the data is ready),
-    and both tensors are recorded on the copy stream so the caching allocator
-    does not reuse their memory before the copy ends. The caller keeps ``src``
-    and ``dst`` alive and unmodified until the future is done.
-    """
     if not (dst.is_cuda or src.is_cuda):
         dst.copy_(src)
         return CopyFuture(dst)

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from nvoffload.io import BufferPool, IOConfig, IOEngine, IOFuture, StoreIOError, aligned_empty
+from nvoffload.transfer import Future
+from nvoffload.io import BufferPool, IOConfig, IOEngine, StoreIOError, aligned_empty
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -39,7 +40,7 @@ def test_write_then_read_at_offsets_split_in_blocks(engine, data_file, nbytes):
     offset = 12 * KiB
     src = random_bytes(nbytes, seed=nbytes)
     fut = engine.pwrite(data_file, src, offset)
-    assert isinstance(fut, IOFuture)
+    assert isinstance(fut, Future)
     assert fut.result() is None and fut.done()
     with open(data_file.path, "rb") as f:  # what a plain reader sees
         raw = f.read()
@@ -85,7 +86,7 @@ def test_unaligned_and_padded_buffers_bounce_in_the_io_threads(engine, data_file
     src = raw[shift:]
     assert src.data_ptr() % 4096 != 0
     padded = -(-nbytes // (4 * KiB)) * 4 * KiB
-    IOFuture([engine.submit(data_file, src, 0, write=True, nbytes=padded)]).result(timeout=60)
+    Future([engine.submit(data_file, src, 0, write=True, nbytes=padded)]).result(timeout=60)
     with open(data_file.path, "rb") as f:
         on_disk = f.read(padded)
     assert on_disk[:nbytes] == src.numpy().tobytes()
@@ -93,7 +94,7 @@ def test_unaligned_and_padded_buffers_bounce_in_the_io_threads(engine, data_file
 
     back_raw = torch.full((nbytes + shift + 1,), 0xAB, dtype=torch.uint8)
     back = back_raw[shift : shift + nbytes]
-    IOFuture([engine.submit(data_file, back, 0, write=False, nbytes=padded)]).result(timeout=60)
+    Future([engine.submit(data_file, back, 0, write=False, nbytes=padded)]).result(timeout=60)
     assert torch.equal(back, src)
     assert int(back_raw[shift + nbytes]) == 0xAB  # nothing written past the buffer
     assert torch.all(back_raw[:shift] == 0xAB)

@@ -1,13 +1,10 @@
-"""The async I/O engine: submit a read or write of a buffer at a file offset, get a future."""
+"""The async I/O engine: submit a read or write of a buffer at a file offset, get a :class:`~nvoffload.transfer.Future`."""
 
 from __future__ import annotations
 
 import errno
 import os
-import threading
-import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +13,9 @@ import torch
 from nvoffload.io import _aio
 from nvoffload.io.config import ALIGNMENT_BYTES, DirectIO, IOConfig
 from nvoffload.io.errors import StoreIOError
+from nvoffload.transfer.future import Future
 
-__all__ = ["IOEngine", "IOFuture", "OpenFile"]
+__all__ = ["IOEngine", "NativePart", "OpenFile"]
 
 
 @dataclass(frozen=True)
@@ -29,79 +27,26 @@ class OpenFile:
     direct: bool
 
 
-@dataclass(frozen=True)
-class _Part:
-    """One native request: its ticket, and where it went (for error messages)."""
+class NativePart:
+    """One native request as a part of a :class:`~nvoffload.transfer.Future`: its ticket, and where it went."""
 
-    ticket: Any
-    path: str
-    offset: int
+    __slots__ = ("ticket", "path", "offset")
 
-
-class IOFuture:
-    """The pending result of one submitted I/O.
-
-    ``done()`` tells without blocking whether the transfers finished;
-    ``result(timeout=None)`` waits, runs the completion step once (copying out
-    of bounce buffers, verifying checksums, releasing buffers), and returns the
-    value or raises the error -- a :class:`StoreIOError` naming the call, file,
-    offset and tensor. Later calls return or raise the same.
-    """
-
-    def __init__(
-        self,
-        parts: list[_Part] = (),
-        finish: Callable[[BaseException | None], Any] | None = None,
-        tensor: str | None = None,
-        keepalive: torch.Tensor | None = None,
-    ):
-        self._parts = list(parts)
-        self._keepalive = keepalive  # the buffer the native threads read or write
-        self._finish = finish
-        self._tensor = tensor
-        self._lock = threading.Lock()
-        self._resolved = False
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    @classmethod
-    def failed(cls, error: BaseException) -> IOFuture:
-        future = cls()
-        future._resolved, future._error = True, error
-        return future
+    def __init__(self, ticket: Any, path: str, offset: int):
+        self.ticket, self.path, self.offset = ticket, path, offset
 
     def done(self) -> bool:
-        return self._resolved or all(p.ticket.done() for p in self._parts)
+        return self.ticket.done()
 
-    def result(self, timeout: float | None = None) -> Any:
-        with self._lock:
-            if not self._resolved:
-                self._wait(timeout)
-                error = self._first_error()
-                try:
-                    self._value = self._finish(error) if self._finish is not None else None
-                except BaseException as exc:  # the completion step's own failure wins
-                    error = exc
-                self._error, self._resolved = error, True
-                self._parts, self._finish, self._keepalive = [], None, None
-        if self._error is not None:
-            raise self._error
-        return self._value
+    def wait(self, timeout_s: float) -> bool:
+        return self.ticket.wait(timeout_s)
 
-    def _wait(self, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for part in self._parts:
-            remaining = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            if not part.ticket.wait(remaining):
-                raise TimeoutError(f"I/O of {self._tensor or 'request'} still running after {timeout} s")
-
-    def _first_error(self) -> StoreIOError | None:
-        for part in self._parts:
-            failure = part.ticket.error()
-            if failure is not None:
-                err, call, block_offset = failure
-                return StoreIOError(err, call, part.path, block_offset, self._tensor)
-        return None
+    def error(self, what: str | None) -> StoreIOError | None:
+        failure = self.ticket.error()
+        if failure is None:
+            return None
+        err, call, block_offset = failure
+        return StoreIOError(err, call, self.path, block_offset, what)
 
 
 class IOEngine:
@@ -166,18 +111,18 @@ class IOEngine:
         """Reserve disk space for ``[offset, offset + nbytes)`` (raises ENOSPC when full)."""
         _aio.allocate_file(file.fd, offset, nbytes, file.path)
 
-    def pread(self, file: OpenFile, buffer: torch.Tensor, offset: int, **kwargs) -> IOFuture:
+    def pread(self, file: OpenFile, buffer: torch.Tensor, offset: int) -> Future:
         """Read ``buffer.nbytes`` bytes at ``offset`` into the contiguous CPU ``buffer``."""
-        return IOFuture([self.submit(file, buffer, offset, write=False)], **kwargs)
+        return Future([self.submit(file, buffer, offset, write=False)], keepalive=buffer)
 
-    def pwrite(self, file: OpenFile, buffer: torch.Tensor, offset: int, **kwargs) -> IOFuture:
+    def pwrite(self, file: OpenFile, buffer: torch.Tensor, offset: int) -> Future:
         """Write the contiguous CPU ``buffer`` at ``offset``."""
-        return IOFuture([self.submit(file, buffer, offset, write=True)], **kwargs)
+        return Future([self.submit(file, buffer, offset, write=True)], keepalive=buffer)
 
     def submit(
         self, file: OpenFile, buffer: torch.Tensor, offset: int, *, write: bool, nbytes: int | None = None
-    ) -> _Part:
-        """Queue one transfer of ``nbytes`` at ``offset`` and return its part; :class:`IOFuture` groups parts.
+    ) -> NativePart:
+        """Queue one transfer of ``nbytes`` at ``offset`` and return it as a part of a :class:`~nvoffload.transfer.Future`.
 
         ``buffer`` (contiguous, CPU) backs the first bytes of the transfer;
         ``nbytes`` (default: the buffer's size) may pad it: zeros are written
@@ -201,7 +146,7 @@ class IOEngine:
                 f"(got {nbytes} bytes at offset {offset})"
             )
         ticket = native.submit(file.fd, buffer.data_ptr(), nbytes, valid, offset, write)
-        return _Part(ticket, file.path, offset)
+        return NativePart(ticket, file.path, offset)
 
     def inject_fault(self, fault: str, after_ops: int = 0) -> None:
         """Testing hook: one block operation fails, after ``after_ops`` others it applies to.

@@ -20,9 +20,10 @@ import torch
 
 from nvoffload.io.buffers import BufferPool, aligned_empty, round_up
 from nvoffload.io.config import IOConfig
-from nvoffload.io.engine import IOEngine, IOFuture, OpenFile, _Part
+from nvoffload.io.engine import IOEngine, NativePart, OpenFile
 from nvoffload.io.errors import ChecksumError, StoreIOError
 from nvoffload.io.gds import GDSFile, gds_available
+from nvoffload.transfer.future import Future
 
 __all__ = ["TensorStore", "swap_directories"]
 
@@ -150,7 +151,7 @@ class _Record:
     extents: list[_Extent]
     checksum: int | None = None
     seq: int = 0  # order of submission among puts (a later put of a name wins)
-    in_flight: list[IOFuture] = field(default_factory=list)
+    in_flight: list[Future] = field(default_factory=list)
 
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -165,7 +166,7 @@ class TensorStore:
     Each tensor lives in 4 KiB-aligned extents; tensors of at least
     ``config.stripe_min_bytes`` are split evenly over the directories so that
     several NVMe drives add their bandwidth. ``put`` and ``get`` return
-    :class:`IOFuture`\\ s; failures raise from ``result()`` naming the tensor,
+    :class:`Future`\\ s; failures raise from ``result()`` naming the tensor,
     the file and the offset.
 
     Args:
@@ -207,7 +208,7 @@ class TensorStore:
         self._pool = BufferPool()
         self._lock = threading.Lock()
         self._records: dict[str, _Record] = {}
-        self._pending_puts: dict[str, IOFuture] = {}
+        self._pending_puts: dict[str, Future] = {}
         self._next_dir = 0
         self._seq = 0
         self._dirs = dirs
@@ -261,7 +262,7 @@ class TensorStore:
         with self._lock:
             return len(self._records.keys() | self._pending_puts.keys())
 
-    def put(self, name: str, tensor: torch.Tensor) -> IOFuture:
+    def put(self, name: str, tensor: torch.Tensor) -> Future:
         """Write ``tensor`` under ``name``; ``result()`` returns None once it is on disk.
 
         Any dtype, shape, size and contiguity; CPU or CUDA. An older tensor of
@@ -284,16 +285,16 @@ class TensorStore:
             try:
                 extents = self._allocate(nbytes)
             except StoreIOError as exc:
-                return IOFuture.failed(exc)
+                return Future.failed(exc)
             except OSError as exc:
-                return IOFuture.failed(
+                return Future.failed(
                     StoreIOError(exc.errno or errno.EIO, "allocate", exc.filename or "", -1, name, str(exc.strerror))
                 )
             self._seq += 1
             record = _Record(name, tensor.dtype, tensor.shape, nbytes, extents, seq=self._seq)
 
         try:
-            if self._direct_to_device(tensor):
+            if self.direct_to_device(tensor):
                 source, bounce = _byte_view(tensor), None
             elif tensor.is_cuda:  # staged through an aligned (page-locked) host buffer
                 bounce = self._pool.acquire(sum(e.nbytes for e in extents))
@@ -329,11 +330,11 @@ class TensorStore:
                 if bounce is not None:
                     self._pool.release(bounce)
                 self._check_open("put", name)
-            future = IOFuture(self._submit(extents, source, write=True), finish, tensor=name, keepalive=source)
+            future = Future(self._submit(extents, source, write=True), finish, what=name, keepalive=source)
             self._pending_puts[name] = future
         return future
 
-    def get(self, name: str, out: torch.Tensor | None = None) -> IOFuture:
+    def get(self, name: str, out: torch.Tensor | None = None) -> Future:
         """Read the tensor stored under ``name``; ``result()`` returns it.
 
         Without ``out`` the result is a new CPU tensor of the stored dtype and
@@ -352,7 +353,7 @@ class TensorStore:
             padded = sum(e.nbytes for e in record.extents)
             if out is not None:
                 self._check_out(record, out)
-                if self._direct_to_device(out) or (out.device.type == "cpu" and out.is_contiguous()):
+                if self.direct_to_device(out) or (out.device.type == "cpu" and out.is_contiguous()):
                     target, bounce = _byte_view(out), None
                 else:  # CUDA without GPUDirect, or a non-contiguous view
                     bounce = self._pool.acquire(padded)
@@ -377,7 +378,7 @@ class TensorStore:
                     if bounce is not None:
                         self._pool.release(bounce)
 
-            future = IOFuture(self._submit(record.extents, target, write=False), finish, tensor=name, keepalive=target)
+            future = Future(self._submit(record.extents, target, write=False), finish, what=name, keepalive=target)
             record.in_flight = [f for f in record.in_flight if not f.done()] + [future]
         return future
 
@@ -488,13 +489,13 @@ class TensorStore:
         for e in extents:
             e.swap.extents.give(e.offset, e.nbytes)
 
-    def _direct_to_device(self, tensor: torch.Tensor) -> bool:
+    def direct_to_device(self, tensor: torch.Tensor) -> bool:
         """True when ``tensor`` moves by GPUDirect Storage (CUDA, contiguous, no checksum)."""
         return (
             tensor.is_cuda and tensor.is_contiguous() and self.config.use_gds and not self.checksum and gds_available()
         )
 
-    def _submit(self, extents: list[_Extent], buffer: torch.Tensor, *, write: bool) -> list[_Part]:
+    def _submit(self, extents: list[_Extent], buffer: torch.Tensor, *, write: bool) -> list[NativePart]:
         """One transfer per extent; ``buffer`` holds the tensor's bytes, the extents' back to back.
 
         Each extent's transfer is padded to its aligned size (zeros written,
@@ -507,7 +508,7 @@ class TensorStore:
                 if e.swap.gds is None:
                     e.swap.gds = GDSFile(e.swap.file.path)
                 ticket = e.swap.gds.submit(piece, e.offset, write=write)
-                parts.append(_Part(ticket, e.swap.file.path, e.offset))
+                parts.append(NativePart(ticket, e.swap.file.path, e.offset))
             else:
                 parts.append(self._engine.submit(e.swap.file, piece, e.offset, write=write, nbytes=e.nbytes))
             start += e.data_bytes
@@ -565,7 +566,7 @@ def _unlink(paths: list[str]) -> None:
             pass
 
 
-def _settle(future: IOFuture) -> None:
+def _settle(future: Future) -> None:
     """Wait for a future whose errors belong to whoever holds it."""
     try:
         future.result()

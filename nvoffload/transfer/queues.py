@@ -1,0 +1,171 @@
+"""Read-ahead and write-behind queues with byte budgets: what every engine keeps in flight."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Hashable, Iterable
+
+from nvoffload.transfer.future import Future
+
+__all__ = ["ReadAhead", "WriteBehind"]
+
+
+class WriteBehind:
+    """Writes in flight, at most ``budget_bytes`` of them; the oldest are waited for to make room.
+
+    ``submit(nbytes, start, done)`` waits until ``nbytes`` fit beside the writes
+    in flight (oldest first), then calls ``start()`` for the write's
+    :class:`~nvoffload.transfer.Future`. When a write finishes, ``done(error)``
+    runs (releasing its buffer) on whichever thread reaps it. Errors are kept
+    and raised by :meth:`drain`, so a failed write is never lost.
+    """
+
+    def __init__(self, budget_bytes: int, what: str):
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+            raise ValueError(f"the write-behind budget must be a positive int of bytes, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        self.what = what
+        self._in_flight: collections.deque[tuple[Future, int, Callable | None]] = collections.deque()
+        self._bytes = 0
+        self._errors: list[BaseException] = []
+        self._lock = threading.RLock()
+
+    @property
+    def in_flight_bytes(self) -> int:
+        return self._bytes
+
+    def submit(self, nbytes: int, start: Callable[[], Future], done: Callable[[BaseException | None], None] | None = None) -> Future:
+        with self._lock:
+            while self._in_flight and self._bytes + nbytes > self.budget_bytes:
+                self._finish_oldest()
+            try:
+                future = start()
+            except BaseException as exc:
+                if done is not None:
+                    done(exc)
+                raise
+            self._in_flight.append((future, nbytes, done))
+            self._bytes += nbytes
+            return future
+
+    def poll(self) -> None:
+        """Reap the writes that finished, without waiting."""
+        with self._lock:
+            while self._in_flight and self._in_flight[0][0].done():
+                self._finish_oldest()
+
+    def drain(self) -> None:
+        """Wait for every write; raise the first error of those reaped since the last drain."""
+        with self._lock:
+            while self._in_flight:
+                self._finish_oldest()
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    def _finish_oldest(self) -> None:
+        future, nbytes, done = self._in_flight.popleft()
+        error = None
+        try:
+            error = future.exception()
+        finally:
+            self._bytes -= nbytes
+            if error is not None:
+                self._errors.append(error)
+            if done is not None:
+                done(error)
+
+
+class ReadAhead:
+    """Reads started ahead of their use, in a planned order, with at most ``budget_bytes`` waiting to be taken.
+
+    Args:
+        budget_bytes: bytes of reads started and not yet taken (one read may
+            start alone even when it is larger).
+        size: ``size(key)``: the bytes a read of ``key`` would hold.
+        start: ``start(key)`` begins the read of ``key`` and returns ``(future,
+            nbytes)``, or None when it cannot start now (no memory: reading
+            ahead stops until the next :meth:`pump`).
+        drop: ``drop(key, future)`` releases a read that will not be taken (the
+            plan changed, or :meth:`clear`); it must wait for the read to end
+            before it frees the buffer.
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        size: Callable[[Hashable], int],
+        start: Callable[[Hashable], tuple[Future, int] | None],
+        drop: Callable[[Hashable, Future], None],
+    ):
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"the read-ahead budget must be an int >= 0 of bytes, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        self._size = size
+        self._start = start
+        self._drop = drop
+        self._plan: list[Hashable] = []
+        self._pos = 0
+        self._started: collections.OrderedDict[Hashable, tuple[Future, int]] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.RLock()
+
+    @property
+    def waiting_bytes(self) -> int:
+        return self._bytes
+
+    def plan(self, keys: Iterable[Hashable]) -> None:
+        """Read in this order from now on; reads started for keys outside it are dropped."""
+        with self._lock:
+            self._plan, self._pos = list(keys), 0
+            wanted = set(self._plan)
+            for key in [k for k in self._started if k not in wanted]:
+                self._release(key)
+
+    def skip_to(self, key: Hashable) -> None:
+        """Continue the plan after ``key`` (used in its place), when ``key`` is in it ahead of the position."""
+        with self._lock:
+            try:
+                self._pos = max(self._pos, self._plan.index(key, self._pos) + 1)
+            except ValueError:
+                pass
+
+    def take(self, key: Hashable) -> Future | None:
+        """The read started for ``key`` (the caller owns it now), or None when none was started."""
+        with self._lock:
+            entry = self._started.pop(key, None)
+            if entry is None:
+                return None
+            self._bytes -= entry[1]
+            return entry[0]
+
+    def pump(self) -> None:
+        """Start the next planned reads while the budget allows."""
+        with self._lock:
+            while self._pos < len(self._plan):
+                key = self._plan[self._pos]
+                if key in self._started:
+                    self._pos += 1
+                    continue
+                if self._started and self._bytes + self._size(key) > self.budget_bytes:
+                    return
+                started = self._start(key)
+                if started is None:
+                    return
+                self._pos += 1
+                if started[0] is None:  # nothing to read for this key
+                    continue
+                self._started[key] = started
+                self._bytes += started[1]
+
+    def clear(self) -> None:
+        """Drop every read not taken."""
+        with self._lock:
+            for key in list(self._started):
+                self._release(key)
+
+    def _release(self, key: Hashable) -> None:
+        future, nbytes = self._started.pop(key)
+        self._bytes -= nbytes
+        self._drop(key, future)

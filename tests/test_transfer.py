@@ -1,0 +1,316 @@
+"""The transfer engine: futures, the host slab, the stand-in's asynchronous copies, queues, NVMe<->device chains."""
+
+import errno
+import threading
+import time
+
+import pytest
+import torch
+
+from nvoffload.device import SimDevice
+from nvoffload.io import StoreIOError, TensorStore
+from nvoffload.memory import MemoryBudgetError
+from nvoffload.transfer import Future, HostSlab, ReadAhead, TransferEngine, WriteBehind
+
+
+def _mapping_size(address: int) -> int:
+    """Size of the /proc/self/maps mapping that contains ``address``."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return hi - lo
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+# ---------------------------------------------------------------------------- Future
+
+
+def test_future_completed_failed_and_all_of():
+    assert Future.completed(7).result() == 7
+    boom = OSError(errno.EIO, "boom")
+    with pytest.raises(OSError, match="boom"):
+        Future.failed(boom).result()
+    both = Future.all_of([Future.completed(1), Future.failed(boom), Future.completed(2)])
+    assert both.done()
+    with pytest.raises(OSError, match="boom"):
+        both.result()
+    assert both.exception() is boom  # the same error every time
+
+
+def test_future_timeout_names_the_transfer_and_stays_pending():
+    device = SimDevice(copy_delay_us=300_000)
+    engine = TransferEngine(1 << 16, device)
+    dst = torch.zeros(4)
+    fut = engine.to_host(dst, torch.ones(4), what="the slow one")
+    with pytest.raises(TimeoutError, match="the slow one still running"):
+        fut.result(timeout=0.01)
+    assert fut.result() is dst and torch.equal(dst, torch.ones(4))  # waited again: the copy landed
+    engine.close()
+    device.close()
+
+
+# ---------------------------------------------------------------------------- the host slab
+
+
+def test_slab_is_one_mapping_of_exactly_the_budget():
+    budget = (3 << 20) + 12345
+    slab = HostSlab(budget, "test budget")
+    try:
+        assert slab.capacity_bytes == budget - budget % 4096
+        assert slab.address % 4096 == 0
+        # The real allocation, read from the kernel's map of this process: within the budget.
+        assert _mapping_size(slab.address) <= budget
+        a = slab.allocate(5000, "a")
+        b = slab.allocate(70_000, "b")
+        assert a.data_ptr() % 4096 == 0 and b.data_ptr() % 4096 == 0
+        assert slab.address <= a.data_ptr() < slab.address + slab.capacity_bytes
+        assert slab.used_bytes == 8192 + 73728
+        slab.free(a)
+        slab.free(b)
+        assert slab.used_bytes == 0 and slab.peak_bytes == 8192 + 73728
+    finally:
+        slab.close()
+
+
+def test_slab_refuses_with_a_message_naming_the_holders():
+    slab = HostSlab(64 << 10, "the optimizer's staging")
+    held = slab.allocate(48 << 10, "chunk 3")
+    with pytest.raises(MemoryBudgetError, match=r"chunk 4 needs 32768 bytes of the optimizer's staging.*chunk 3: 49152"):
+        slab.allocate(32 << 10, "chunk 4")
+    with pytest.raises(MemoryBudgetError, match="more than its whole budget"):
+        slab.allocate(1 << 20, "huge")
+    with pytest.raises(ValueError, match="not allocated"):
+        slab.free(torch.empty(4, dtype=torch.uint8))
+    slab.free(held)
+    slab.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        slab.allocate(1, "late")
+
+
+def test_slab_allocation_waits_for_another_thread_to_free():
+    slab = HostSlab(64 << 10, "staging")
+    held = slab.allocate(64 << 10, "first")
+    threading.Timer(0.05, slab.free, args=(held,)).start()
+    start = time.monotonic()
+    second = slab.allocate(32 << 10, "second", wait_s=10)
+    assert 0.03 < time.monotonic() - start < 5
+    slab.free(second)
+    slab.close()
+
+
+def test_carved_slab_shares_the_parent_allocation():
+    parent = HostSlab(1 << 20, "shared host budget")
+    child = parent.carve(256 << 10, "activations")
+    assert parent.used_bytes == 256 << 10
+    buf = child.allocate(100, "x")
+    assert parent.address <= buf.data_ptr() < parent.address + parent.capacity_bytes
+    child.free(buf)
+    child.close()
+    assert parent.used_bytes == 0
+    parent.close()
+
+
+# ---------------------------------------------------------------------------- the stand-in's copies
+
+
+def test_stand_in_copies_land_late_and_in_order():
+    device = SimDevice(copy_delay_us=20_000)
+    engine = TransferEngine(1 << 16, device)
+    dst = torch.zeros(1000)
+    issued = time.monotonic()
+    first = engine.to_device(dst, torch.full((1000,), 1.0))
+    second = engine.to_device(dst, torch.full((1000,), 2.0))
+    # Nothing landed yet: a read here (a missing wait) sees the old contents.
+    assert dst.sum().item() == 0.0 and not first.done()
+    engine.wait(second)
+    assert time.monotonic() - issued >= 0.02
+    assert first.done() and torch.equal(dst, torch.full((1000,), 2.0))  # the later copy landed last
+    engine.close()
+    device.close()
+
+
+def test_stand_in_copy_reads_its_source_when_it_runs():
+    """As on a GPU: a host buffer reused before its copy ran is what gets copied."""
+    device = SimDevice(copy_delay_us=20_000)
+    engine = TransferEngine(1 << 16, device)
+    src, dst = torch.ones(10), torch.zeros(10)
+    fut = engine.to_device(dst, src)
+    src.fill_(5.0)  # the hazard a missing wait before reuse causes
+    engine.wait(fut)
+    assert torch.equal(dst, torch.full((10,), 5.0))
+    engine.close()
+    device.close()
+
+
+def test_stand_in_rate_limits_copies():
+    device = SimDevice(copy_gbps=0.1)  # 100 MB/s: 4 MB take 40 ms
+    engine = TransferEngine(1 << 16, device)
+    start = time.monotonic()
+    fut = engine.to_host(torch.empty(1 << 20), torch.ones(1 << 20))
+    fut.result()
+    assert time.monotonic() - start >= 0.04
+    engine.close()
+    device.close()
+
+
+def test_stand_in_copy_error_reaches_the_future():
+    device = SimDevice()
+    engine = TransferEngine(1 << 16, device)
+    overlapping = torch.empty(1).expand(4)  # copy_ refuses to write one element four times
+    fut = engine.to_host(overlapping, torch.ones(4), what="the bad copy")
+    with pytest.raises(RuntimeError, match="single memory location"):
+        fut.result()
+    with pytest.raises(ValueError, match="shape"):
+        engine.to_host(torch.empty(3), torch.ones(4))
+    engine.close()
+    device.close()
+
+
+def test_environment_sets_the_stand_in_delay(monkeypatch):
+    monkeypatch.setenv("NVOFFLOAD_SIM_COPY_DELAY_US", "1500")
+    assert SimDevice().copy_delay_us == 1500
+    monkeypatch.setenv("NVOFFLOAD_SIM_COPY_DELAY_US", "soon")
+    with pytest.raises(ValueError, match="NVOFFLOAD_SIM_COPY_DELAY_US"):
+        SimDevice()
+
+
+# ---------------------------------------------------------------------------- queues
+
+
+def test_write_behind_keeps_the_budget_and_every_error():
+    flags, done = [], []
+
+    def start(i):
+        gate = threading.Event()
+        flags.append(gate)
+        fut = Future([_Gate(gate, OSError(errno.ENOSPC, f"disk full {i}") if i == 1 else None)])
+        return fut
+
+    wb = WriteBehind(200, "test writes")
+    for i in range(2):
+        wb.submit(100, lambda i=i: start(i), lambda err, i=i: done.append((i, err)))
+    assert wb.in_flight_bytes == 200
+    threading.Timer(0.05, lambda: [g.set() for g in flags]).start()
+    wb.submit(100, lambda: start(2), lambda err: done.append((2, err)))  # waits for write 0
+    assert [i for i, _ in done] == [0] and wb.in_flight_bytes == 200
+    flags[2].set()
+    with pytest.raises(OSError, match="disk full 1"):
+        wb.drain()
+    assert [(i, type(e).__name__ if e else None) for i, e in done] == [(0, None), (1, "OSError"), (2, None)]
+    wb.drain()  # the error was reported once
+
+
+class _Gate:
+    def __init__(self, gate, error=None):
+        self.gate, self._error = gate, error
+
+    def done(self):
+        return self.gate.is_set()
+
+    def wait(self, timeout_s):
+        return self.gate.wait(timeout_s)
+
+    def error(self, what):
+        return self._error
+
+
+def test_read_ahead_follows_the_plan_within_its_budget():
+    started, dropped = [], []
+
+    def start(key):
+        started.append(key)
+        return Future.completed(key), 10
+
+    ra = ReadAhead(25, lambda key: 10, start, lambda key, fut: dropped.append(key))
+    ra.plan(["a", "b", "c", "d"])
+    ra.pump()
+    assert started == ["a", "b"]  # a third would pass 25 bytes
+    assert ra.take("a").result() == "a"
+    ra.pump()
+    assert started == ["a", "b", "c"]
+    assert ra.take("x") is None
+    ra.plan(["d", "c"])  # b is no longer wanted
+    assert dropped == ["b"]
+    ra.pump()
+    assert started == ["a", "b", "c", "d"] and ra.waiting_bytes == 20
+    ra.clear()
+    assert sorted(dropped) == ["b", "c", "d"] and ra.waiting_bytes == 0
+
+
+# ---------------------------------------------------------------------------- NVMe <-> device
+
+
+@pytest.mark.parametrize("delay_us", [0, 2000])
+def test_load_and_save_through_the_slab(tmp_path, delay_us):
+    device = SimDevice(copy_delay_us=delay_us)
+    with TensorStore(tmp_path) as store, TransferEngine(1 << 20, device) as engine:
+        x = torch.randn(3000)
+        staging = engine.slab.allocate(x.numel() * 4, "staging").view(torch.float32)
+        engine.save(store, "x", x, staging).result()
+        dst = torch.zeros(3000)
+        fut = engine.load(store, "x", dst, staging)
+        engine.wait(fut)
+        assert torch.equal(dst, x)
+        engine.slab.free(staging)
+    device.close()
+
+
+def test_load_reports_the_read_error_naming_the_tensor(tmp_path):
+    device = SimDevice()
+    with TensorStore(tmp_path) as store, TransferEngine(1 << 20, device) as engine:
+        store.put("w", torch.ones(4096)).result()
+        store.inject_fault("eio")
+        staging = engine.slab.allocate(4096 * 4, "staging").view(torch.float32)
+        dst = torch.zeros(4096)
+        fut = engine.load(store, "w", dst, staging)
+        with pytest.raises(StoreIOError, match="'w'"):
+            engine.wait(fut)
+        assert dst.sum().item() == 0  # nothing copied after a failed read
+        engine.slab.free(staging)
+    device.close()
+
+
+def test_closed_engine_refuses_transfers():
+    engine = TransferEngine(1 << 16, "cpu")
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.to_device(torch.empty(1), torch.empty(1), what="w")
+
+
+# ---------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+def test_cuda_copies_are_ordered_by_events():
+    with TransferEngine(16 << 20, "cuda") as engine:
+        host = engine.slab.allocate(4 << 20, "h").view(torch.float32)
+        assert engine.slab.page_locked
+        host.copy_(torch.arange(host.numel(), dtype=torch.float32))
+        dev = torch.empty(host.numel(), device="cuda")
+        fut = engine.to_device(dev, host)
+        engine.wait(fut)  # the compute stream waits; the host does not
+        doubled = dev * 2
+        back = engine.slab.allocate(4 << 20, "b").view(torch.float32)
+        engine.to_host(back, doubled).result()
+        assert torch.equal(back, host * 2)
+        engine.slab.free(host)
+        engine.slab.free(back)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("use_gds", [False, True])
+def test_cuda_load_and_save(tmp_path, use_gds):
+    from nvoffload.io import IOConfig
+
+    if use_gds:
+        pytest.importorskip("kvikio")
+    with TensorStore(tmp_path, config=IOConfig(use_gds=use_gds)) as store, TransferEngine(16 << 20, "cuda") as engine:
+        x = torch.randn(1 << 20, device="cuda")
+        staging = engine.slab.allocate(4 << 20, "s").view(torch.float32)
+        y = x * 3  # produced on the compute stream just before the save
+        engine.save(store, "y", y, staging).result()
+        dst = torch.empty_like(y)
+        engine.wait(engine.load(store, "y", dst, staging))
+        assert torch.equal(dst, x * 3)
+        engine.slab.free(staging)
