@@ -146,6 +146,40 @@ def test_get_out_of_wrong_type_raises(store):
         store.get("x", out=torch.zeros(11))
 
 
+def test_quantized_tensors_are_refused_naming_the_dtype(tmp_path):
+    """torch's byte view of a quantized tensor crashes when sliced: put refuses them before any I/O.
+
+    In a subprocess, so that a crash fails this test rather than ending the test run.
+    """
+    script = (
+        "import sys, warnings, torch\nfrom nvoffload.io import TensorStore\n"
+        "warnings.simplefilter('ignore')  # quantized tensors are deprecated in torch\n"
+        "with TensorStore(sys.argv[1]) as store:\n"
+        "    for dtype in (torch.qint8, torch.quint8, torch.qint32):\n"
+        "        q = torch.quantize_per_tensor(torch.randn(10), 0.1, 0, dtype)\n"
+        "        try:\n"
+        "            store.put('q', q)\n"
+        "        except TypeError as exc:\n"
+        "            print(exc)\n"
+        "    print(len(store), store.used_bytes)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines == [
+        f"put('q'): quantized tensors ({dtype}) cannot be stored; "
+        "store tensor.int_repr() and the quantization parameters instead"
+        for dtype in ("torch.qint8", "torch.quint8", "torch.qint32")
+    ] + ["0 0"]
+    assert os.listdir(tmp_path) == []
+
+
+def test_tensors_off_cpu_and_cuda_are_refused_before_taking_space(store):
+    with pytest.raises(ValueError, match=r"put\('m'\): only CPU and CUDA tensors .* on meta"):
+        store.put("m", torch.empty(1000, device="meta"))
+    assert "m" not in store and store.used_bytes == 0
+
+
 @pytest.mark.parametrize("checksum", [False, True], ids=["plain", "crc"])
 def test_replace_existing_name(tmp_path, checksum):
     with TensorStore(tmp_path, checksum=checksum) as store:

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/gil.h"
 #include "adam.h"
 #include "thread_pool.h"
 
@@ -188,7 +189,7 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
   a.neg_step_size = static_cast<float>(-step_size);
   a.prefetch_elems = g_prefetch.load();
   const AdamFn fn = adam_fn(current_isa());
-  py::gil_scoped_release release;
+  nvo_py::ReleaseGil release;  // safe in a daemon thread at interpreter exit
   run_parallel(a, fn, numel);
 }
 
@@ -205,7 +206,7 @@ void stream_probe(uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t grad, uintptr
   p.out = p.out_dtype == DType::kNone ? nullptr : pointer<void>(out, "out", numel);
   p.prefetch_elems = g_prefetch.load();
   const ProbeFn fn = probe_fn(current_isa());
-  py::gil_scoped_release release;
+  nvo_py::ReleaseGil release;  // safe in a daemon thread at interpreter exit
   run_parallel(p, fn, numel);
 }
 

@@ -1,10 +1,12 @@
-// Private binding of the I/O engine: every blocking call releases the GIL.
+// Private binding of the I/O engine: every blocking call releases the GIL
+// (with nvo_py::ReleaseGil, which is safe in a daemon thread at interpreter exit).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <unistd.h>
 
 #include <cstring>
 
+#include "../common/gil.h"
 #include "engine.h"
 
 namespace py = pybind11;
@@ -33,8 +35,8 @@ PYBIND11_MODULE(_aio, m) {
   m.doc() = "nvoffload native I/O engine (private)";
 
   py::class_<Ticket, std::shared_ptr<Ticket>>(m, "Ticket")
-      .def("done", &Ticket::done, py::call_guard<py::gil_scoped_release>())
-      .def("wait", &Ticket::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
+      .def("done", &Ticket::done, py::call_guard<nvo_py::ReleaseGil>())
+      .def("wait", &Ticket::wait, py::arg("timeout_s") = -1.0, py::call_guard<nvo_py::ReleaseGil>())
       .def("error", [](Ticket& t) -> py::object {
         if (t.error() == 0) return py::none();
         return py::make_tuple(t.error(), std::string(t.failed_call()), t.failed_offset());
@@ -50,7 +52,7 @@ PYBIND11_MODULE(_aio, m) {
             return e.submit(fd, reinterpret_cast<char*>(ptr), nbytes, valid_bytes, offset, write);
           },
           py::arg("fd"), py::arg("ptr"), py::arg("nbytes"), py::arg("valid_bytes"), py::arg("offset"), py::arg("write"),
-          py::call_guard<py::gil_scoped_release>())
+          py::call_guard<nvo_py::ReleaseGil>())
       .def(
           "inject_fault",
           [](Engine& e, const std::string& fault, int64_t after_ops) { e.inject_fault(parse_fault(fault), after_ops); },
@@ -61,7 +63,7 @@ PYBIND11_MODULE(_aio, m) {
       [](const std::string& path, bool create, bool direct) {
         int fd = -1, err;
         {
-          py::gil_scoped_release release;
+          nvo_py::ReleaseGil release;
           err = nvo::open_file(path, create, direct, &fd);
         }
         if (err) raise_errno(err, direct ? "open(O_DIRECT)" : "open", path);
@@ -73,7 +75,7 @@ PYBIND11_MODULE(_aio, m) {
       [](int fd, int64_t offset, int64_t nbytes, const std::string& path) {
         int err;
         {
-          py::gil_scoped_release release;
+          nvo_py::ReleaseGil release;
           err = nvo::allocate_file(fd, offset, nbytes);
         }
         if (err) raise_errno(err, "posix_fallocate", path);

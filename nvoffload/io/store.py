@@ -265,7 +265,8 @@ class TensorStore:
     def put(self, name: str, tensor: torch.Tensor) -> Future:
         """Write ``tensor`` under ``name``; ``result()`` returns None once it is on disk.
 
-        Any dtype, shape, size and contiguity; CPU or CUDA. An older tensor of
+        Any dtype but the quantized ones, any shape, size and contiguity; CPU or
+        CUDA. An older tensor of
         the same name is replaced once this write succeeds (of concurrent puts
         of one name, the one submitted last wins). The caller keeps ``tensor``
         alive and unmodified until the future is done. I/O failures (disk full,
@@ -275,8 +276,17 @@ class TensorStore:
             raise TypeError(f"tensor names are str, got {type(name).__name__}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"put({name!r}) needs a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.is_sparse or tensor.layout != torch.strided:
+        if tensor.is_sparse or tensor.layout != torch.strided or tensor.is_nested:
             raise ValueError(f"put({name!r}): only dense (strided) tensors can be stored")
+        if tensor.is_quantized:
+            # Their bytes mean nothing without the quantizer (scale, zero point), and torch hands
+            # out a broken byte view of them: slicing it crashes the interpreter.
+            raise TypeError(
+                f"put({name!r}): quantized tensors ({tensor.dtype}) cannot be stored; "
+                "store tensor.int_repr() and the quantization parameters instead"
+            )
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"put({name!r}): only CPU and CUDA tensors can be stored, got one on {tensor.device}")
         self._wait_pending_put(name)
         tensor = tensor.detach()
         nbytes = tensor.numel() * tensor.element_size()
