@@ -4,11 +4,20 @@
   for fp32 CPU parameters.
 - :func:`adam_step` (in :mod:`nvoffload.optim.kernels`): the stateless fused
   kernel, for callers that manage their own buffers (e.g. chunks read from NVMe).
+- :class:`OffloadOptimizer` / :class:`NVMeAdamW` (in :mod:`nvoffload.optim.offload`):
+  a torch optimizer with its state on NVMe, updated during backward.
 """
 
 from nvoffload.optim.cpu_adam import CPUAdam, CPUAdamW
 from nvoffload.optim.kernels import adam_step
-from nvoffload.optim.offload import MemoryStats, NVMeAdamW, OffloadOptimizerConfig, OffloadIOError, OffloadOptimizer
+from nvoffload.optim.offload import (
+    MemoryStats,
+    NVMeAdamW,
+    OffloadIOError,
+    OffloadOptimizer,
+    OffloadOptimizerConfig,
+    WeightHome,
+)
 
 __all__ = [
     "CPUAdam",
@@ -19,4 +28,5 @@ __all__ = [
     "OffloadOptimizerConfig",
     "OffloadIOError",
     "OffloadOptimizer",
+    "WeightHome",
 ]

@@ -1,0 +1,207 @@
+"""How the NVMe optimizer cuts its state into chunks: records, chunks, store entry names, chunk sizes.
+
+Each parameter has one :class:`Record`; its elements are cut into
+:class:`Chunk` ranges of at most ``Layout.chunk_numel`` elements. A chunk's
+state is a block of fp32 *rows* of ``numel`` elements each: row 0 is the
+master weights, the others the optimizer's per-element state (Adam's moments).
+Every update writes a new *generation* of a chunk; its store entries are named
+``opt<N>.p<param>.c<chunk>.g<generation>`` (plus ``.w`` for the master row of
+fp32 parameters, which is kept apart, see :meth:`Layout.split`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nvoffload import device
+
+_MIB = 1 << 20
+ALIGN_NUMEL = 1024  # chunk boundaries on 4 KiB of fp32, for O_DIRECT
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+MAX_GENERIC_ROWS = 5  # master + up to four param-shaped state tensors of a generic optimizer
+_MAX_CHUNK_NUMEL = 16 * _MIB // 4  # fp32 elements: 16 MiB of master weights
+
+
+class Chunk:
+    """One contiguous range of one parameter's elements and its state generations in the store."""
+
+    __slots__ = ("record", "index", "start", "numel", "gen", "pending_gen", "applied", "scalars", "pending_scalars")
+
+    def __init__(self, record: Record, index: int, start: int, numel: int):
+        self.record = record
+        self.index = index
+        self.start = start
+        self.numel = numel
+        self.gen: int | None = None  # committed generation in the store, None = no state yet
+        self.pending_gen: int | None = None  # generation written this step, not yet committed
+        self.applied = False  # the model parameter holds this step's (uncommitted) update
+        self.scalars: dict = {}  # non-tensor state of a generic optimizer, committed
+        self.pending_scalars: dict = {}
+
+    def name(self, gen: int) -> str:
+        return f"{self.record.prefix}p{self.record.index}.c{self.index}.g{gen}"
+
+    @property
+    def elements(self) -> slice:
+        """This chunk's range of the parameter's flat elements."""
+        return slice(self.start, self.start + self.numel)
+
+
+class Record:
+    """Everything the optimizer keeps about one parameter (one record per parameter, no id() keys)."""
+
+    __slots__ = ("prefix", "index", "param", "group", "chunks", "step", "fires", "learned_fires", "spec", "hook")
+
+    def __init__(self, prefix: str, index: int, param: torch.Tensor, group: dict):
+        self.prefix = prefix
+        self.index = index
+        self.param = param
+        self.group = group
+        self.chunks: list[Chunk] = []
+        self.step = 0  # committed update count, torch's state["step"]
+        self.fires = 0  # post-accumulate-grad hook calls since the last step()
+        self.learned_fires = 0  # hook calls before the previous step() (0 = not learned; 1 with release_grads)
+        # What the hook saw on the learned fire (see nvoffload.optim._protocol.Spec), None = nothing yet.
+        self.spec = None
+        self.hook = None  # the post-accumulate-grad hook's handle
+
+    @property
+    def name(self) -> str:
+        return f"parameter {self.index} (shape {tuple(self.param.shape)}, {self.param.dtype})"
+
+
+class Slot:
+    """A host buffer holding one chunk's state rows (and, for CUDA parameters, gradient and weight staging)."""
+
+    __slots__ = ("buffer", "grad", "out")
+
+    def __init__(self, buffer: torch.Tensor, grad: torch.Tensor | None, out: torch.Tensor | None):
+        self.buffer, self.grad, self.out = buffer, grad, out
+
+    def rows(self, nrows: int, numel: int) -> torch.Tensor:
+        return self.buffer[: nrows * numel].view(nrows, numel)
+
+
+def _host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat host buffer aligned for O_DIRECT, page-locked when CUDA is present."""
+    from nvoffload.io import aligned_empty
+
+    if device.cuda_available():
+        return device.host_empty(numel, dtype)  # the pinned pool every engine shares (page-aligned blocks)
+    return aligned_empty(numel * torch.empty(0, dtype=dtype).element_size()).view(dtype)
+
+
+def _aligned(numel: int) -> int:
+    return -(-numel // ALIGN_NUMEL) * ALIGN_NUMEL
+
+
+class Layout:
+    """The chunking of every parameter's state: rows per element, elements per chunk, store entries.
+
+    Args:
+        adam: Adam/AdamW state (master, ``exp_avg``, ``exp_avg_sq`` and with
+            amsgrad ``max_exp_avg_sq``); else a generic optimizer's, with
+            :data:`MAX_GENERIC_ROWS` rows.
+        elementwise: the update is elementwise, so a parameter may span several
+            chunks; else each parameter is one chunk.
+        param_groups: the optimizer's groups (the list itself: groups added later count).
+        device_type: where the parameters are (``"cuda"`` adds gradient and weight staging to each slot).
+        prefix: the store entry names' prefix, unique per optimizer.
+    """
+
+    def __init__(self, *, adam: bool, elementwise: bool, param_groups: list[dict], device_type: str, prefix: str):
+        self.adam = adam
+        self.elementwise = elementwise
+        self._groups = param_groups
+        self._staging = device_type == "cuda"
+        self.prefix = prefix
+        self.slot_rows = self.rows()  # rows in each slot, fixed when the slots are made
+        self.chunk_numel = 0  # set by plan()
+
+    def rows(self, record: Record | None = None) -> int:
+        """fp32 rows of state per element, of ``record`` or (None) of the most any group needs."""
+        if not self.adam:
+            return MAX_GENERIC_ROWS
+        if record is None:
+            amsgrad = any(g.get("amsgrad", False) for g in self._groups)
+        else:
+            amsgrad = record.group.get("amsgrad", False)
+        return 4 if amsgrad else 3
+
+    @property
+    def slot_bytes_per_elem(self) -> int:
+        return self.slot_rows * 4 + (4 + 2 if self._staging else 0)  # + fp32 grad and low-precision weight staging
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.chunk_numel * self.slot_bytes_per_elem
+
+    def plan(self, *, chunk_bytes: int | None, cpu_memory_bytes: int, num_slots: int) -> int:
+        """Set and return the elements per chunk, from ``chunk_bytes`` (fp32 master bytes) or from
+        ``num_slots`` slots fitting ``cpu_memory_bytes``; raises ValueError when the budget is too small."""
+        largest = max((p.numel() for g in self._groups for p in g["params"]), default=1)
+        per_elem = self.slot_bytes_per_elem
+        if not self.elementwise:
+            numel = _aligned(largest)  # whole parameters: the update is not elementwise
+        elif chunk_bytes is not None:
+            numel = chunk_bytes // 4
+        else:
+            numel = min(cpu_memory_bytes // (num_slots * per_elem), _MAX_CHUNK_NUMEL, _aligned(largest))
+            numel -= numel % ALIGN_NUMEL
+        needed_bytes = num_slots * max(numel, ALIGN_NUMEL) * per_elem
+        if numel < ALIGN_NUMEL or needed_bytes > cpu_memory_bytes:
+            what = "the chunks" if self.elementwise else "the largest parameter"
+            raise ValueError(
+                f"cpu_memory_bytes={cpu_memory_bytes} is too small: {num_slots} buffers for {what} need"
+                f" {needed_bytes} bytes ({max(numel, ALIGN_NUMEL)} elements x {per_elem} bytes each)"
+            )
+        self.chunk_numel = numel
+        return numel
+
+    def state_bytes(self) -> int:
+        """Store bytes of one generation of every parameter's state."""
+        per_elem = self.rows() * 4
+        return sum(_aligned(p.numel()) * per_elem for g in self._groups for p in g["params"])
+
+    def new_slot(self) -> Slot:
+        n = self.chunk_numel
+        buffer = _host_buffer(self.slot_rows * n, torch.float32)
+        if not self._staging:
+            return Slot(buffer, None, None)
+        return Slot(buffer, _host_buffer(n, torch.float32), _host_buffer(n, torch.bfloat16))
+
+    def new_record(self, index: int, param: torch.Tensor, group: dict) -> Record:
+        rec = Record(self.prefix, index, param, group)
+        n, step = param.numel(), self.chunk_numel
+        rec.chunks = [Chunk(rec, i, s, min(step, n - s)) for i, s in enumerate(range(0, n, step))]
+        return rec
+
+    def chunk_rows(self, chunk: Chunk, slot: Slot) -> torch.Tensor:
+        """The ``(rows, numel)`` view of ``slot`` that holds ``chunk``'s state."""
+        return slot.rows(self.rows(chunk.record), chunk.numel)
+
+    @staticmethod
+    def split(rec: Record) -> bool:
+        """fp32 parameters keep their master row in its own store entry: it equals the model's weights
+        at the start of a step, so an update reads only the moments (8 of 12 bytes per element)."""
+        return rec.param.dtype == torch.float32
+
+    def needs_master(self, chunk: Chunk) -> bool:
+        """Whether an update must read the master weights (the model's are not the committed ones)."""
+        return not self.split(chunk.record) or chunk.applied
+
+    def entries(self, chunk: Chunk, gen: int, rows: torch.Tensor, *, state: bool = True, master: bool = True):
+        """``(store name, rows)`` of a generation; split chunks can leave out the state or the master."""
+        if not self.split(chunk.record):
+            return [(chunk.name(gen), rows)]
+        entries = []
+        if state:
+            entries.append((chunk.name(gen), rows[1:]))
+        if master:
+            entries.append((chunk.name(gen) + ".w", rows[0]))
+        return entries
+
+    @staticmethod
+    def names(chunk: Chunk, gen: int) -> tuple[str, str]:
+        """Every store name a generation may use (the ``.w`` entry only exists for split chunks)."""
+        return chunk.name(gen), chunk.name(gen) + ".w"

@@ -1,0 +1,315 @@
+"""The optimizer's worker thread: reads chunks ahead, runs their updates, writes them back.
+
+The rest of the optimizer talks to it through a narrow interface: ``submit``
+an update request, ``set_plan`` (the order in which chunks are read ahead),
+``wait_idle``, ``lend`` a slot to the training thread, ``take_error``, and
+``stop``/``join``. The worker holds the chunk I/O, the update strategy and its
+slots, never the optimizer, so a dropped optimizer is collected (and stops its
+worker) while the thread runs.
+
+No wait on the worker is unbounded: each raises a RuntimeError naming what it
+waited for as soon as the worker thread ends, or when the worker made no
+progress for :data:`WAIT_LIMIT_S`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from nvoffload.optim._chunk_io import ChunkIO
+from nvoffload.optim._layout import Chunk, Slot
+from nvoffload.optim._updates import Request, Update
+
+WAIT_LIMIT_S = 600.0  # longest time without progress of the worker before a wait reports it stuck
+_POLL_S = 0.005  # while chunks can be read ahead, the worker looks for requests this often
+THREAD_NAME = "nvoffload-optimizer"
+
+
+class _Handover:
+    """A slot lent to the training thread: ``slot`` (or ``error``) set by the worker, ``given_back`` by the lender."""
+
+    __slots__ = ("slot", "error", "given_back")
+
+    def __init__(self):
+        self.slot: Slot | None = None
+        self.error: BaseException | None = None
+        self.given_back = threading.Event()
+
+
+class Pipeline:
+    """One worker thread over ``slots``; errors of updates are collected for ``take_error``, not lost."""
+
+    def __init__(self, io: ChunkIO, update: Update, slots: list[Slot], prefetch_chunks: int):
+        self._io = io
+        self._update = update
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from a finalizer
+        self._free = slots
+        self._prefetched: dict[Chunk, tuple[Slot, object, bool]] = {}  # chunk: (slot, read future, with master)
+        self._writes: deque = deque()  # (slot, future)
+        self._plan: list[Chunk] = []
+        self._plan_pos = 0
+        self._prefetch = prefetch_chunks
+        self._lock = threading.Condition()
+        self._pending = 0  # requests and drains queued and not done
+        self._progress = 0  # requests, drains and lends done: a wait's limit counts from the last one
+        self._errors: list[BaseException] = []  # of updates and read-ahead, for step()
+        self._then_error: BaseException | None = None  # of stop()'s ``then``, for join()
+        self._stopped = False  # stop() was called
+        self._then: Callable[[], None] | None = None  # stop()'s, until it runs
+        self._ended = False  # the worker thread left its loop
+        self._death: BaseException | None = None  # what ended the worker thread, if not stop()
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    # ---- called from the training thread (and autograd hooks)
+    def submit(self, req: Request) -> None:
+        self._check_running()
+        with self._lock:
+            self._pending += 1
+        self._queue.put(req)
+
+    def set_plan(self, plan: list[Chunk]) -> None:
+        """Read ``plan``'s chunks ahead, in this order, from now on (read-ahead so far is dropped)."""
+        self._check_running()
+        self._queue.put(("plan", plan))
+
+    def wait_idle(self) -> None:
+        """Wait until every queued update ran and its writes are on disk."""
+        self._check_running()
+        with self._lock:
+            self._pending += 1
+        self._queue.put(("drain", None))
+        self._wait(lambda: self._pending == 0, "the queued updates to run and their writes to finish")
+
+    @property
+    def failed(self) -> bool:
+        """Whether an update or a read since the last ``take_error`` failed."""
+        return bool(self._errors)
+
+    def take_error(self) -> BaseException | None:
+        """The first error since the last call (call while idle), and forget the others."""
+        errors, self._errors = self._errors, []
+        return errors[0] if errors else None
+
+    @contextlib.contextmanager
+    def lend(self):
+        """A slot for the training thread's own transfers (restoring weights, state dicts), so that host
+        memory stays within the budget; the worker waits, idle, until it is given back."""
+        self._check_running()
+        handover = _Handover()
+        try:
+            self._queue.put(("lend", handover))
+            self._wait(lambda: handover.slot is not None or handover.error is not None, "a free staging slot")
+            if handover.error is not None:
+                raise handover.error
+            yield handover.slot
+        finally:
+            handover.given_back.set()  # also when the wait failed: the worker must not wait for it
+
+    def stop(self, then: Callable[[], None] | None = None) -> None:
+        """Let the worker finish what is queued, then run ``then`` on the worker thread and end.
+        Returns at once; safe to call from a finalizer (takes no lock) and more than once."""
+        if not self._stopped:
+            self._stopped = True
+            self._then = then
+            self._queue.put(("stop", None))
+
+    def join(self) -> None:
+        """Wait for the worker thread to end after ``stop``; raise what ``then`` raised. If the worker
+        died before it could run ``then``, run it here."""
+        if threading.current_thread() is self._thread:
+            return
+        self._thread.join(WAIT_LIMIT_S)
+        if self._thread.is_alive():
+            raise RuntimeError(f"nvoffload: the optimizer's worker thread did not stop within {WAIT_LIMIT_S:g} s")
+        self._run_then()
+        if self._then_error is not None:
+            raise self._then_error
+
+    def _check_running(self) -> None:
+        if self._stopped:
+            raise RuntimeError("the OffloadOptimizer is closed")
+
+    def _wait(self, done: Callable[[], bool], what: str) -> None:
+        """Wait until ``done()``; raise RuntimeError if the worker ends first or makes no progress
+        for WAIT_LIMIT_S."""
+        with self._lock:
+            while not (done() or self._ended):
+                seen = self._progress
+                if not self._lock.wait_for(lambda seen=seen: done() or self._ended or self._progress != seen, WAIT_LIMIT_S):
+                    raise RuntimeError(
+                        f"nvoffload: the optimizer's worker thread made no progress for {WAIT_LIMIT_S:g} s"
+                        f" while waiting for {what}; it is stuck (in I/O?)"
+                    )
+            if done():
+                return
+        if self._death is None:
+            raise RuntimeError("the OffloadOptimizer is closed")
+        raise RuntimeError(f"nvoffload: the optimizer's worker thread died while waiting for {what}") from self._death
+
+    # ---- worker thread
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - reported by the waits, which it ends
+            self._death = exc
+        finally:
+            with self._lock:
+                self._ended = True
+                self._lock.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=_POLL_S) if self._can_prefetch() else self._queue.get()
+            except queue.Empty:
+                self._prefetch_one()
+                continue
+            if isinstance(item, Request):
+                self._run_request(item)
+                continue
+            kind, arg = item
+            if kind == "stop":
+                self._drop_prefetched()
+                self._finish_writes(0)
+                self._run_then()
+                return
+            if kind == "plan":
+                self._drop_prefetched()
+                self._plan, self._plan_pos = arg, 0
+            elif kind == "lend":
+                self._lend(arg)
+            else:  # drain: writes stay in flight while updates come in (reads ahead overlap them)
+                self._finish_writes(0)
+                self._done()
+
+    def _run_request(self, req: Request) -> None:
+        try:
+            if not self._errors:
+                self._process(req)
+        except BaseException as exc:  # noqa: BLE001 - reported from step()
+            self._errors.append(exc)
+        self._done()
+
+    def _done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            self._progress += 1
+            self._lock.notify_all()
+
+    def _run_then(self) -> None:
+        then, self._then = self._then, None
+        if then is None:
+            return
+        try:
+            then()
+        except BaseException as exc:  # noqa: BLE001 - raised by join()
+            self._then_error = exc
+
+    def _lend(self, handover: _Handover) -> None:
+        try:
+            slot = self._take_slot()
+        except BaseException as exc:  # noqa: BLE001 - raised by lend()
+            handover.error = exc
+            slot = None
+        else:
+            handover.slot = slot
+        with self._lock:
+            self._progress += 1
+            self._lock.notify_all()
+        if slot is not None:
+            handover.given_back.wait()
+            self._free.append(slot)
+
+    def _can_prefetch(self) -> bool:
+        return (
+            not self._errors
+            and len(self._prefetched) < self._prefetch
+            and self._plan_pos < len(self._plan)
+            and bool(self._free or self._writes)
+        )
+
+    def _prefetch_one(self) -> None:
+        while self._plan_pos < len(self._plan):
+            chunk = self._plan[self._plan_pos]
+            self._plan_pos += 1
+            if chunk.gen is None or chunk.pending_gen is not None or chunk in self._prefetched:
+                continue
+            try:
+                slot = self._take_slot()
+                master = self._io.layout.needs_master(chunk)
+                self._prefetched[chunk] = (slot, self._io.read(chunk, chunk.gen, slot, master=master), master)
+            except BaseException as exc:  # noqa: BLE001
+                self._errors.append(exc)
+            return
+
+    def _settle_prefetched(self, chunk: Chunk) -> None:
+        """Wait for the read ahead of ``chunk`` (its errors do not matter: it was not used) and free its slot."""
+        slot, fut, _ = self._prefetched.pop(chunk)
+        try:
+            fut.result()
+        except BaseException:  # noqa: BLE001
+            pass
+        self._free.append(slot)
+
+    def _drop_prefetched(self) -> None:
+        for chunk in list(self._prefetched):
+            self._settle_prefetched(chunk)
+
+    def _take_slot(self) -> Slot:
+        if not self._free:
+            if self._writes:
+                self._finish_writes(len(self._writes) - 1)
+            elif self._prefetched:  # read-ahead of chunks that did not come: give one back
+                self._settle_prefetched(next(reversed(self._prefetched)))
+        return self._free.pop()
+
+    def _finish_writes(self, keep: int) -> None:
+        """Wait for the oldest writes until at most ``keep`` are in flight; their errors go to the errors."""
+        while len(self._writes) > keep:
+            slot, fut = self._writes.popleft()
+            try:
+                fut.result()
+            except BaseException as exc:  # noqa: BLE001 - reported from step()
+                self._errors.append(exc)
+            self._free.append(slot)
+
+    def _process(self, req: Request) -> None:
+        chunk, io = req.chunk, self._io
+        fresh = not chunk.applied  # else the model holds an update of this step: the master comes from the store
+        if chunk in self._prefetched:
+            slot, fut, master = self._prefetched.pop(chunk)
+        else:
+            slot = self._take_slot()
+            fut, master = None, True
+            try:
+                if chunk.gen is None:
+                    io.init(chunk, slot)
+                else:
+                    fut = io.read(chunk, chunk.gen, slot, master=io.layout.needs_master(chunk))
+            except BaseException:
+                self._free.append(slot)
+                raise
+        try:
+            if fut is not None:
+                fut.result()
+            if not master and not fresh:  # read ahead without the master, then the update had to be redone
+                io.read(chunk, chunk.gen, slot, state=False).result()
+            gen = (chunk.gen or 0) + 1
+            chunk.applied = True  # from here on the model may hold new values
+            rows = io.layout.chunk_rows(chunk, slot)
+            with io.model_weights(chunk.record, modify=True) as weights:
+                self._update(req, rows, slot, weights[chunk.elements], fresh)
+            wfut = io.write(chunk, gen, rows)
+        except BaseException:
+            self._free.append(slot)
+            raise
+        chunk.pending_gen = gen
+        self._writes.append((slot, wfut))
+        # Keep reading ahead while the update computes next.
+        if self._can_prefetch():
+            self._prefetch_one()

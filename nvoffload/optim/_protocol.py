@@ -1,0 +1,264 @@
+"""The speculate/commit protocol: updates during backward that ``step()`` keeps, redoes or undoes.
+
+Each parameter's post-accumulate-grad hook (on the micro-batch learned to be
+the last before ``step()``) records a :class:`Spec` -- the gradient it saw,
+that gradient's version, the hyperparameters -- and, while speculating, queues
+the parameter's chunk updates at once. Every update writes a new generation of
+its chunk (``Chunk.pending_gen``) and leaves the committed one (``Chunk.gen``)
+in the store, so ``step()`` can:
+
+* keep an update whose gradient and hyperparameters are still the ones the
+  hook saw, and commit it (the old generation is deleted);
+* redo it from the committed generation when they changed (clipping, a
+  ``GradScaler``'s scale, a new learning rate), and stop speculating until a
+  step shows that they no longer change;
+* undo it (:meth:`StepProtocol.restore`: read the committed master weights
+  back into the model, drop the new generation) on an overflow, an error, or
+  more micro-batches than learned.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+
+from nvoffload.optim._chunk_io import ChunkIO
+from nvoffload.optim._layout import Chunk, Record
+from nvoffload.optim._pipeline import Pipeline
+from nvoffload.optim._updates import Request
+
+
+class OffloadIOError(RuntimeError):
+    """An I/O error during :meth:`OffloadOptimizer.step`; the parameters were restored to their values before the step."""
+
+
+_RELEASED = object()  # Spec.grad_ref: the hook queued the update and freed the gradient (release_grads)
+
+
+class Spec(NamedTuple):
+    """What a parameter's hook saw on the learned fire."""
+
+    grad_ref: object  # weakref to the gradient, or _RELEASED
+    grad_version: int | None  # the gradient's ``_version`` then
+    hparams: dict  # the group's hyperparameters then
+    applied: bool  # the update was queued then (else only observed, to re-learn overlap)
+
+
+def _hparams(group: dict) -> dict:
+    return {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k != "params"}
+
+
+def _checked_grad(rec: Record) -> torch.Tensor | None:
+    g = rec.param.grad
+    if g is None:
+        return None
+    if g.is_sparse or g.layout != torch.strided:
+        raise ValueError(f"{rec.name} has a sparse gradient; OffloadOptimizer supports dense gradients only")
+    if g.device != rec.param.device:
+        raise ValueError(f"{rec.name} is on {rec.param.device} but its gradient is on {g.device}")
+    if g.shape != rec.param.shape:
+        raise ValueError(f"{rec.name} has a gradient of shape {tuple(g.shape)}")
+    return g
+
+
+class StepProtocol:
+    """The hooks' speculation and ``step()``'s commit over ``records`` (the optimizer's list, shared).
+
+    Args:
+        records: one per parameter, in group order.
+        io, pipeline: the chunk I/O and the worker that runs the updates.
+        overlap, max_grad_norm, release_grads: as in :class:`OffloadOptimizerConfig`.
+    """
+
+    def __init__(self, records: list[Record], io: ChunkIO, pipeline: Pipeline, *, overlap: bool,
+                 max_grad_norm: float | None, release_grads: bool):  # fmt: skip
+        self._records = records
+        self._io = io
+        self._pipeline = pipeline
+        self._max_grad_norm = max_grad_norm
+        self._release_grads = release_grads
+        self._order: list[Record] = []  # first iteration's gradient order
+        self._order_learned = False
+        self._can_speculate = overlap and max_grad_norm is None
+        self.speculate = self._can_speculate  # the hooks queue updates (else they only observe)
+
+    # ------------------------------------------------------------------ the hook
+    def on_grad(self, rec: Record) -> None:
+        """``rec``'s gradient is final for this backward pass."""
+        rec.fires += 1
+        if not self._order_learned and rec.fires == 1:
+            self._order.append(rec)
+        if rec.spec is not None and rec.spec.grad_ref is _RELEASED and rec.fires > 1:
+            self._pipeline.wait_idle()
+            self.restore(rec.chunks)
+            rec.spec = None
+            raise RuntimeError(
+                f"backward ran again for {rec.name} after its update had been applied early: release_grads"
+                " (parameter streaming) needs exactly one backward pass per step()"
+            )
+        if not (rec.learned_fires and rec.fires == rec.learned_fires):
+            return  # more backward passes than learned: step() finds them (fires > learned_fires)
+        grad = _checked_grad(rec)
+        if grad is None:
+            return
+        hp = _hparams(rec.group)
+        if self._release_grads:
+            rec.spec = Spec(_RELEASED, None, hp, True)
+            self._submit(rec, grad, hp, 1.0)
+            rec.param.grad = None  # the queued update holds it until the worker is done
+            return
+        rec.spec = Spec(weakref.ref(grad), grad._version, hp, self.speculate)
+        if self.speculate:
+            self._submit(rec, grad, hp, 1.0)
+
+    def _submit(self, rec: Record, grad: torch.Tensor, hp: dict, grad_scale: float) -> None:
+        flat = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
+        for chunk in rec.chunks:
+            self._pipeline.submit(Request(chunk, flat[chunk.elements], hp, rec.step + 1, grad_scale))
+
+    # ------------------------------------------------------------------ step()
+    def finish(self, *, found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None) -> None:
+        """Wait for the updates queued during backward, redo those whose gradient or hyperparameters
+        changed, run the rest, and commit; undo everything and raise on an error."""
+        pipe = self._pipeline
+        pipe.wait_idle()
+        records = self._step_order()
+        try:
+            self._refuse_unsound(records, found_inf, grad_scale)
+            if found_inf is not None and float(found_inf) > 0:
+                self._restore_all(records)  # an overflow skips the step
+                return
+            if self._max_grad_norm is not None:
+                # Exactly torch.nn.utils.clip_grad_norm_ (the gradients are scaled in place, as it does).
+                with_grad = [r.param for r in self._records if r.param.grad is not None]  # in group order
+                if with_grad:
+                    torch.nn.utils.clip_grad_norm_(with_grad, self._max_grad_norm)
+            clean = self._redo_changed(records, 1.0 if grad_scale is None else 1.0 / float(grad_scale))
+            pipe.wait_idle()
+            error = pipe.take_error()
+            if error is not None:
+                self._restore_all(records)
+                if isinstance(error, OSError):
+                    raise OffloadIOError(f"optimizer step failed, parameters restored: {error}") from error
+                error.add_note("nvoffload: the parameters were restored to their values before this step()")
+                raise error
+            # Gradients or hyperparameters edited between backward and step(): update in step() until a step
+            # shows that they no longer are (the hooks still observe them).
+            self.speculate = self._can_speculate and clean
+            self._commit(records)
+        finally:
+            for rec in self._records:
+                rec.spec = None
+                rec.learned_fires = 1 if self._release_grads else rec.fires
+                rec.fires = 0
+            pipe.take_error()
+        self._order_learned = True
+        pipe.set_plan(self.plan())
+
+    def _refuse_unsound(self, records: list[Record], found_inf, grad_scale) -> None:
+        """Undo the step and raise where the early updates cannot be kept or redone."""
+        if self._release_grads and (found_inf is not None or grad_scale is not None):
+            self._restore_all(records)
+            raise ValueError(
+                "release_grads (parameter streaming) frees gradients during backward, so fp16 loss scaling"
+                " (GradScaler) cannot check them for overflow: train in bf16 or fp32"
+            )
+        extra = next((r for r in records if r.spec is not None and r.spec.applied and r.fires > r.learned_fires), None)
+        if extra is not None:
+            self._restore_all(records)
+            raise RuntimeError(
+                f"backward ran {extra.fires} times for {extra.name} before step(), but the optimizer had learned"
+                f" {extra.learned_fires} per step and updated the parameters during backward pass"
+                f" {extra.learned_fires}: the forward passes after it saw the updated weights, so these gradients"
+                " are not the ones of the step's weights. The parameters were restored and the step skipped;"
+                f" zero the gradients and run the step again (the optimizer now expects {extra.fires} backward"
+                " passes per step), keep the number of micro-batches per step constant, or construct the"
+                " optimizer with overlap=False"
+            )
+
+    def _redo_changed(self, records: list[Record], scale: float) -> bool:
+        """Queue the update of every parameter whose early update is missing or stale; returns whether every
+        gradient and hyperparameter is the one its hook saw."""
+        clean = True
+        for rec in records:
+            grad = _checked_grad(rec)
+            spec, rec.spec = rec.spec, None
+            hp = _hparams(rec.group)
+            if spec is not None and spec.grad_ref is _RELEASED:
+                if spec.hparams != hp:
+                    self._restore_all(records)
+                    raise RuntimeError(
+                        f"the hyperparameters of {rec.name} changed between backward and step(); with"
+                        " release_grads the update already ran in backward: change them before backward"
+                    )
+                continue
+            if grad is None:
+                self.restore(rec.chunks)
+                continue
+            if spec is not None:
+                unchanged = (
+                    spec.grad_ref() is grad and grad._version == spec.grad_version and spec.hparams == hp and scale == 1.0
+                )
+                clean = clean and unchanged
+                if spec.applied and unchanged and not self._pipeline.failed:
+                    continue
+                for c in rec.chunks:  # recompute from the committed generation
+                    if c.pending_gen is not None and c.pending_gen != c.gen:
+                        c.pending_gen = None
+            self._submit(rec, grad, hp, scale)
+        return clean
+
+    def _commit(self, records: list[Record]) -> None:
+        for rec in records:
+            updated = False
+            for c in rec.chunks:
+                if c.pending_gen is None:
+                    continue
+                updated = True
+                if c.gen is not None and c.gen != c.pending_gen:
+                    self._io.delete(c, c.gen)
+                c.gen, c.pending_gen, c.applied = c.pending_gen, None, False
+                c.scalars, c.pending_scalars = c.pending_scalars, {}  # a generic optimizer's (Adam has none)
+            if updated:
+                rec.step += 1
+
+    def _step_order(self) -> list[Record]:
+        seen = set(self._order)
+        return list(self._order) + [r for r in self._records if r not in seen]
+
+    def plan(self) -> list[Chunk]:
+        """The chunks to read ahead for the next step, in the order their gradients arrive."""
+        return [c for r in self._step_order() for c in r.chunks if r.param.requires_grad]
+
+    # ------------------------------------------------------------------ undo
+    def _restore_all(self, records: list[Record]) -> None:
+        self.restore(c for r in records for c in r.chunks)
+
+    def restore(self, chunks: Iterable[Chunk]) -> None:
+        """Put back the committed weights of chunks whose update reached the model; drop their new generation."""
+        to_read = []
+        for chunk in chunks:
+            if chunk.pending_gen is not None and chunk.pending_gen != chunk.gen:
+                self._io.delete(chunk, chunk.pending_gen)
+            chunk.pending_gen = None
+            chunk.pending_scalars = {}
+            if chunk.applied and chunk.gen is not None:
+                to_read.append(chunk)
+            chunk.applied = False
+        if not to_read:
+            return
+        failures = []
+        with self._pipeline.lend() as slot:
+            for chunk in to_read:
+                rec = chunk.record
+                try:
+                    self._io.read(chunk, chunk.gen, slot, state=False).result()
+                    with self._io.model_weights(rec, modify=True) as weights:
+                        weights[chunk.elements].copy_(self._io.layout.chunk_rows(chunk, slot)[0])
+                except BaseException as exc:  # noqa: BLE001
+                    failures.append(f"{rec.name} elements [{chunk.start}, {chunk.start + chunk.numel}): {exc}")
+        if failures:
+            raise OffloadIOError("could not restore the weights of " + "; ".join(failures))

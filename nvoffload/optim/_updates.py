@@ -1,0 +1,218 @@
+"""The two ways a chunk is updated: the fused Adam kernel, or the wrapped optimizer's own ``step``.
+
+Both take an update request (chunk, gradient slice, hyperparameters, step
+number, gradient scale), the chunk's state rows in a host slot and the model's
+weights of the chunk, update the rows in place and write the new weights to the
+model. They also say how their state maps to a torch state dict (the codec).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from nvoffload.optim._layout import LOW_PRECISION, MAX_GENERIC_ROWS, Chunk, Record, Slot
+from nvoffload.optim.kernels import adam_step
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_ROWS_KEY = "__rows__"  # in a generic optimizer's chunk scalars: the state keys held in rows 1, 2, ...
+# torch optimizers whose update is elementwise: their state can be split into chunks.
+_ELEMENTWISE = ("SGD", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
+
+
+class Request:
+    """One chunk's update: its slice of the gradient, the hyperparameters and step number to use."""
+
+    __slots__ = ("chunk", "grad", "hparams", "step", "grad_scale")
+
+    def __init__(self, chunk: Chunk, grad: torch.Tensor, hparams: dict, step: int, grad_scale: float):
+        self.chunk, self.grad, self.hparams, self.step, self.grad_scale = chunk, grad, hparams, step, grad_scale
+
+
+def for_optimizer(optimizer: torch.optim.Optimizer) -> Update:
+    """The update strategy for ``optimizer``; raises ValueError for one whose state is not per element."""
+    cls_names = {c.__name__ for c in type(optimizer).__mro__}
+    if cls_names & {"LBFGS", "SparseAdam"}:
+        raise ValueError(
+            f"{type(optimizer).__name__} cannot be offloaded: its state is not per-parameter elementwise"
+            " (LBFGS keeps a global history; SparseAdam needs sparse gradients)"
+        )
+    if cls_names & {"Adam", "AdamW"} and not cls_names & {"NAdam", "RAdam", "Adamax"}:
+        return AdamUpdate(optimizer)
+    return GenericUpdate(optimizer, elementwise=bool(cls_names & set(_ELEMENTWISE)))
+
+
+class Update:
+    """Updates one chunk in a slot; see the module docs."""
+
+    adam = False
+    elementwise = True
+
+    def __init__(self, inner: torch.optim.Optimizer):
+        self.inner = inner
+
+    def __call__(self, req: Request, rows: torch.Tensor, slot: Slot, model: torch.Tensor, fresh: bool) -> None:
+        """Update ``rows`` (master first) from ``req`` and write the new weights to ``model``, the chunk's
+        weights. ``fresh``: the model holds the committed weights (no update of this step reached it)."""
+        chunk = req.chunk
+        grad = req.grad
+        if grad.device.type != "cpu":
+            grad = slot.grad[: chunk.numel].copy_(grad)  # synchronous device-to-host copy
+        if chunk.record.param.dtype == torch.float32 and fresh:
+            rows[0].copy_(model)  # the model's fp32 weights are the master (as in torch)
+        self._step(req, rows, slot, model, grad)
+
+    def _step(self, req: Request, rows: torch.Tensor, slot: Slot, model: torch.Tensor, grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def check_group(self, group: dict) -> None:
+        """Raise ValueError for a parameter group whose state cannot be offloaded."""
+
+    def row_keys(self, rec: Record, nrows: int) -> tuple[str, ...]:
+        """The state dict keys of rows 1, 2, ... of ``rec``'s committed state."""
+        raise NotImplementedError
+
+    def scalar_state(self, rec: Record) -> dict:
+        """The non-row entries of ``rec``'s state dict entry (copies)."""
+        raise NotImplementedError
+
+    def parse(self, rec: Record, st: dict, nrows: int) -> tuple[list[torch.Tensor], dict, int]:
+        """A state dict entry (without ``master_param``) as ``(row tensors, chunk scalars, step)``."""
+        raise NotImplementedError
+
+
+class AdamUpdate(Update):
+    """Adam/AdamW on the fused native kernel: rows are master, ``exp_avg``, ``exp_avg_sq`` (, ``max_exp_avg_sq``)."""
+
+    adam = True
+
+    def check_group(self, group: dict) -> None:
+        if group.get("differentiable", False):
+            raise ValueError("differentiable=True cannot be offloaded")
+
+    def _step(self, req: Request, rows: torch.Tensor, slot: Slot, model: torch.Tensor, grad: torch.Tensor) -> None:
+        hp, dtype = req.hparams, req.chunk.record.param.dtype
+        low = dtype in LOW_PRECISION
+        out = None
+        if low:
+            out = model if model.device.type == "cpu" else slot.out[: req.chunk.numel].view(dtype)
+        b1, b2 = hp["betas"]
+        adam_step(
+            rows[0], grad, rows[1], rows[2],
+            step=req.step, lr=hp["lr"], beta1=b1, beta2=b2, eps=hp["eps"],
+            weight_decay=hp["weight_decay"],
+            decoupled_weight_decay=bool(hp.get("decoupled_weight_decay", isinstance(self.inner, torch.optim.AdamW))),
+            grad_scale=req.grad_scale, maximize=hp.get("maximize", False),
+            param_out=out,
+            max_exp_avg_sq=rows[3] if hp.get("amsgrad", False) else None,
+        )  # fmt: skip
+        if not low or model.device.type != "cpu":
+            model.copy_(rows[0] if not low else out)
+
+    def row_keys(self, rec: Record, nrows: int) -> tuple[str, ...]:
+        return ADAM_KEYS[: nrows - 1]
+
+    def scalar_state(self, rec: Record) -> dict:
+        return {"step": torch.tensor(float(rec.step))}
+
+    def parse(self, rec: Record, st: dict, nrows: int) -> tuple[list[torch.Tensor], dict, int]:
+        keys = ADAM_KEYS[: nrows - 1]
+        tensors = [st[k] for k in keys if k in st]
+        if len(tensors) != nrows - 1:
+            raise ValueError(f"state of {rec.name} lacks {keys}: has {sorted(st)}")
+        return tensors, {}, int(float(st["step"]))
+
+
+class GenericUpdate(Update):
+    """Another torch optimizer: its own ``step`` on one chunk whose state tensors are views of the rows;
+    its non-tensor state (and the keys of its rows) are the chunk's scalars."""
+
+    def __init__(self, inner: torch.optim.Optimizer, *, elementwise: bool):
+        super().__init__(inner)
+        self.elementwise = elementwise
+
+    def _step(self, req: Request, rows: torch.Tensor, slot: Slot, model: torch.Tensor, grad: torch.Tensor) -> None:
+        chunk, rec = req.chunk, req.chunk.record
+        shape = rec.param.shape if chunk.numel == rec.param.numel() else (chunk.numel,)
+        cp = rows[0].view(shape)
+        cp.grad = (grad.float() * req.grad_scale if req.grad_scale != 1.0 else grad.float()).view(shape)
+        state: dict = dict(chunk.scalars)
+        for i, key in enumerate(state.pop(_ROWS_KEY, ())):
+            state[key] = rows[1 + i].view(shape)
+        row_items, scalars = self._split_state(self._inner_step(cp, dict(rec.group, **req.hparams), state), cp.shape)
+        for i, (key, value) in enumerate(row_items):
+            row = rows[1 + i]
+            if value.data_ptr() != row.data_ptr():
+                row.copy_(value.reshape(-1))
+        scalars[_ROWS_KEY] = tuple(key for key, _ in row_items)
+        chunk.pending_scalars = scalars
+        model.copy_(rows[0])
+
+    def _inner_step(self, cp: torch.Tensor, group: dict, state: dict) -> dict:
+        """The wrapped optimizer's ``step`` on the single tensor ``cp`` (its ``grad`` set) with ``group``'s
+        hyperparameters, starting from ``state``; returns the new state."""
+        inner = self.inner
+        saved_groups, saved_state = inner.param_groups, inner.state
+        try:
+            inner.param_groups = [dict(group, params=[cp])]
+            inner.state = defaultdict(dict, {cp: state} if state else {})
+            inner.step()
+            return inner.state[cp]
+        finally:
+            inner.param_groups, inner.state = saved_groups, saved_state
+            cp.grad = None
+
+    def _split_state(self, state: dict, shape: torch.Size) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+        """A generic optimizer's state as (key, tensor) rows shaped like the parameter, and scalars;
+        raises ValueError for state that cannot be split into chunks."""
+        name = type(self.inner).__name__
+        rows, scalars = [], {}
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor) or value.numel() <= 1:
+                scalars[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            elif value.shape != shape:
+                raise ValueError(
+                    f"{name} state {key!r} of shape {tuple(value.shape)} cannot be offloaded:"
+                    f" only tensors shaped like the parameter {tuple(shape)} and scalars are supported"
+                )
+            elif value.dtype != torch.float32:
+                raise ValueError(f"{name} state {key!r} of dtype {value.dtype} cannot be offloaded (fp32 only)")
+            elif len(rows) + 1 >= MAX_GENERIC_ROWS:
+                raise ValueError(f"{name} keeps more than {MAX_GENERIC_ROWS - 1} tensors per parameter: cannot be offloaded")
+            else:
+                rows.append((key, value))
+        return rows, scalars
+
+    def check_group(self, group: dict) -> None:
+        """Refuse state that cannot be split into chunks: two trial steps on a small fp32 stand-in of
+        each parameter rank in the group, with the group's hyperparameters."""
+        for ndim in sorted({p.dim() for p in group["params"]}):
+            cp = torch.zeros(tuple(range(2, 2 + ndim)), requires_grad=True)
+            state: dict = {}
+            for _ in range(2):
+                cp.grad = torch.full_like(cp, 0.1)
+                state = self._inner_step(cp, group, state)
+                self._split_state(state, cp.shape)
+
+    def row_keys(self, rec: Record, nrows: int) -> tuple[str, ...]:
+        return rec.chunks[0].scalars.get(_ROWS_KEY, ())
+
+    def scalar_state(self, rec: Record) -> dict:
+        return {
+            k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in rec.chunks[0].scalars.items() if k != _ROWS_KEY
+        }
+
+    def parse(self, rec: Record, st: dict, nrows: int) -> tuple[list[torch.Tensor], dict, int]:
+        tensors, keys, scalars = [], [], {}
+        for k, v in st.items():
+            if k == "master_param":
+                continue
+            if isinstance(v, torch.Tensor) and v.shape == rec.param.shape and v.numel() > 1:
+                tensors.append(v)
+                keys.append(k)
+            else:
+                scalars[k] = v
+        scalars[_ROWS_KEY] = tuple(keys)
+        step = st.get("step", 0)
+        return tensors, scalars, int(float(step)) if isinstance(step, (int, float, torch.Tensor)) else 0
