@@ -1,0 +1,25 @@
+"""Parameter streaming: each block's weights live on NVMe, on the device only while the block runs.
+
+:class:`ParameterStreamer` splits a model into *blocks* (the entries of its
+``ModuleList`` of layers) and moves each block's parameters through three tiers:
+
+- the store (:mod:`nvoffload.io`): one flat tensor per block, its home;
+- host memory (``_host_cache``): copies of blocks, least recently used first
+  out, within the :class:`~nvoffload.memory.MemoryManager`'s host budget; the
+  optimizer reads and writes weights there, and a changed block is written
+  back before it leaves;
+- the device (``_residency``): a block while a forward, a backward
+  (``_backward`` says when a pass is done with it) or a ``load_state_dict``
+  holds it; off the device its parameters hold no bytes and refuse reads
+  (``_guard``).
+
+``_materialize`` fills a model built on the meta device block by block,
+``_weights`` serves the current weights to the optimizer, state dicts and
+checkpoints, and ``_streamer`` holds the facade that wires the module hooks.
+"""
+
+from nvoffload.streaming._blocks import find_blocks, state_tensors
+from nvoffload.streaming._guard import StreamedParameterError
+from nvoffload.streaming._streamer import ParameterStreamer
+
+__all__ = ["ParameterStreamer", "StreamedParameterError", "find_blocks", "state_tensors"]

@@ -1,0 +1,111 @@
+"""How a model splits into streamed blocks, and where each parameter sits in its block's flat tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["Block", "find_blocks", "partition", "resident_bytes", "state_tensors"]
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's layers: the entries of its largest ``nn.ModuleList`` with parameters."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and any(True for _ in m.parameters())]
+    if not lists:
+        raise ValueError(
+            f"{type(model).__name__} has no nn.ModuleList of layers to stream; pass blocks= explicitly"
+        )
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """What ``module.state_dict()`` holds, without reading it: parameters (every name of a
+    tied one) and persistent buffers, by state-dict key."""
+    tensors = {}
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        for key, p in m._parameters.items():
+            if p is not None:
+                tensors[dot + key] = p
+        for key, b in m._buffers.items():
+            if b is not None and key not in m._non_persistent_buffers_set:
+                tensors[dot + key] = b
+    return tensors
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Block:
+    """One streamed block's layout: its parameters, one after another in one flat tensor of one dtype.
+
+    ``params`` may be replaced (a parameter built on the meta device gets a new
+    object) until the streamer is set up; the layout does not change.
+    """
+
+    def __init__(self, index: int, pos: int, module: nn.Module, params: list[tuple[str, nn.Parameter]]):
+        self.index = index  # in the list of modules given to the streamer
+        self.pos = pos  # among the streamed blocks (forward order)
+        self.module = module
+        self.name = f"stream.block{index}"  # in the tensor store
+        self.param_names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"block {index} mixes parameter dtypes {sorted(map(str, dtypes))}; cast the model first")
+        self.dtype = self.params[0].dtype
+        self.shapes = [p.shape for p in self.params]
+        self.offsets, total = [], 0
+        for p in self.params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        self.nbytes = total * self.params[0].element_size()
+        self._trainable = [j for j, p in enumerate(self.params) if p.requires_grad]
+        self.grad_bytes = _nbytes(self.trainable)  # device bytes of the gradients a backward pass makes
+
+    @property
+    def trainable(self) -> list[nn.Parameter]:
+        """The parameters that require grad (as they did when the block was laid out)."""
+        return [self.params[j] for j in self._trainable]
+
+    def view(self, flat: torch.Tensor, j: int) -> torch.Tensor:
+        """Parameter ``j``'s range of the flat tensor ``flat``, shaped like the parameter."""
+        shape = self.shapes[j]
+        return flat[self.offsets[j] : self.offsets[j] + shape.numel()].view(shape)
+
+    def __repr__(self) -> str:
+        return f"parameter block {self.index}"
+
+
+def partition(model: nn.Module, modules: Iterable[nn.Module]) -> tuple[list[Block], list[tuple[str, nn.Parameter]]]:
+    """The streamed blocks (modules without parameters left out) and the resident parameters (all others), named.
+
+    Raises ValueError for a parameter in two blocks: each block's parameters
+    must be its own (keep a shared one outside the blocks).
+    """
+    names = {p: n for n, p in model.named_parameters()}
+    blocks: list[Block] = []
+    owner: dict[nn.Parameter, int] = {}
+    for i, module in enumerate(modules):
+        params = []
+        for p in module.parameters():
+            if p in owner:
+                raise ValueError(
+                    f"parameter {names[p]} is in streamed blocks {owner[p]} and {i}: a block's parameters must be "
+                    "its own (keep shared parameters outside the blocks)"
+                )
+            owner[p] = i
+            params.append((names[p], p))
+        if params:
+            blocks.append(Block(i, len(blocks), module, params))
+    resident = [(n, p) for n, p in model.named_parameters() if p not in owner]
+    return blocks, resident
+
+
+def resident_bytes(resident: list[tuple[str, nn.Parameter]], *, grads: bool = False) -> int:
+    """Bytes of the resident parameters (``grads``: of their gradients)."""
+    return _nbytes(p for _, p in resident if p.requires_grad or not grads)

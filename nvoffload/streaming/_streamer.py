@@ -1,0 +1,271 @@
+""":class:`ParameterStreamer`: builds the tiers of parameter streaming and wires them to the model's hooks."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from nvoffload import device as _device
+from nvoffload.io import TensorStore
+from nvoffload.memory import MemoryBudgetError, MemoryManager
+from nvoffload.streaming._backward import BackwardPasses
+from nvoffload.streaming._blocks import Block, find_blocks, partition, resident_bytes
+from nvoffload.streaming._guard import closed_error
+from nvoffload.streaming._host_cache import HostCache
+from nvoffload.streaming._materialize import Materializer
+from nvoffload.streaming._residency import DeviceResidency, GradientLedger
+from nvoffload.streaming._weights import StreamedWeights
+
+__all__ = ["ParameterStreamer"]
+
+
+def _counter(tier: str, name: str, doc: str) -> property:
+    """A settable attribute of the streamer that lives on one of its tiers."""
+    return property(
+        lambda self: getattr(getattr(self, tier), name), lambda self, v: setattr(getattr(self, tier), name, v), doc=doc
+    )
+
+
+class ParameterStreamer:
+    """Streams the parameters of a model's blocks between NVMe, host memory and the device.
+
+    Each block's parameters are one flat tensor in the store, cached in host
+    memory as the host budget allows, and on the device only while a forward,
+    a backward or a ``load_state_dict`` uses the block. Off the device a
+    parameter keeps its identity, shape, dtype, device, ``grad`` and hooks, so
+    optimizers, autograd and checkpoint code keep working, but its storage holds
+    no bytes and reading it raises :class:`~nvoffload.streaming.StreamedParameterError`
+    (read it with :meth:`gather` or ``state_dict()``, which give the current weights,
+    for the model or any sub-module). Parameters outside every block
+    (embeddings, final norm, head) stay on the device, counted in the device budget.
+
+    Module hooks, never a replaced ``forward``: a block's forward pre-hook brings
+    it to the device and reads the next blocks ahead, its forward hook lets it
+    go; its backward pre-hook brings it back (autograd saved the parameters
+    themselves, whose storage is refilled in place) and reads the previous blocks
+    ahead, and the backward pass lets it go once it is done with the block
+    (see :class:`~nvoffload.streaming._backward.BackwardPasses`). The optimizer
+    reads and writes streamed weights through the streamer, a
+    :class:`~nvoffload.optim.WeightHome`, so the next forward sees the updates.
+
+    Args:
+        model: the model; its parameters may be on the device or on the meta
+            device (then ``param_init_fn`` or ``checkpoint`` fills them, one
+            block at a time, straight into the store).
+        store: the tensor store that holds the blocks' weights.
+        memory: the budgets; raises :class:`~nvoffload.memory.MemoryBudgetError`
+            at construction when they cannot hold the resident parameters plus
+            ``2 + prefetch_blocks`` of the largest block (with its gradients).
+        device: the compute device (default: where the parameters are; the CPU
+            for a model on the meta device without CUDA).
+        blocks: the modules to stream (default: :func:`find_blocks`); a parameter
+            in two of them raises ``ValueError``.
+        prefetch_blocks: blocks read ahead into host memory.
+        param_init_fn: called on each module of a meta model to initialize its
+            parameters once they have memory (default: ``reset_parameters()``).
+        checkpoint: a reader with ``keys()``, ``info(name)`` and ``read(name, out=)``
+            (:func:`nvoffload.checkpoint.open_checkpoint`) to fill a model built on
+            the meta device from, one tensor at a time. Its tensors must match the
+            model's parameters and persistent buffers by name (one name of a tied
+            parameter is enough) and shape; other dtypes are converted. A missing
+            or unexpected tensor raises ``KeyError`` before anything is read.
+    """
+
+    bytes_read = _counter("_cache", "bytes_read", "Bytes read from the store.")
+    bytes_written = _counter("_cache", "bytes_written", "Bytes written to the store.")
+    io_wait_s = _counter("_cache", "io_wait_s", "Time forward and backward waited for blocks to arrive in host memory.")
+    grad_wait_s = _counter("_residency", "grad_wait_s", "Time backward waited for the optimizer to free device memory.")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        store: TensorStore,
+        memory: MemoryManager,
+        *,
+        device: torch.device | str | None = None,
+        blocks: Iterable[nn.Module] | None = None,
+        prefetch_blocks: int = 1,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        checkpoint=None,
+    ):
+        if not isinstance(prefetch_blocks, int) or prefetch_blocks < 0:
+            raise ValueError(f"prefetch_blocks must be an int >= 0, got {prefetch_blocks!r}")
+        self.model = model
+        self.store = store
+        self.memory = memory
+        self.prefetch_blocks = prefetch_blocks
+        self.device = torch.device(device) if device is not None else _infer_device(model)
+        self._blocks, self._resident = partition(model, blocks if blocks is not None else find_blocks(model))
+        _check_budgets(self._blocks, self._resident, memory, prefetch_blocks)
+        materializer = Materializer(model, self.device, param_init_fn=param_init_fn, checkpoint=checkpoint)
+        self._cache = HostCache(store, memory, self.device)
+        self._residency = DeviceResidency(
+            memory, self._cache, self.device, GradientLedger(memory, model), resident_bytes(self._resident)
+        )
+        memory.allocate("device", resident_bytes(self._resident), "parameters outside the streamed blocks")
+        materializer.run(self._blocks, self._resident, self._cache, self._residency)
+        self.replaced: dict[nn.Parameter, nn.Parameter] = materializer.replaced  # meta parameters -> their successors
+        self._weights = StreamedWeights(model, self._blocks, self._cache, self._residency)
+        self._passes = BackwardPasses(self._residency)
+        self._closed = False
+        weakref.finalize(self, self._residency.close)  # a streamer dropped without close() closes its parameters
+        self._install_hooks()
+
+    # ------------------------------------------------------------------ hooks
+    def _install_hooks(self) -> None:
+        """Hooks on the model that stay for its lifetime; after :meth:`close` those that would need the weights raise."""
+        for block in self._blocks:
+            m = block.module
+            m.register_forward_pre_hook(_hook(self, ParameterStreamer._before_forward, block, needs_weights=True))
+            m.register_forward_hook(_hook(self, ParameterStreamer._after_forward, block), always_call=True)
+            m.register_full_backward_pre_hook(_hook(self, ParameterStreamer._before_backward, block, needs_weights=True))
+            m.register_full_backward_hook(_hook(self, ParameterStreamer._after_backward_call, block))
+            for p in block.trainable:
+                p.register_post_accumulate_grad_hook(_hook(self, ParameterStreamer._grad_ready, block))
+        for _, p in self._resident:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(_hook(self, ParameterStreamer._resident_grad_ready))
+        for module in self.model.modules():
+            owned = self._weights.owned(module)
+            if owned:
+                module.register_state_dict_post_hook(
+                    _hook(self, ParameterStreamer._after_state_dict, owned, needs_weights=True)
+                )
+                module.register_load_state_dict_pre_hook(
+                    _hook(self, ParameterStreamer._before_load, owned, needs_weights=True)
+                )
+                module.register_load_state_dict_post_hook(_hook(self, ParameterStreamer._after_load, owned))
+
+    def _before_forward(self, block: Block, module, args) -> None:
+        self._passes.release_unfinished()
+        self._residency.hold(block, "forward")
+        self._cache.prefetch(self._blocks[block.pos + 1 : block.pos + 1 + self.prefetch_blocks])
+
+    def _after_forward(self, block: Block, module, args, output) -> None:
+        if self._residency.holds(block, "forward"):  # none when the pre-hook raised
+            self._residency.unhold(block, "forward")
+
+    def _before_backward(self, block: Block, module, grad_output) -> None:
+        # Room for the gradients this block makes (the first block: the resident parameters' too).
+        grads = block.grad_bytes + (resident_bytes(self._resident, grads=True) if block.pos == 0 else 0)
+        self._passes.enter(block, headroom_bytes=grads)
+        self._cache.prefetch(self._blocks[max(block.pos - self.prefetch_blocks, 0) : block.pos][::-1])
+
+    def _after_backward_call(self, block: Block, module, grad_input, grad_output) -> None:
+        self._passes.inputs_done(block)
+
+    def _grad_ready(self, block: Block, param: nn.Parameter) -> None:
+        self._residency.gradients.track(param)
+        self._passes.grad_done(block, param)
+
+    def _resident_grad_ready(self, param: nn.Parameter) -> None:
+        self._residency.gradients.track(param)
+
+    def _after_state_dict(self, owned, module, state_dict, prefix, local_metadata) -> None:
+        self._weights.after_state_dict(owned, state_dict, prefix)
+
+    def _before_load(self, owned, module, state_dict, prefix, local_metadata, *_) -> None:
+        self._weights.before_load(owned, local_metadata)
+
+    def _after_load(self, owned, module, incompatible_keys) -> None:
+        self._weights.after_load(owned)
+
+    # ------------------------------------------------------------------ WeightHome (the optimizer)
+    def holds(self, param: torch.Tensor) -> bool:
+        return self._weights.holds(param)
+
+    def acquire(self, param: torch.Tensor) -> torch.Tensor:
+        """The parameter's weights in host memory, flat; stays cached until :meth:`release`."""
+        return self._weights.acquire(param)
+
+    def release(self, param: torch.Tensor, *, modified: bool) -> None:
+        self._weights.release(param, modified=modified)
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def gather(self, param: torch.Tensor) -> torch.Tensor:
+        """A copy of a streamed parameter's current weights (CPU)."""
+        return self._weights.gather(param)
+
+    def save_checkpoint(self, path, metadata: dict[str, str] | None = None) -> None:
+        """Write the model's state (as ``state_dict()`` names it) to a safetensors file, one tensor in memory at a time.
+
+        The file appears under ``path`` only once complete (see
+        :class:`~nvoffload.checkpoint.SafetensorsWriter`); call it after
+        ``optimizer.step()``, not while updates are in flight. A model built on
+        the meta device loads it back with ``checkpoint=open_checkpoint(path)``.
+        """
+        self._weights.save_checkpoint(path, metadata)
+
+    def flush(self) -> None:
+        """Write every changed cached block back to the store."""
+        self._cache.flush()
+
+    def close(self) -> None:
+        """Take every block off the device and give back the host cache.
+
+        The streamed parameters' weights go with it (save them first with
+        :meth:`save_checkpoint` or ``state_dict()``): from now on reading a
+        streamed parameter, running a block forward or backward, and
+        ``state_dict()`` or ``load_state_dict()`` of a module holding streamed
+        parameters raise :class:`~nvoffload.streaming.StreamedParameterError`.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._residency.close()
+        self._cache.close()
+
+
+def _hook(streamer: ParameterStreamer, method, *bound, needs_weights: bool = False):
+    """A hook calling ``method(streamer, *bound, *hook_args)`` without keeping the streamer alive.
+
+    Once the streamer is closed (or gone) the hook does nothing, or, if it
+    ``needs_weights``, raises :class:`~nvoffload.streaming.StreamedParameterError`.
+    """
+    ref, model = weakref.ref(streamer), type(streamer.model).__name__
+    what = bound[0] if bound and isinstance(bound[0], Block) else "a module"
+
+    def hook(*args):
+        live = ref()
+        if live is None or live._closed:
+            if needs_weights:
+                raise closed_error(f"{what} of this {model} needs streamed weights, but")
+            return
+        method(live, *bound, *args)
+
+    return hook
+
+
+def _infer_device(model: nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()} - {torch.device("meta")}
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are on several devices: {sorted(map(str, devices))}")
+    if devices:
+        return devices.pop()
+    return torch.device("cuda") if _device.cuda_available() else torch.device("cpu")
+
+
+def _check_budgets(blocks: list[Block], resident, memory: MemoryManager, prefetch_blocks: int) -> None:
+    if not blocks:
+        raise ValueError("the model has no parameters in its blocks: nothing to stream")
+    largest = max(b.nbytes for b in blocks)
+    weights, grads = resident_bytes(resident), resident_bytes(resident, grads=True)
+    # resident weights and their gradients; one block computing, one arriving, its gradients
+    device_needed = weights + grads + 3 * largest
+    host_needed = (2 + prefetch_blocks) * largest
+    problems = []
+    if memory.limit_bytes("device") < device_needed:
+        problems.append(
+            f"device_memory_bytes must be at least {device_needed} (resident parameters and their gradients: "
+            f"{weights + grads}, plus 3 x the largest block's {largest})"
+        )
+    if memory.available_bytes("host") < host_needed:
+        problems.append(
+            f"the host budget has {memory.available_bytes('host')} bytes left for parameter blocks; "
+            f"streaming needs at least {host_needed} ({2 + prefetch_blocks} x the largest block's {largest})"
+        )
+    if problems:
+        raise MemoryBudgetError("budgets too small for parameter streaming: " + "; ".join(problems))

@@ -1,0 +1,108 @@
+"""The streamed parameters' current weights, for the optimizer, state dicts and checkpoints.
+
+The host copy of a block is its current weights (the device copy is a
+read-only image of it, dropped when the block leaves), so everything that
+reads or writes weights outside forward and backward goes through the host
+cache, one block at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from nvoffload.checkpoint import SafetensorsWriter
+from nvoffload.streaming._blocks import Block, state_tensors
+from nvoffload.streaming._host_cache import HostCache
+from nvoffload.streaming._residency import DeviceResidency
+
+__all__ = ["StreamedWeights"]
+
+
+class StreamedWeights:
+    """Reads and writes of the streamed parameters' weights through the host cache.
+
+    It is the optimizer's :class:`~nvoffload.optim.WeightHome` (through the
+    streamer) and the body of the state-dict hooks the streamer installs on every
+    module that holds streamed parameters, so that ``state_dict()`` of the model
+    or of any sub-module gives the current weights and ``load_state_dict()`` of
+    any of them writes them.
+    """
+
+    def __init__(self, model: nn.Module, blocks: list[Block], cache: HostCache, residency: DeviceResidency):
+        self.model = model
+        self._cache = cache
+        self._residency = residency
+        self._where = {p: (block, j) for block in blocks for j, p in enumerate(block.params)}
+
+    def holds(self, param: torch.Tensor) -> bool:
+        return param in self._where
+
+    def owned(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """The streamed parameters ``module`` holds itself (not its children's), by attribute name."""
+        return [(key, p) for key, p in module._parameters.items() if p is not None and p in self._where]
+
+    def block_of(self, param: torch.Tensor) -> Block:
+        return self._where[param][0]
+
+    # ------------------------------------------------------------------ WeightHome
+    def acquire(self, param: torch.Tensor) -> torch.Tensor:
+        """The parameter's weights in host memory, flat and writable; its block stays cached until :meth:`release`."""
+        block, j = self._where[param]
+        return block.view(self._cache.pin(block), j).view(-1)
+
+    def release(self, param: torch.Tensor, *, modified: bool) -> None:
+        self._cache.unpin(self._where[param][0], modified=modified)
+
+    # ------------------------------------------------------------------ reads
+    @contextlib.contextmanager
+    def held(self, param: torch.Tensor):
+        """A streamed parameter's current weights in host memory, shaped like it, while its block stays cached."""
+        block, j = self._where[param]
+        with self._cache.pinned(block) as host:
+            yield block.view(host, j)
+
+    def gather(self, param: torch.Tensor) -> torch.Tensor:
+        """A copy of a streamed parameter's current weights (on the CPU)."""
+        with self.held(param) as weights:
+            return weights.clone()
+
+    def save_checkpoint(self, path, metadata: dict[str, str] | None) -> None:
+        """The model's state, as ``state_dict()`` names it, to a safetensors file, one tensor in memory at a time."""
+        tensors = state_tensors(self.model)
+        shapes = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+        with SafetensorsWriter(path, shapes, metadata) as writer:
+            for name, t in tensors.items():
+                if not self.holds(t):
+                    writer.write(name, t.detach())
+                    continue
+                with self.held(t) as weights:  # written from the cache, no copy
+                    writer.write(name, weights)
+
+    # ------------------------------------------------------------------ state-dict hooks of one module
+    def after_state_dict(self, owned: list[tuple[str, nn.Parameter]], state_dict: dict, prefix: str) -> None:
+        """Replace the entries of ``owned`` (placeholders: the parameters are off the device) by their weights;
+        ``state_dict(keep_vars=True)`` entries, the parameters themselves, stay."""
+        for key, p in owned:
+            name = prefix + key
+            if name in state_dict and state_dict[name] is not p:
+                state_dict[name] = self.gather(p)
+
+    def before_load(self, owned: list[tuple[str, nn.Parameter]], local_metadata: dict) -> None:
+        """Bring the block of ``owned`` to the device, where ``load_state_dict`` copies into the parameters."""
+        if local_metadata.get("assign_to_params_buffers"):
+            raise ValueError(
+                "load_state_dict(assign=True) would replace streamed parameters (their weights live in the "
+                "streamer's store): load without assign="
+            )
+        self._residency.hold(self.block_of(owned[0][1]), "load_state_dict")
+
+    def after_load(self, owned: list[tuple[str, nn.Parameter]]) -> None:
+        """Write what ``load_state_dict`` copied into ``owned`` to their block's host copy, and let the block go."""
+        block = self.block_of(owned[0][1])
+        with torch.no_grad(), self._cache.pinned(block, modified=True) as host:
+            for _, p in owned:
+                block.view(host, self._where[p][1]).copy_(p)
+        self._residency.unhold(block, "load_state_dict")
