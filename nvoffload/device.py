@@ -256,7 +256,11 @@ class _SimCopyStream:
         event = _SimEvent()
         nbytes = src.numel() * src.element_size()
         duration_s = nbytes / self._bytes_per_s if self._bytes_per_s else 0.0
-        self._queue.put((dst, src, after, time.monotonic() + self._delay_s, duration_s, event))
+        # As on a GPU, autograd sees the write when the copy is issued (``dst.copy_`` bumps the version
+        # counter then); the bytes land later through an alias that leaves the counter alone.
+        torch.autograd.graph.increment_version(dst)
+        alias = torch.empty(0, dtype=dst.dtype).set_(dst.untyped_storage(), dst.storage_offset(), dst.shape, dst.stride())
+        self._queue.put((alias, src, after, time.monotonic() + self._delay_s, duration_s, event))
         return event
 
     def close(self) -> None:
@@ -281,7 +285,7 @@ def _run_sim_stream(ops: queue.SimpleQueue) -> None:
                     dst.copy_(src)
             except BaseException as exc:  # noqa: BLE001 - reported through the event
                 error = exc
-        del dst, src, after
+        del op, dst, src, after  # the idle thread must not keep the last copy's tensors alive
         event._complete(error)
 
 

@@ -1,9 +1,16 @@
-"""Moving chunk state between the store and host slots, and reaching the model's weights.
+"""Moving chunk state between the store and host slots, and the model's weights and gradients to and from them.
 
 :class:`ChunkIO` is what the worker thread, the speculate/commit protocol and
-the state-dict codec share: it holds the store, the layout, the
-:class:`WeightHome` (if any) and the I/O byte counters, and no reference to the
-optimizer itself, so a dropped optimizer can be collected while its worker runs.
+the state-dict codec share: it holds the store, the layout, the transfer
+engine, the :class:`WeightHome` (if any) and the I/O byte counters, and no
+reference to the optimizer itself, so a dropped optimizer can be collected
+while its worker runs.
+
+Parameters and gradients are device memory (on the CPU stand-in too): every
+byte between them and a host slot moves on the transfer engine's copy streams,
+queued behind an event of the compute stream (the one recorded when the
+gradient was final), and the host waits for a copy's future before it reads
+what the copy brought.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ from typing import Protocol
 
 import torch
 
+from nvoffload.device import Event
 from nvoffload.optim._layout import Chunk, Layout, Record, Slot
+from nvoffload.transfer import Future, TransferEngine
 
 
 class WeightHome(Protocol):
@@ -33,31 +42,51 @@ class WeightHome(Protocol):
     def release(self, param: torch.Tensor, *, modified: bool) -> None: ...
 
 
-class AllOf:
-    """Store futures waited for together; ``result()`` raises the first error once all are done."""
+class ModelWeights:
+    """One parameter's flat weights as the optimizer reads and writes them: device memory, reached through
+    the transfer engine's copy streams, or a :class:`WeightHome`'s host tensor, reached directly."""
 
-    __slots__ = ("_futures",)
+    __slots__ = ("flat", "on_host", "_transfer")
 
-    def __init__(self, futures: list):
-        self._futures = futures
+    def __init__(self, flat: torch.Tensor, on_host: bool, transfer: TransferEngine):
+        self.flat, self.on_host, self._transfer = flat, on_host, transfer
 
-    def result(self, timeout: float | None = None) -> None:
-        error = None
-        for f in self._futures:
-            try:
-                f.result(timeout)
-            except BaseException as exc:  # noqa: BLE001 - every part must finish before the slot is reused
-                error = error or exc
-        if error is not None:
-            raise error
+    def host_view(self, elements: slice) -> torch.Tensor | None:
+        """The weights of ``elements`` as a host tensor an update may write in place, or None (device memory)."""
+        return self.flat[elements] if self.on_host else None
+
+    def read(self, elements: slice, out: torch.Tensor, slot: Slot) -> None:
+        """Copy the weights of ``elements`` into the host tensor ``out`` (fp32 or the parameter's dtype)."""
+        src = self.flat[elements]
+        if self.on_host:
+            out.copy_(src)
+            return
+        staging = out if out.dtype == src.dtype else slot.out(src.dtype, src.numel())
+        self._transfer.to_host(staging, src, what="weights").result()
+        if staging is not out:
+            out.copy_(staging)
+
+    def write(self, elements: slice, src: torch.Tensor, slot: Slot, *, after: Event | None = None) -> Future:
+        """Set the weights of ``elements`` from host ``src`` (fp32 or the parameter's dtype); on the device
+        the copy is queued behind ``after`` (default: the compute stream's work so far). ``src`` and
+        ``slot`` stay untouched until the future is done."""
+        dst = self.flat[elements]
+        if src.dtype != dst.dtype:
+            src = slot.out(dst.dtype, dst.numel()).copy_(src)
+        if self.on_host:
+            if src.data_ptr() != dst.data_ptr():
+                dst.copy_(src)
+            return Future.completed()
+        return self._transfer.to_device(dst, src, after=after, what="weights")
 
 
 class ChunkIO:
     """Reads and writes generations of chunk state in ``store``, counting the bytes moved."""
 
-    def __init__(self, store, layout: Layout):
+    def __init__(self, store, layout: Layout, transfer: TransferEngine):
         self.store = store
         self.layout = layout
+        self.transfer = transfer
         self.weight_home: WeightHome | None = None
         self.read_bytes = 0
         self.written_bytes = 0
@@ -69,34 +98,39 @@ class ChunkIO:
 
     @contextlib.contextmanager
     def model_weights(self, rec: Record, *, modify: bool):
-        """The parameter's weights as a flat tensor: on the device, or in its :class:`WeightHome`."""
+        """The parameter's :class:`ModelWeights`: on the device, or in its :class:`WeightHome`."""
         home = self.weight_home
         if home is None or not home.holds(rec.param):
-            yield rec.param.detach().view(-1)
+            yield ModelWeights(rec.param.detach().view(-1), False, self.transfer)
             return
         flat = home.acquire(rec.param)
         try:
-            yield flat
+            yield ModelWeights(flat, True, self.transfer)
         finally:
             home.release(rec.param, modified=modify)
 
-    def read(self, chunk: Chunk, gen: int, slot: Slot, *, state: bool = True, master: bool = True) -> AllOf:
+    def grad_to_host(self, grad: torch.Tensor, slot: Slot, ready: Event | None) -> torch.Tensor:
+        """Copy a chunk's gradient (device memory, final at the event ``ready``) into ``slot``; returns the host copy."""
+        host = slot.grad(grad.dtype, grad.numel())
+        return self.transfer.to_host(host, grad, after=ready, what="a gradient").result()
+
+    def read(self, chunk: Chunk, gen: int, slot: Slot, *, state: bool = True, master: bool = True) -> Future:
         """Start reading generation ``gen`` of ``chunk`` into ``slot`` (or only its state or its master row)."""
         futures = []
         for name, out in self.layout.entries(chunk, gen, self.layout.chunk_rows(chunk, slot), state=state, master=master):
             futures.append(self.store.get(name, out=out))
             with self._count_lock:
                 self.read_bytes += out.numel() * 4
-        return AllOf(futures)
+        return Future.all_of(futures)
 
-    def write(self, chunk: Chunk, gen: int, rows: torch.Tensor) -> AllOf:
+    def write(self, chunk: Chunk, gen: int, rows: torch.Tensor) -> Future:
         """Start writing ``rows`` (``(rows, numel)`` fp32) as generation ``gen`` of ``chunk``."""
         futures = []
         for name, part in self.layout.entries(chunk, gen, rows):
             futures.append(self.store.put(name, part))
             with self._count_lock:
                 self.written_bytes += part.numel() * 4
-        return AllOf(futures)
+        return Future.all_of(futures)
 
     def delete(self, chunk: Chunk, gen: int) -> None:
         for name in self.layout.names(chunk, gen):
@@ -113,7 +147,7 @@ class ChunkIO:
         """First update of a chunk: master = the model's weights, zero state; saved as generation 0."""
         rows = self.layout.chunk_rows(chunk, slot)
         with self.model_weights(chunk.record, modify=False) as weights:
-            rows[0].copy_(weights[chunk.elements])
+            weights.read(chunk.elements, rows[0], slot)
         rows[1:].zero_()
         self.write_first(chunk, rows, {})
 

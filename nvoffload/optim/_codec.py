@@ -102,5 +102,5 @@ class StateCodec:
                 rows[0].copy_(master.detach().reshape(-1)[c.elements])
             else:  # the model's current weights are the master
                 with self._io.model_weights(rec, modify=False) as weights:
-                    rows[0].copy_(weights[c.elements])
+                    weights.read(c.elements, rows[0], slot)
             self._io.write_first(c, rows, dict(scalars))

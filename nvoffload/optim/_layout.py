@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from nvoffload import device
-
 _MIB = 1 << 20
 ALIGN_NUMEL = 1024  # chunk boundaries on 4 KiB of fp32, for O_DIRECT
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -71,24 +69,29 @@ class Record:
 
 
 class Slot:
-    """A host buffer holding one chunk's state rows (and, for CUDA parameters, gradient and weight staging)."""
+    """One host buffer from the slab: a chunk's fp32 state rows, then staging for its gradient (up to fp32)
+    and for its weights in a 16-bit dtype, each part 4 KiB-aligned (O_DIRECT reads and writes the rows)."""
 
-    __slots__ = ("buffer", "grad", "out")
+    __slots__ = ("memory", "buffer", "_grad", "_out")
 
-    def __init__(self, buffer: torch.Tensor, grad: torch.Tensor | None, out: torch.Tensor | None):
-        self.buffer, self.grad, self.out = buffer, grad, out
+    def __init__(self, memory: torch.Tensor, rows_numel: int, chunk_numel: int):
+        self.memory = memory  # the slab allocation (uint8)
+        grad_at = rows_numel * 4
+        out_at = grad_at + chunk_numel * 4
+        self.buffer = memory[:grad_at].view(torch.float32)
+        self._grad = memory[grad_at:out_at]
+        self._out = memory[out_at : out_at + chunk_numel * 2]
 
     def rows(self, nrows: int, numel: int) -> torch.Tensor:
         return self.buffer[: nrows * numel].view(nrows, numel)
 
+    def grad(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """Host staging for ``numel`` gradient elements of ``dtype`` (fp32 or 16-bit)."""
+        return self._grad.view(dtype)[:numel]
 
-def _host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A flat host buffer aligned for O_DIRECT, page-locked when CUDA is present."""
-    from nvoffload.io import aligned_empty
-
-    if device.cuda_available():
-        return device.host_empty(numel, dtype)  # the pinned pool every engine shares (page-aligned blocks)
-    return aligned_empty(numel * torch.empty(0, dtype=dtype).element_size()).view(dtype)
+    def out(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """Host staging for ``numel`` weights of the 16-bit ``dtype``."""
+        return self._out.view(dtype)[:numel]
 
 
 def _aligned(numel: int) -> int:
@@ -105,15 +108,13 @@ class Layout:
         elementwise: the update is elementwise, so a parameter may span several
             chunks; else each parameter is one chunk.
         param_groups: the optimizer's groups (the list itself: groups added later count).
-        device_type: where the parameters are (``"cuda"`` adds gradient and weight staging to each slot).
         prefix: the store entry names' prefix, unique per optimizer.
     """
 
-    def __init__(self, *, adam: bool, elementwise: bool, param_groups: list[dict], device_type: str, prefix: str):
+    def __init__(self, *, adam: bool, elementwise: bool, param_groups: list[dict], prefix: str):
         self.adam = adam
         self.elementwise = elementwise
         self._groups = param_groups
-        self._staging = device_type == "cuda"
         self.prefix = prefix
         self.slot_rows = self.rows()  # rows in each slot, fixed when the slots are made
         self.chunk_numel = 0  # set by plan()
@@ -130,11 +131,15 @@ class Layout:
 
     @property
     def slot_bytes_per_elem(self) -> int:
-        return self.slot_rows * 4 + (4 + 2 if self._staging else 0)  # + fp32 grad and low-precision weight staging
+        return self.slot_rows * 4 + 4 + 2  # state rows, gradient staging, 16-bit weight staging
+
+    def _slot_bytes(self, numel: int) -> int:
+        return -(-numel * self.slot_bytes_per_elem // 4096) * 4096  # as the slab counts it
 
     @property
     def slot_bytes(self) -> int:
-        return self.chunk_numel * self.slot_bytes_per_elem
+        """Host bytes of one slot (what the slab counts)."""
+        return self._slot_bytes(self.chunk_numel)
 
     def plan(self, *, chunk_bytes: int | None, cpu_memory_bytes: int, num_slots: int) -> int:
         """Set and return the elements per chunk, from ``chunk_bytes`` (fp32 master bytes) or from
@@ -146,9 +151,9 @@ class Layout:
         elif chunk_bytes is not None:
             numel = chunk_bytes // 4
         else:
-            numel = min(cpu_memory_bytes // (num_slots * per_elem), _MAX_CHUNK_NUMEL, _aligned(largest))
+            numel = min((cpu_memory_bytes // num_slots - 4096) // per_elem, _MAX_CHUNK_NUMEL, _aligned(largest))
             numel -= numel % ALIGN_NUMEL
-        needed_bytes = num_slots * max(numel, ALIGN_NUMEL) * per_elem
+        needed_bytes = num_slots * self._slot_bytes(max(numel, ALIGN_NUMEL))
         if numel < ALIGN_NUMEL or needed_bytes > cpu_memory_bytes:
             what = "the chunks" if self.elementwise else "the largest parameter"
             raise ValueError(
@@ -163,12 +168,9 @@ class Layout:
         per_elem = self.rows() * 4
         return sum(_aligned(p.numel()) * per_elem for g in self._groups for p in g["params"])
 
-    def new_slot(self) -> Slot:
-        n = self.chunk_numel
-        buffer = _host_buffer(self.slot_rows * n, torch.float32)
-        if not self._staging:
-            return Slot(buffer, None, None)
-        return Slot(buffer, _host_buffer(n, torch.float32), _host_buffer(n, torch.bfloat16))
+    def new_slot(self, slab) -> Slot:
+        """A slot allocated from ``slab`` (a :class:`~nvoffload.transfer.HostSlab`)."""
+        return Slot(slab.allocate(self.slot_bytes, "an optimizer slot"), self.slot_rows * self.chunk_numel, self.chunk_numel)
 
     def new_record(self, index: int, param: torch.Tensor, group: dict) -> Record:
         rec = Record(self.prefix, index, param, group)

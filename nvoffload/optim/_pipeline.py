@@ -20,9 +20,12 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+import torch
+
 from nvoffload.optim._chunk_io import ChunkIO
-from nvoffload.optim._layout import Chunk, Slot
+from nvoffload.optim._layout import LOW_PRECISION, Chunk, Slot
 from nvoffload.optim._updates import Request, Update
+from nvoffload.transfer import Future
 
 WAIT_LIMIT_S = 600.0  # longest time without progress of the worker before a wait reports it stuck
 _POLL_S = 0.005  # while chunks can be read ahead, the worker looks for requests this often
@@ -300,16 +303,25 @@ class Pipeline:
             if not master and not fresh:  # read ahead without the master, then the update had to be redone
                 io.read(chunk, chunk.gen, slot, state=False).result()
             gen = (chunk.gen or 0) + 1
-            chunk.applied = True  # from here on the model may hold new values
             rows = io.layout.chunk_rows(chunk, slot)
+            dtype = chunk.record.param.dtype
             with io.model_weights(chunk.record, modify=True) as weights:
-                self._update(req, rows, slot, weights[chunk.elements], fresh)
+                if dtype == torch.float32 and fresh:
+                    weights.read(chunk.elements, rows[0], slot)  # the model's fp32 weights are the master (as in torch)
+                grad = io.grad_to_host(req.grad, slot, req.ready)
+                out = None
+                if dtype in LOW_PRECISION:
+                    out = weights.host_view(chunk.elements)
+                    out = slot.out(dtype, chunk.numel) if out is None else out
+                chunk.applied = True  # from here on the model may hold new values
+                upload = weights.write(chunk.elements, self._update(req, rows, grad, out), slot, after=req.ready)
             wfut = io.write(chunk, gen, rows)
         except BaseException:
             self._free.append(slot)
             raise
         chunk.pending_gen = gen
-        self._writes.append((slot, wfut))
+        # The slot is free again once the weights reached the model and the state is on disk.
+        self._writes.append((slot, Future.all_of([upload, wfut], what=f"the update of {chunk.record.name}")))
         # Keep reading ahead while the update computes next.
         if self._can_prefetch():
             self._prefetch_one()

@@ -116,8 +116,9 @@ class StepProtocol:
 
     def _submit(self, rec: Record, grad: torch.Tensor, hp: dict, grad_scale: float) -> None:
         flat = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
+        ready = self._io.transfer.record()  # the gradient is final here, and backward no longer reads the weights
         for chunk in rec.chunks:
-            self._pipeline.submit(Request(chunk, flat[chunk.elements], hp, rec.step + 1, grad_scale))
+            self._pipeline.submit(Request(chunk, flat[chunk.elements], hp, rec.step + 1, grad_scale, ready))
 
     # ------------------------------------------------------------------ step()
     def finish(self, *, found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None) -> None:
@@ -257,7 +258,7 @@ class StepProtocol:
                 try:
                     self._io.read(chunk, chunk.gen, slot, state=False).result()
                     with self._io.model_weights(rec, modify=True) as weights:
-                        weights[chunk.elements].copy_(self._io.layout.chunk_rows(chunk, slot)[0])
+                        weights.write(chunk.elements, self._io.layout.chunk_rows(chunk, slot)[0], slot).result()
                 except BaseException as exc:  # noqa: BLE001
                     failures.append(f"{rec.name} elements [{chunk.start}, {chunk.start + chunk.numel}): {exc}")
         if failures:

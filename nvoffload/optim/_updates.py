@@ -1,9 +1,10 @@
 """The two ways a chunk is updated: the fused Adam kernel, or the wrapped optimizer's own ``step``.
 
 Both take an update request (chunk, gradient slice, hyperparameters, step
-number, gradient scale), the chunk's state rows in a host slot and the model's
-weights of the chunk, update the rows in place and write the new weights to the
-model. They also say how their state maps to a torch state dict (the codec).
+number, gradient scale), the chunk's state rows and its gradient in host
+memory, update the rows in place and return the new weights in the
+parameter's dtype (the master row for fp32; a 16-bit buffer otherwise), which
+the caller moves to the model. They also say how their state maps to a torch state dict (the codec).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from collections import defaultdict
 
 import torch
 
-from nvoffload.optim._layout import LOW_PRECISION, MAX_GENERIC_ROWS, Chunk, Record, Slot
+from nvoffload.device import Event
+from nvoffload.optim._layout import LOW_PRECISION, MAX_GENERIC_ROWS, Chunk, Record
 from nvoffload.optim.kernels import adam_step
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -22,12 +24,14 @@ _ELEMENTWISE = ("SGD", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam"
 
 
 class Request:
-    """One chunk's update: its slice of the gradient, the hyperparameters and step number to use."""
+    """One chunk's update: its slice of the gradient (device memory, final at the compute stream's event
+    ``ready``), the hyperparameters and step number to use."""
 
-    __slots__ = ("chunk", "grad", "hparams", "step", "grad_scale")
+    __slots__ = ("chunk", "grad", "hparams", "step", "grad_scale", "ready")
 
-    def __init__(self, chunk: Chunk, grad: torch.Tensor, hparams: dict, step: int, grad_scale: float):
+    def __init__(self, chunk: Chunk, grad: torch.Tensor, hparams: dict, step: int, grad_scale: float, ready: Event):
         self.chunk, self.grad, self.hparams, self.step, self.grad_scale = chunk, grad, hparams, step, grad_scale
+        self.ready = ready
 
 
 def for_optimizer(optimizer: torch.optim.Optimizer) -> Update:
@@ -52,18 +56,18 @@ class Update:
     def __init__(self, inner: torch.optim.Optimizer):
         self.inner = inner
 
-    def __call__(self, req: Request, rows: torch.Tensor, slot: Slot, model: torch.Tensor, fresh: bool) -> None:
-        """Update ``rows`` (master first) from ``req`` and write the new weights to ``model``, the chunk's
-        weights. ``fresh``: the model holds the committed weights (no update of this step reached it)."""
-        chunk = req.chunk
-        grad = req.grad
-        if grad.device.type != "cpu":
-            grad = slot.grad[: chunk.numel].copy_(grad)  # synchronous device-to-host copy
-        if chunk.record.param.dtype == torch.float32 and fresh:
-            rows[0].copy_(model)  # the model's fp32 weights are the master (as in torch)
-        self._step(req, rows, slot, model, grad)
+    def __call__(self, req: Request, rows: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Update ``rows`` (master first) from ``req`` and the host gradient ``grad``; return the new
+        weights: ``rows[0]`` for an fp32 parameter, else ``out`` (the chunk's size, the parameter's 16-bit
+        dtype) filled."""
+        self._step(req, rows, grad, out)
+        if req.chunk.record.param.dtype not in LOW_PRECISION:
+            return rows[0]
+        return out
 
-    def _step(self, req: Request, rows: torch.Tensor, slot: Slot, model: torch.Tensor, grad: torch.Tensor) -> None:
+    def _step(self, req: Request, rows: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
+        """Update ``rows``; a 16-bit parameter's new weights may be written to ``out`` (else the caller
+        converts ``rows[0]`` into it)."""
         raise NotImplementedError
 
     def check_group(self, group: dict) -> None:
@@ -91,12 +95,9 @@ class AdamUpdate(Update):
         if group.get("differentiable", False):
             raise ValueError("differentiable=True cannot be offloaded")
 
-    def _step(self, req: Request, rows: torch.Tensor, slot: Slot, model: torch.Tensor, grad: torch.Tensor) -> None:
-        hp, dtype = req.hparams, req.chunk.record.param.dtype
-        low = dtype in LOW_PRECISION
-        out = None
-        if low:
-            out = model if model.device.type == "cpu" else slot.out[: req.chunk.numel].view(dtype)
+    def _step(self, req: Request, rows: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
+        hp = req.hparams
+        low = req.chunk.record.param.dtype in LOW_PRECISION
         b1, b2 = hp["betas"]
         adam_step(
             rows[0], grad, rows[1], rows[2],
@@ -104,11 +105,9 @@ class AdamUpdate(Update):
             weight_decay=hp["weight_decay"],
             decoupled_weight_decay=bool(hp.get("decoupled_weight_decay", isinstance(self.inner, torch.optim.AdamW))),
             grad_scale=req.grad_scale, maximize=hp.get("maximize", False),
-            param_out=out,
+            param_out=out if low else None,
             max_exp_avg_sq=rows[3] if hp.get("amsgrad", False) else None,
         )  # fmt: skip
-        if not low or model.device.type != "cpu":
-            model.copy_(rows[0] if not low else out)
 
     def row_keys(self, rec: Record, nrows: int) -> tuple[str, ...]:
         return ADAM_KEYS[: nrows - 1]
@@ -132,7 +131,7 @@ class GenericUpdate(Update):
         super().__init__(inner)
         self.elementwise = elementwise
 
-    def _step(self, req: Request, rows: torch.Tensor, slot: Slot, model: torch.Tensor, grad: torch.Tensor) -> None:
+    def _step(self, req: Request, rows: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
         chunk, rec = req.chunk, req.chunk.record
         shape = rec.param.shape if chunk.numel == rec.param.numel() else (chunk.numel,)
         cp = rows[0].view(shape)
@@ -147,7 +146,8 @@ class GenericUpdate(Update):
                 row.copy_(value.reshape(-1))
         scalars[_ROWS_KEY] = tuple(key for key, _ in row_items)
         chunk.pending_scalars = scalars
-        model.copy_(rows[0])
+        if rec.param.dtype in LOW_PRECISION:
+            out.copy_(rows[0])
 
     def _inner_step(self, cp: torch.Tensor, group: dict, state: dict) -> dict:
         """The wrapped optimizer's ``step`` on the single tensor ``cp`` (its ``grad`` set) with ``group``'s

@@ -100,6 +100,7 @@ from nvoffload.optim._layout import ALIGN_NUMEL, Layout, Record
 from nvoffload.optim._pipeline import Pipeline
 from nvoffload.optim._protocol import OffloadIOError, StepProtocol
 from nvoffload.optim._updates import for_optimizer
+from nvoffload.transfer import TransferEngine
 
 __all__ = ["OffloadOptimizerConfig", "OffloadOptimizer", "NVMeAdamW", "OffloadIOError", "MemoryStats", "WeightHome"]
 
@@ -112,8 +113,9 @@ class OffloadOptimizerConfig:
     """How :class:`OffloadOptimizer` stages its state.
 
     Attributes:
-        cpu_memory_bytes: host memory for staging chunks (state slots and, with
-            CUDA parameters, gradient and weight staging); enforced.
+        cpu_memory_bytes: host memory for staging chunks (state slots with
+            gradient and weight staging); one slab of exactly the slots' bytes
+            (page-locked with CUDA), within this.
         chunk_bytes: fp32 bytes of master weights per chunk (a multiple of
             4096); None derives it from ``cpu_memory_bytes``.
         prefetch_chunks: chunks read ahead of the one being updated.
@@ -182,6 +184,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             other torch optimizers run their own ``step`` on CPU chunks.
         swap_dir: a directory (or a list of directories, striped) on NVMe, or an
             open :class:`~nvoffload.io.TensorStore` (not closed by :meth:`close`).
+        transfer: the :class:`~nvoffload.transfer.TransferEngine` to move
+            gradients and weights with, whose slab the slots are carved from
+            (:func:`nvoffload.initialize` shares one between its engines); by
+            default the optimizer makes its own for the parameters' device.
         **config: fields of :class:`OffloadOptimizerConfig` (``cpu_memory_bytes``,
             ``chunk_bytes``, ``prefetch_chunks``, ``max_grad_norm``, ``overlap``,
             ``checksum``), or ``config=OffloadOptimizerConfig(...)``.
@@ -198,7 +204,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # GradScaler passes grad_scale/found_inf instead of unscaling grads
     session = None  # the nvoffload.OffloadSession, when nvoffload.initialize() built this optimizer
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, swap_dir, config: OffloadOptimizerConfig | None = None, **kwargs):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        swap_dir,
+        config: OffloadOptimizerConfig | None = None,
+        transfer: TransferEngine | None = None,
+        **kwargs,
+    ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, OffloadOptimizer):
@@ -222,13 +236,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
         device = self._check_groups(self.param_groups)
         self._layout = Layout(
             adam=self._update.adam, elementwise=self._update.elementwise, param_groups=self.param_groups,
-            device_type=device.type, prefix=f"opt{next(_INSTANCES)}.",
+            prefix=f"opt{next(_INSTANCES)}.",
         )  # fmt: skip
         self._layout.plan(chunk_bytes=config.chunk_bytes, cpu_memory_bytes=config.cpu_memory_bytes, num_slots=config.num_slots)
-        self._store, self._owns_store = self._open_store(swap_dir)
-        self._io = ChunkIO(self._store, self._layout)
-        slots = [self._layout.new_slot() for _ in range(config.num_slots)]
-        self._host_bytes = len(slots) * self._layout.slot_bytes  # allocated once, freed when collected
+        self._host_bytes = config.num_slots * self._layout.slot_bytes  # allocated once, freed when closed or collected
+        if transfer is None:
+            transfer = TransferEngine(self._host_bytes, device, what="the optimizer's host memory")
+            slab, close_transfer = transfer.slab, transfer.close
+        else:
+            slab = transfer.slab.carve(self._host_bytes, "the optimizer's slots")
+            close_transfer = slab.close
+        try:
+            self._store, self._owns_store = self._open_store(swap_dir)
+        except BaseException:
+            close_transfer()
+            raise
+        self._io = ChunkIO(self._store, self._layout, transfer)
+        slots = [self._layout.new_slot(slab) for _ in range(config.num_slots)]
         self._pipeline = Pipeline(self._io, self._update, slots, config.prefetch_chunks)
         self._protocol = StepProtocol(
             self._records, self._io, self._pipeline,
@@ -237,7 +261,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._codec = StateCodec(self._records, self._io, self._update, self._pipeline)
         # Closing, collection and interpreter exit all stop the worker and release the state; neither the
         # worker nor these callbacks hold the optimizer, so a dropped optimizer is collected.
-        release = functools.partial(_release, self._records, self._io, self._owns_store)
+        release = functools.partial(_release, self._records, self._io, self._owns_store, close_transfer)
         exit_hook = functools.partial(_shutdown_at_exit, weakref.ref(self))
         self._finalizer = weakref.finalize(self, _stop_worker, self._pipeline, release, exit_hook)
         self._finalizer.atexit = False  # exit_hook joins the worker at exit instead
@@ -425,9 +449,9 @@ def _hook_for(ref: weakref.ref, rec: Record):
     return hook
 
 
-def _release(records: list[Record], io: ChunkIO, owns_store: bool) -> None:
-    """Remove the hooks and delete every generation from the store; close the store if the optimizer opened it.
-    Runs on the worker thread, after its last update."""
+def _release(records: list[Record], io: ChunkIO, owns_store: bool, close_transfer) -> None:
+    """Remove the hooks and delete every generation from the store; close the store if the optimizer opened it,
+    and give back its host memory. Runs on the worker thread, after its last update."""
     for rec in records:
         if rec.hook is not None:
             rec.hook.remove()
@@ -436,6 +460,7 @@ def _release(records: list[Record], io: ChunkIO, owns_store: bool) -> None:
             io.discard(c)
     if owns_store:
         io.store.close()
+    close_transfer()
 
 
 def _stop_worker(pipeline: Pipeline, release, exit_hook) -> None:
