@@ -242,11 +242,11 @@ class _SimEvent:
 class _SimCopyStream:
     """One worker thread running queued copies in order, each no sooner than its issue time plus the delay."""
 
-    def __init__(self, name: str, delay_s: float, bytes_per_s: float):
+    def __init__(self, name: str, delay_s: float, bytes_per_s: float, trace: list | None):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._delay_s = delay_s
         self._bytes_per_s = bytes_per_s
-        thread = threading.Thread(target=_run_sim_stream, args=(self._queue,), name=name, daemon=True)
+        thread = threading.Thread(target=_run_sim_stream, args=(self._queue, name, trace), name=name, daemon=True)
         thread.start()
         self._stop = weakref.finalize(self, self._queue.put, None)
 
@@ -267,7 +267,7 @@ class _SimCopyStream:
         self._stop()
 
 
-def _run_sim_stream(ops: queue.SimpleQueue) -> None:
+def _run_sim_stream(ops: queue.SimpleQueue, name: str, trace: list | None) -> None:
     from nvoffload.transfer.future import WAIT_LIMIT_S
 
     while (op := ops.get()) is not None:
@@ -277,7 +277,8 @@ def _run_sim_stream(ops: queue.SimpleQueue) -> None:
             error = TimeoutError(f"a stand-in copy waited {WAIT_LIMIT_S:g} s for the event it was queued behind")
         else:
             # The bytes land at the end: until then the destination holds its old contents, as on a GPU.
-            wake = max(not_before, time.monotonic() + duration_s)
+            start_s = time.monotonic()
+            wake = max(not_before, start_s + duration_s)
             while (left := wake - time.monotonic()) > 0:
                 time.sleep(left)
             try:
@@ -285,6 +286,8 @@ def _run_sim_stream(ops: queue.SimpleQueue) -> None:
                     dst.copy_(src)
             except BaseException as exc:  # noqa: BLE001 - reported through the event
                 error = exc
+            if trace is not None:
+                trace.append((name, max(start_s, wake - duration_s), time.monotonic(), src.numel() * src.element_size()))
         del op, dst, src, after  # the idle thread must not keep the last copy's tensors alive
         event._complete(error)
 
@@ -294,14 +297,16 @@ class SimDevice:
 
     simulated = True
 
-    def __init__(self, *, copy_delay_us: float | None = None, copy_gbps: float | None = None):
+    def __init__(self, *, copy_delay_us: float | None = None, copy_gbps: float | None = None, trace: bool = False):
         self.device = torch.device("cpu")
+        # With ``trace``: (stream name, start, end in time.monotonic() seconds, bytes) of every copy, for timelines.
+        self.trace: list | None = [] if trace else None
         self.copy_delay_us = _env_number("NVOFFLOAD_SIM_COPY_DELAY_US", 0.0) if copy_delay_us is None else copy_delay_us
         self.copy_gbps = _env_number("NVOFFLOAD_SIM_COPY_GBPS", 0.0) if copy_gbps is None else copy_gbps
         if self.copy_delay_us < 0 or self.copy_gbps < 0:
             raise ValueError(f"copy_delay_us and copy_gbps must be >= 0, got {self.copy_delay_us}, {self.copy_gbps}")
         self._streams = {
-            d: _SimCopyStream(f"nvoffload-sim-{d}", self.copy_delay_us * 1e-6, self.copy_gbps * 1e9)
+            d: _SimCopyStream(f"nvoffload-sim-{d}", self.copy_delay_us * 1e-6, self.copy_gbps * 1e9, self.trace)
             for d in ("h2d", "d2h")
         }
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nvoffload.transfer import Future
-from nvoffload.io import BufferPool, IOConfig, IOEngine, StoreIOError, aligned_empty
+from nvoffload.io import IOConfig, IOEngine, StoreIOError, aligned_empty
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -169,26 +169,3 @@ def test_aligned_empty(nbytes):
 def test_aligned_empty_rejects_negative():
     with pytest.raises(ValueError, match="nbytes must be >= 0"):
         aligned_empty(-1)
-
-
-def test_buffer_pool_reuses_released_buffers():
-    pool = BufferPool(max_cached_bytes=64 * KiB)
-    a = pool.acquire(5000)
-    assert a.numel() == 8 * KiB and a.data_ptr() % 4096 == 0  # power-of-two size class
-    pool.release(a)
-    assert pool.cached_bytes == 8 * KiB
-    b = pool.acquire(6000)
-    assert b.data_ptr() == a.data_ptr()  # the same memory: no allocation on the hot path
-    assert pool.cached_bytes == 0
-    c = pool.acquire(100)
-    assert c.numel() == 4 * KiB and c.data_ptr() != b.data_ptr()
-    big = pool.acquire(128 * KiB)
-    pool.release(big)  # over max_cached_bytes: dropped, not cached
-    assert pool.cached_bytes == 0
-    pool.release(b)
-    pool.release(c)
-    assert pool.cached_bytes == 12 * KiB
-    pool.close()
-    assert pool.cached_bytes == 0
-    with pytest.raises(ValueError):
-        BufferPool(max_cached_bytes=-1)

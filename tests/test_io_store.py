@@ -437,3 +437,34 @@ def test_warns_about_swap_files_of_killed_processes(tmp_path):
     with pytest.warns(UserWarning, match=rf"1 swap file\(s\) .* no longer run .*nvoffload-{dead}-0123456789ab\.swap"):
         TensorStore(tmp_path).close()
     assert orphan.exists()  # only named, never deleted
+
+
+@pytest.mark.parametrize("order", ["ab", "ba"])
+def test_adjacent_freed_extents_coalesce_for_a_larger_tensor(store, order):
+    for name in "abc":
+        store.put(name, torch.full((4096,), ord(name), dtype=torch.uint8)).result()
+    capacity = store.capacity_bytes
+    for name in order:  # freed after, then before, its neighbour (or the other way)
+        store.delete(name)
+    store.put("d", torch.full((8192,), 7, dtype=torch.uint8)).result()
+    assert store.capacity_bytes == capacity  # one range of 8 KiB, not two of 4 KiB: no growth
+    assert int(store.get("d").result().sum()) == 7 * 8192
+    assert int(store.get("c").result()[0]) == ord("c")
+
+
+def test_cpu_tensors_pin_nothing(tmp_path):
+    with TensorStore(tmp_path, staging_bytes=1 << 20) as store:
+        x = make_tensor((1000, 3), torch.float32, seed=3)
+        store.put("x", x).result()
+        out = torch.empty(3, 1000).t()  # non-contiguous: read into an aligned buffer, then copied
+        assert store.get("x", out=out).result() is out and same(out, x)
+        store.put("xt", x.t()).result()
+        assert same(store.get("xt").result(), x.t().contiguous())
+        assert store.pinned_bytes == 0  # the staging slab is made for the first CUDA tensor only
+
+
+@pytest.mark.parametrize("bad", [0, 4096, 8191, -1, 1.5e6, "64M", None, True])
+def test_staging_bytes_is_validated(tmp_path, bad):
+    with pytest.raises(ValueError, match=r"staging_bytes must be an int of at least 8192 \(two 4 KiB pieces\), got"):
+        TensorStore(tmp_path, staging_bytes=bad)
+    assert os.listdir(tmp_path) == []  # refused before any swap file was made

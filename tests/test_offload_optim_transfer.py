@@ -93,25 +93,26 @@ def test_shared_engine_carves_the_slots_and_keeps_running(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_parameters_match_fused_adamw(tmp_path, dtype):
+    """Bitwise against torch's fused AdamW on the CPU, given the same (GPU) gradients: the NVMe optimizer's
+    update is the CPU kernel's, so that is its reference (CUDA's fused AdamW rounds differently in the last ulp)."""
     model, ref = pair("cuda", dtype)
-    master = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
-    ref_opt = torch.optim.AdamW(master if dtype != torch.float32 else ref.parameters(), lr=1e-2, fused=True)
+    master = [p.detach().float().cpu().requires_grad_() for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW(master, lr=1e-2, fused=True)
     with NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path, chunk_bytes=CHUNK) as opt:
         assert isinstance(opt._io.transfer.device, CudaDevice) and opt._io.transfer.slab.page_locked
         gen = torch.Generator().manual_seed(1)
         for _ in range(4):
             x = torch.randn(16, 64, generator=gen).to("cuda", dtype)
-            for m, o in ((model, opt), (ref, ref_opt)):
-                (m(x).float() - 1).square().mean().backward()
-                if o is ref_opt and dtype != torch.float32:
-                    for p, q in zip(master, ref.parameters()):
-                        p.grad = q.grad.float()
-                o.step()
-                o.zero_grad()
-                if o is ref_opt and dtype != torch.float32:
-                    with torch.no_grad():
-                        for p, q in zip(master, ref.parameters()):
-                            q.copy_(p)
-                            q.grad = None
+            (model(x).float() - 1).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            (ref(x).float() - 1).square().mean().backward()
+            for p, q in zip(master, ref.parameters()):
+                p.grad = q.grad.float().cpu()
+            ref_opt.step()
+            with torch.no_grad():
+                for p, q in zip(master, ref.parameters()):
+                    q.copy_(p)
+                    q.grad = None
             for p, q in zip(model.parameters(), ref.parameters()):
-                torch.testing.assert_close(p, q, rtol=0, atol=0 if dtype == torch.float32 else 1e-2)
+                assert torch.equal(p, q)

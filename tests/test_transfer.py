@@ -154,6 +154,23 @@ def test_stand_in_rate_limits_copies():
     device.close()
 
 
+def test_stand_in_trace_records_each_copy_and_version_bumps_at_issue():
+    device = SimDevice(copy_delay_us=5_000, copy_gbps=1.0, trace=True)
+    engine = TransferEngine(1 << 16, device)
+    dst = torch.zeros(1 << 18)
+    version = dst._version
+    issued = time.monotonic()
+    fut = engine.to_device(dst, torch.ones(1 << 18))
+    assert dst._version == version + 1  # autograd sees the write when it is issued, as with CUDA's copy_
+    engine.wait(fut)
+    assert dst._version == version + 1 and dst.sum().item() == 1 << 18
+    ((stream, start, end, nbytes),) = device.trace
+    assert stream == "nvoffload-sim-h2d" and nbytes == 1 << 20
+    assert issued <= start <= end and end - start >= 0.001  # 1 MiB at 1 GB/s
+    engine.close()
+    device.close()
+
+
 def test_stand_in_copy_error_reaches_the_future():
     device = SimDevice()
     engine = TransferEngine(1 << 16, device)

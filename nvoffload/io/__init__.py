@@ -2,19 +2,21 @@
 
 - :class:`IOEngine` -- submit a read or write of a buffer at a file offset, get a :class:`~nvoffload.transfer.Future`.
 - :class:`TensorStore` -- named tensors in aligned extents of swap files, striped over directories;
+  CUDA tensors move by GPUDirect Storage (kvikio) or through the store's fixed page-locked staging slab;
   :func:`swap_directories` checks the directories (and their free space) before anything is written.
-- :func:`aligned_empty`, :class:`BufferPool` -- 4 KiB-aligned host buffers (page-locked with CUDA).
+- :func:`aligned_empty` -- 4 KiB-aligned host buffers for O_DIRECT (not page-locked).
 """
 
-from nvoffload.io.buffers import BufferPool, aligned_empty
+from nvoffload.io.buffers import aligned_empty
 from nvoffload.io.config import DirectIO, IOConfig
 from nvoffload.io.engine import IOEngine, OpenFile
 from nvoffload.io.errors import ChecksumError, StoreIOError
+from nvoffload.io.staging import DEFAULT_STAGING_BYTES
 from nvoffload.io.store import TensorStore, swap_directories
 
 __all__ = [
-    "BufferPool",
     "ChecksumError",
+    "DEFAULT_STAGING_BYTES",
     "DirectIO",
     "IOConfig",
     "IOEngine",

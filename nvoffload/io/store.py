@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import errno
 import math
 import os
@@ -18,11 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nvoffload.io.buffers import BufferPool, aligned_empty, round_up
+from nvoffload.device import Event
+from nvoffload.io.buffers import aligned_empty, byte_view, round_up
 from nvoffload.io.config import IOConfig
 from nvoffload.io.engine import IOEngine, NativePart, OpenFile
 from nvoffload.io.errors import ChecksumError, StoreIOError
 from nvoffload.io.gds import GDSFile, gds_available
+from nvoffload.io.staging import DEFAULT_STAGING_BYTES, Stager, wait_for_device
+from nvoffload.transfer.extents import Extents
 from nvoffload.transfer.future import Future
 
 __all__ = ["TensorStore", "swap_directories"]
@@ -87,48 +89,11 @@ def swap_directories(swap_dirs, *, needed_bytes: int = 0, what: str = "swap file
     return dirs
 
 
-class _Extents:
-    """First-fit allocator of aligned byte ranges in one file, coalescing on free."""
-
-    def __init__(self):
-        self.end = 0  # bytes of the file in use or reserved
-        self._free: list[tuple[int, int]] = []  # sorted (offset, nbytes)
-
-    def take(self, nbytes: int) -> int | None:
-        """Offset of a free range of ``nbytes``, or None when the file must grow."""
-        for i, (offset, size) in enumerate(self._free):
-            if size >= nbytes:
-                if size == nbytes:
-                    del self._free[i]
-                else:
-                    self._free[i] = (offset + nbytes, size - nbytes)
-                return offset
-        return None
-
-    def give(self, offset: int, nbytes: int) -> None:
-        i = bisect.bisect(self._free, (offset, nbytes))
-        self._free.insert(i, (offset, nbytes))
-        # Coalesce with the next and the previous ranges.
-        if i + 1 < len(self._free) and offset + nbytes == self._free[i + 1][0]:
-            self._free[i] = (offset, nbytes + self._free.pop(i + 1)[1])
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
-            prev_offset, prev_size = self._free.pop(i - 1)
-            self._free[i - 1] = (prev_offset, prev_size + self._free[i - 1][1])
-
-    def fits(self, nbytes: int) -> bool:
-        """True when one free range holds ``nbytes``."""
-        return any(size >= nbytes for _, size in self._free)
-
-    @property
-    def free_bytes(self) -> int:
-        return sum(size for _, size in self._free)
-
-
 @dataclass
 class _SwapFile:
     file: OpenFile
     capacity_bytes: int | None  # None: grows as needed
-    extents: _Extents = field(default_factory=_Extents)
+    extents: Extents = field(default_factory=Extents)
     gds: GDSFile | None = None  # opened on the first GPUDirect transfer
 
 
@@ -154,12 +119,6 @@ class _Record:
     in_flight: list[Future] = field(default_factory=list)
 
 
-def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor as a flat uint8 tensor (bfloat16 included)."""
-    flat = tensor.reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=tensor.device)
-
-
 class TensorStore:
     """Named tensors stored in preallocated swap files, one per directory.
 
@@ -175,6 +134,14 @@ class TensorStore:
             before anything is written; ``None`` grows the files as needed.
         checksum: store a CRC32 of each tensor and verify it on every read.
         config: the I/O engine's settings.
+        staging_bytes: size of the page-locked host slab through which CUDA
+            tensors move when GPUDirect Storage is not used (default 64 MiB);
+            larger tensors move through it in pieces of half its size. It is
+            created on the first such transfer and is the store's whole pinned
+            footprint (:attr:`pinned_bytes`).
+
+    Raises:
+        ValueError: a negative ``capacity_bytes``, or ``staging_bytes`` under 8 KiB.
 
     >>> import tempfile, torch
     >>> from nvoffload.io import TensorStore
@@ -185,6 +152,13 @@ class TensorStore:
 
     A tensor handed to ``put`` must stay alive and unmodified until its future
     is done; an ``out`` tensor handed to ``get`` must not be read before then.
+
+    CUDA tensors are ordered after the GPU work around them: ``put`` reads a
+    tensor once the work queued on the current stream when it was called is
+    done (or once the ``after`` event completes), and ``get`` writes into
+    ``out`` only after that point too (kernels queued before it may still read
+    the old contents). When a ``get`` future is done the data is in device
+    memory and visible to kernels launched afterwards on any stream.
     """
 
     def __init__(
@@ -194,7 +168,9 @@ class TensorStore:
         *,
         checksum: bool = False,
         config: IOConfig | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ):
+        self._staging = Stager(staging_bytes, "the TensorStore's staging slab")
         if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes < 0):
             raise ValueError(f"capacity_bytes must be a non-negative int or None, got {capacity_bytes!r}")
         dirs = swap_directories(swap_dirs, needed_bytes=capacity_bytes or 0, what="its share of the store's capacity")
@@ -205,7 +181,6 @@ class TensorStore:
         self.checksum = checksum
         self._engine = IOEngine(config)
         self.config = self._engine.config
-        self._pool = BufferPool()
         self._lock = threading.Lock()
         self._records: dict[str, _Record] = {}
         self._pending_puts: dict[str, Future] = {}
@@ -249,6 +224,11 @@ class TensorStore:
         return sum(s.extents.end for s in self._swaps)
 
     @property
+    def pinned_bytes(self) -> int:
+        """Bytes of page-locked host memory the store holds: its staging slab once a CUDA tensor was staged, else 0."""
+        return self._staging.pinned_bytes
+
+    @property
     def used_bytes(self) -> int:
         """Bytes of the swap files in use by stored tensors (aligned extents)."""
         with self._lock:
@@ -262,7 +242,7 @@ class TensorStore:
         with self._lock:
             return len(self._records.keys() | self._pending_puts.keys())
 
-    def put(self, name: str, tensor: torch.Tensor) -> Future:
+    def put(self, name: str, tensor: torch.Tensor, *, after: Event | None = None) -> Future:
         """Write ``tensor`` under ``name``; ``result()`` returns None once it is on disk.
 
         Any dtype but the quantized ones, any shape, size and contiguity; CPU or
@@ -271,6 +251,15 @@ class TensorStore:
         of one name, the one submitted last wins). The caller keeps ``tensor``
         alive and unmodified until the future is done. I/O failures (disk full,
         I/O error) raise from ``result()`` naming the tensor, file and offset.
+
+        A CUDA tensor is read once ``after`` completes (an event of
+        :mod:`nvoffload.device`, such as :meth:`nvoffload.transfer.TransferEngine.record`
+        returns), by default once the work queued on the current stream so far
+        is done. By GPUDirect Storage, ``put`` itself waits for that point, since
+        kvikio reads device memory outside stream order (at most
+        :data:`~nvoffload.transfer.WAIT_LIMIT_S`, then ``TimeoutError``); through
+        the staging slab, the copies wait for it on a copy stream and ``put``
+        returns at once.
         """
         if not isinstance(name, str):
             raise TypeError(f"tensor names are str, got {type(name).__name__}")
@@ -289,11 +278,21 @@ class TensorStore:
             raise ValueError(f"put({name!r}): only CPU and CUDA tensors can be stored, got one on {tensor.device}")
         self._wait_pending_put(name)
         tensor = tensor.detach()
-        nbytes = tensor.numel() * tensor.element_size()
+        staged = tensor.is_cuda and not self.direct_to_device(tensor)
+        if tensor.is_cuda:
+            if not tensor.is_contiguous():  # staged: copied on the current stream, read after that copy
+                if after is not None:
+                    self._staging.device(tensor.device).wait(after)
+                tensor, after = tensor.contiguous(), None
+            after = self._staging.ready_event(tensor, after)
+            if not staged:
+                wait_for_device(after, f"put({name!r}) by GPUDirect Storage")
+        source = byte_view(tensor.contiguous())  # CPU: the I/O threads bounce unaligned blocks themselves
+        checksum = zlib.crc32(source.numpy()) if self.checksum and not tensor.is_cuda else None
         with self._lock:
             self._check_open("put", name)
             try:
-                extents = self._allocate(nbytes)
+                extents = self._allocate(source.numel())
             except StoreIOError as exc:
                 return Future.failed(exc)
             except OSError as exc:
@@ -301,50 +300,38 @@ class TensorStore:
                     StoreIOError(exc.errno or errno.EIO, "allocate", exc.filename or "", -1, name, str(exc.strerror))
                 )
             self._seq += 1
-            record = _Record(name, tensor.dtype, tensor.shape, nbytes, extents, seq=self._seq)
-
-        try:
-            if self.direct_to_device(tensor):
-                source, bounce = _byte_view(tensor), None
-            elif tensor.is_cuda:  # staged through an aligned (page-locked) host buffer
-                bounce = self._pool.acquire(sum(e.nbytes for e in extents))
-                if nbytes:
-                    bounce[:nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-                source = bounce[:nbytes]
-            else:  # the I/O threads bounce unaligned blocks themselves
-                source, bounce = _byte_view(tensor.contiguous()), None
-            if self.checksum:
-                record.checksum = zlib.crc32(source.numpy())
-        except BaseException:
-            with self._lock:
+            record = _Record(name, tensor.dtype, tensor.shape, source.numel(), extents, checksum, seq=self._seq)
+            try:
+                if staged:
+                    job = self._staging.write(
+                        source, after, self._piece_io(extents, name, write=True), checksum=self.checksum, what=repr(name)
+                    )
+                    parts = [job]
+                else:
+                    job, parts = None, self._submit(extents, source, write=True)
+            except BaseException:
                 self._free(extents)
-            raise
+                raise
 
-        def finish(error: BaseException | None) -> None:
-            if bounce is not None:
-                self._pool.release(bounce)
-            with self._lock:
-                if self._pending_puts.get(name) is future:
-                    del self._pending_puts[name]
-                old = self._records.get(name)
-                if error is not None or self._closed or (old is not None and old.seq > record.seq):
-                    self._free(record.extents)  # failed, or a later put of this name already landed
-                    return
-                self._records[name] = record
-            if old is not None:
-                self._release(old)
+            def finish(error: BaseException | None) -> None:
+                with self._lock:
+                    if self._pending_puts.get(name) is future:
+                        del self._pending_puts[name]
+                    old = self._records.get(name)
+                    if error is not None or self._closed or (old is not None and old.seq > record.seq):
+                        self._free(record.extents)  # failed, or a later put of this name already landed
+                        return
+                    if job is not None:
+                        record.checksum = job.value
+                    self._records[name] = record
+                if old is not None:
+                    self._release(old)
 
-        with self._lock:
-            if self._closed:
-                self._free(extents)
-                if bounce is not None:
-                    self._pool.release(bounce)
-                self._check_open("put", name)
-            future = Future(self._submit(extents, source, write=True), finish, what=name, keepalive=source)
+            future = Future(parts, finish, what=name, keepalive=source)
             self._pending_puts[name] = future
         return future
 
-    def get(self, name: str, out: torch.Tensor | None = None) -> Future:
+    def get(self, name: str, out: torch.Tensor | None = None, *, after: Event | None = None) -> Future:
         """Read the tensor stored under ``name``; ``result()`` returns it.
 
         Without ``out`` the result is a new CPU tensor of the stored dtype and
@@ -353,42 +340,61 @@ class TensorStore:
         returned, and must not be read before the future is done. A name never
         written (or deleted) raises KeyError here; I/O failures and checksum
         mismatches raise from ``result()`` naming the tensor, file and offset.
+
+        A CUDA ``out`` is written only after ``after`` completes (default: the
+        work queued on the current stream so far), so kernels queued before the
+        call may still read its old contents. By GPUDirect Storage, ``get``
+        waits for that point itself (kvikio writes device memory outside stream
+        order; at most :data:`~nvoffload.transfer.WAIT_LIMIT_S`); through the
+        staging slab, the copies wait for it on a copy stream. Once the future
+        is done the bytes are in device memory and visible to kernels launched
+        afterwards, on any stream: kvikio returns a read only when it is
+        complete (cuFile's DMA, or its POSIX fallback's copy after a stream
+        synchronization), and the staged copies' events have completed.
         """
         self._wait_pending_put(name)
+        direct = out is not None and self.direct_to_device(out)
+        if out is not None and out.is_cuda:
+            after = self._staging.ready_event(out, after)
+            if direct:
+                wait_for_device(after, f"get({name!r}) by GPUDirect Storage")
         with self._lock:
             self._check_open("get", name)
             record = self._records.get(name)
             if record is None:
                 raise KeyError(f"no tensor named {name!r} in the store (never written, or deleted)")
             padded = sum(e.nbytes for e in record.extents)
-            if out is not None:
-                self._check_out(record, out)
-                if self.direct_to_device(out) or (out.device.type == "cpu" and out.is_contiguous()):
-                    target, bounce = _byte_view(out), None
-                else:  # CUDA without GPUDirect, or a non-contiguous view
-                    bounce = self._pool.acquire(padded)
-                    target = bounce[: record.nbytes]
-            else:  # read straight into a new aligned tensor
-                target, bounce = aligned_empty(padded)[: record.nbytes], None
+            job, copy_back = None, False
+            if out is None:  # read straight into a new aligned tensor
+                target = aligned_empty(padded)[: record.nbytes]
                 out = target.view(record.dtype).view(record.shape)
+            else:
+                self._check_out(record, out)
+                if direct or (out.device.type == "cpu" and out.is_contiguous()):
+                    target = byte_view(out)
+                elif out.is_cuda:  # through the staging slab
+                    target = out
+                    job = self._staging.read(
+                        out, after, self._piece_io(record.extents, name, write=False), checksum=self.checksum,
+                        what=repr(name),
+                    )
+                else:  # a non-contiguous CPU view: read into an aligned buffer, then copy
+                    target, copy_back = aligned_empty(padded)[: record.nbytes], True
 
             def finish(error: BaseException | None) -> torch.Tensor:
-                try:
-                    if error is not None:
-                        raise error
-                    if self.checksum and record.checksum is not None:
-                        actual = zlib.crc32(target.numpy())
-                        if actual != record.checksum:
-                            first = record.extents[0]
-                            raise ChecksumError(first.swap.file.path, first.offset, name, record.checksum, actual)
-                    if bounce is not None and record.nbytes:
-                        out.copy_(target.view(record.dtype).view(out.shape))
-                    return out
-                finally:
-                    if bounce is not None:
-                        self._pool.release(bounce)
+                if error is not None:
+                    raise error
+                if self.checksum and record.checksum is not None:
+                    actual = job.value if job is not None else zlib.crc32(target.numpy())
+                    if actual != record.checksum:
+                        first = record.extents[0]
+                        raise ChecksumError(first.swap.file.path, first.offset, name, record.checksum, actual)
+                if copy_back and record.nbytes:
+                    out.copy_(target.view(record.dtype).view(out.shape))
+                return out
 
-            future = Future(self._submit(record.extents, target, write=False), finish, what=name, keepalive=target)
+            parts = [job] if job is not None else self._submit(record.extents, target, write=False)
+            future = Future(parts, finish, what=name, keepalive=target)
             record.in_flight = [f for f in record.in_flight if not f.done()] + [future]
         return future
 
@@ -415,7 +421,7 @@ class TensorStore:
         self._records.clear()
         self._engine.close()  # drains blocks no future tracks any more (a put replaced in flight)
         self._remove_files()
-        self._pool.close()
+        self._staging.close()
 
     def __enter__(self) -> TensorStore:
         return self
@@ -505,24 +511,33 @@ class TensorStore:
             tensor.is_cuda and tensor.is_contiguous() and self.config.use_gds and not self.checksum and gds_available()
         )
 
-    def _submit(self, extents: list[_Extent], buffer: torch.Tensor, *, write: bool) -> list[NativePart]:
-        """One transfer per extent; ``buffer`` holds the tensor's bytes, the extents' back to back.
+    def _submit(self, extents: list[_Extent], buffer: torch.Tensor, *, write: bool, at: int = 0) -> list[NativePart]:
+        """The transfers of bytes ``[at, at + buffer.numel())`` of a tensor stored in ``extents``.
 
-        Each extent's transfer is padded to its aligned size (zeros written,
-        padding read dropped); a CUDA buffer moves by GPUDirect Storage.
+        ``buffer`` (flat ``uint8``) holds those bytes; the tensor's bytes are the
+        extents' back to back. One transfer per extent the range touches; one
+        that reaches the end of its extent is padded to the extent's aligned
+        size (zeros written, padding read dropped). A CUDA buffer moves by
+        GPUDirect Storage.
         """
-        parts, start = [], 0
+        parts, start, end = [], 0, at + buffer.numel()
         for e in extents:
-            piece = buffer[start : start + e.data_bytes]
-            if buffer.is_cuda:
-                if e.swap.gds is None:
-                    e.swap.gds = GDSFile(e.swap.file.path)
-                ticket = e.swap.gds.submit(piece, e.offset, write=write)
-                parts.append(NativePart(ticket, e.swap.file.path, e.offset))
-            else:
-                parts.append(self._engine.submit(e.swap.file, piece, e.offset, write=write, nbytes=e.nbytes))
+            lo, hi = max(start, at), min(start + e.data_bytes, end)
+            if lo < hi:
+                piece, offset = buffer[lo - at : hi - at], e.offset + lo - start
+                if buffer.is_cuda:
+                    if e.swap.gds is None:
+                        e.swap.gds = GDSFile(e.swap.file.path)
+                    parts.append(NativePart(e.swap.gds.submit(piece, offset, write=write), e.swap.file.path, offset))
+                else:
+                    nbytes = hi - lo if hi < start + e.data_bytes else e.offset + e.nbytes - offset
+                    parts.append(self._engine.submit(e.swap.file, piece, offset, write=write, nbytes=nbytes))
             start += e.data_bytes
         return parts
+
+    def _piece_io(self, extents: list[_Extent], name: str, *, write: bool):
+        """The staging slab's NVMe transfer of a piece: ``io(buffer, at)`` -> :class:`Future`."""
+        return lambda buffer, at: Future(self._submit(extents, buffer, write=write, at=at), what=name)
 
     def _remove_files(self) -> None:
         for swap in self._swaps:

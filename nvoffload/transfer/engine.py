@@ -185,18 +185,20 @@ class TransferEngine:
         future.chain = chained
         return future
 
-    def load(self, store, name: str, dst: torch.Tensor, staging: torch.Tensor | None) -> Future:
-        """Read ``name`` from ``store`` into device tensor ``dst``.
+    def load(self, store, name: str, dst: torch.Tensor, staging: torch.Tensor | None, *, after: Event | None = None) -> Future:
+        """Read ``name`` from ``store`` into device tensor ``dst``, once ``dst`` is free at ``after``
+        (default: the compute stream's work so far).
 
         By GPUDirect Storage when the store can move ``dst`` directly (then
         ``staging`` is unused), else into the host buffer ``staging`` (``dst``'s
         dtype and size) and then to the device on the copy stream. The future
         completes when ``dst`` holds the data; :meth:`wait` before computing on it.
         """
+        after = after or self.device.record()
         if staging is None or store.direct_to_device(dst):
-            return store.get(name, out=dst)
+            return store.get(name, out=dst, after=after)
         read = store.get(name, out=staging)
-        return self.then(read, lambda _: self.to_device(dst.view(-1), staging.view(-1), what=name), what=name)
+        return self.then(read, lambda _: self.to_device(dst.view(-1), staging.view(-1), after=after, what=name), what=name)
 
     def save(self, store, name: str, src: torch.Tensor, staging: torch.Tensor | None, *, after: Event | None = None) -> Future:
         """Write device tensor ``src`` to ``store`` under ``name``: directly by GPUDirect Storage when possible,
@@ -206,8 +208,7 @@ class TransferEngine:
         ``src`` and ``staging`` must stay untouched until the future is done.
         """
         if staging is None or store.direct_to_device(src):
-            (after or self.device.record()).synchronize(WAIT_LIMIT_S)  # kvikio reads device memory from the host side
-            return store.put(name, src)
+            return store.put(name, src, after=after)  # kvikio reads device memory once ``after`` completed
         copied = self.to_host(staging.view(-1), src.reshape(-1), after=after, what=name)
         return self.then(copied, lambda _: store.put(name, staging), what=name)
 
