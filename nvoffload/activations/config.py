@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 __all__ = ["ActivationOffloadConfig", "OffloadStats", "TARGETS"]
@@ -9,6 +10,7 @@ __all__ = ["ActivationOffloadConfig", "OffloadStats", "TARGETS"]
 TARGETS = ("nvme", "cpu")
 
 MiB = 1 << 20
+MIN_HOST_BYTES = 4096  # one aligned buffer
 
 
 @dataclass(frozen=True)
@@ -17,7 +19,7 @@ class ActivationOffloadConfig:
 
     Attributes:
         target: ``"nvme"`` (a :class:`~nvoffload.io.TensorStore`) or ``"cpu"``
-            (host memory, page-locked when CUDA is present).
+            (host memory).
         min_bytes: saved tensors smaller than this stay where they are.
         keep_recent_bytes: the most recently saved tensors, up to this many bytes,
             stay in memory (backward needs them first); older ones are written out.
@@ -28,6 +30,14 @@ class ActivationOffloadConfig:
         retain_host_memory: call :func:`nvoffload.memory.retain_freed_host_memory`
             (process-wide: the activations freed each step are reused, not
             handed back to the operating system and faulted in again).
+        host_memory_bytes: the host slab of the offload's own transfer engine
+            (page-locked at the first write when CUDA is present: it is the
+            real footprint). It holds the offloaded tensors themselves with
+            ``target="cpu"``, and stages the copies of writes and reads in
+            flight with ``target="nvme"``. Default (None): a quarter of the
+            machine's memory, at most 4 GiB, for ``"cpu"``; ``max_pending_write_bytes +
+            prefetch_bytes``, at least 64 MiB, for ``"nvme"``. Unused when a
+            shared engine is given (its slab is the budget).
     """
 
     target: str = "nvme"
@@ -36,6 +46,7 @@ class ActivationOffloadConfig:
     prefetch_bytes: int = 256 * MiB
     max_pending_write_bytes: int = 256 * MiB
     retain_host_memory: bool = True
+    host_memory_bytes: int | None = None
 
     def __post_init__(self):
         if self.target not in TARGETS:
@@ -46,6 +57,17 @@ class ActivationOffloadConfig:
                 raise ValueError(f"{field} must be an int number of bytes, got {value!r}")
             if value < 0:
                 raise ValueError(f"{field} must be >= 0, got {value}")
+        value = self.host_memory_bytes
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < MIN_HOST_BYTES):
+            raise ValueError(f"host_memory_bytes must be None or an int >= {MIN_HOST_BYTES}, got {value!r}")
+
+    def host_bytes(self) -> int:
+        """The host slab's size: ``host_memory_bytes``, or its default for the target."""
+        if self.host_memory_bytes is not None:
+            return self.host_memory_bytes
+        if self.target == "cpu":
+            return min(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4, 4 << 30)
+        return max(self.max_pending_write_bytes + self.prefetch_bytes, 64 * MiB)
 
 
 @dataclass(frozen=True)
@@ -58,8 +80,11 @@ class OffloadStats:
     write is still in flight, and those read back but not yet used by backward.
     ``offloaded_bytes`` is the space taken in the target (swap files or host
     memory) right now. ``tensors_forwarded`` counts tensors backward used
-    straight from memory without a round trip; ``reads_prefetched`` counts reads
-    already started before backward asked for the tensor.
+    straight from memory without a round trip (never written out);
+    ``reads_prefetched`` counts reads already started before backward asked for
+    the tensor; ``reads_avoided`` counts written tensors backward used from
+    memory because their write was still in flight when the read-ahead (or
+    backward) reached them.
     """
 
     resident_bytes: int
@@ -72,4 +97,5 @@ class OffloadStats:
     tensors_forwarded: int
     dedup_hits: int
     reads_prefetched: int
+    reads_avoided: int
     live_records: int

@@ -14,12 +14,11 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .. import device as _device
-from ..io.buffers import aligned_empty
 from ..io.store import swap_directories
 from ..memory import retain_freed_host_memory
-from ._host import Completed, HostTier
+from ..transfer import TransferEngine
 from ._ledger import ModuleBuffers, StorageLedger
+from ._tier import Load, Tier, Write
 from .config import ActivationOffloadConfig, OffloadStats
 
 __all__ = ["offload_activations"]
@@ -40,7 +39,7 @@ class _Record:
     __slots__ = (
         "handle", "name", "key", "nbytes", "numel", "size", "stride", "dtype", "device", "version",
         "offset", "dense", "state", "original", "original_key", "write", "load", "loaded_key", "live", "pending",
-        "error", "written",
+        "error", "written", "host", "host_reader", "kept", "avoided_in",
     )  # fmt: skip
 
     def __init__(self, handle: int, name: str, key: tuple, tensor: torch.Tensor, dense: bool):
@@ -59,13 +58,17 @@ class _Record:
         self.state = _State.HELD
         self.original: torch.Tensor | None = tensor
         self.original_key = None
-        self.write: _Write | None = None
-        self.load: _Load | None = None
-        self.loaded_key = None
+        self.write: Write | None = None
+        self.load: Load | None = None
+        self.loaded_key = None  # ledger key of the load's device tensor
         self.live = 0  # packed handles alive in some graph
         self.pending = 0  # live handles not unpacked yet in this backward pass
         self.error: BaseException | None = None
         self.written = False
+        self.host = None  # target="cpu": the slab buffer holding the stored data
+        self.host_reader = None  # the future of the last copy out of ``host``
+        self.kept = False  # read-ahead reached it while its write was in flight: the original stays for backward
+        self.avoided_in = 0  # the backward pass that last used the original instead of reading it back
 
     def describe(self) -> str:
         return f"saved activation #{self.handle} ({self.name}: {list(self.size)} {self.dtype}, {self.nbytes} bytes)"
@@ -102,69 +105,6 @@ class _Resident:
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
-
-
-class _Write:
-    """Device-to-host staging (CUDA only), then ``put`` into the tier."""
-
-    __slots__ = ("record", "tier", "staging", "host", "put", "copy_key")
-
-    def __init__(self, record: _Record, tier, staging, host: torch.Tensor, copy_key=None):
-        self.record = record
-        self.tier = tier
-        self.staging = staging
-        self.host = host
-        self.put = None
-        self.copy_key = copy_key  # ledger key of a contiguous copy made on the device for this write
-
-    def _start_put(self) -> None:
-        self.staging.result()
-        self.put = self.tier.put(self.record.name, self.host)
-
-    def poll(self) -> bool:
-        if self.put is None:
-            if not self.staging.done():
-                return False
-            self._start_put()
-        return self.put.done()
-
-    def wait(self) -> None:
-        if self.put is None:
-            self._start_put()
-        self.put.result()
-
-
-class _Load:
-    """``get`` from the tier into host memory, then host-to-device (CUDA only)."""
-
-    __slots__ = ("record", "get", "out", "to_device", "prefetched")
-
-    def __init__(self, record: _Record, tier, prefetched: bool):
-        self.record = record
-        self.prefetched = prefetched
-        if isinstance(tier, HostTier):
-            self.out = None  # the stored (page-locked) buffer itself: no copy, no new memory
-        elif record.device.type == "cpu":  # aligned: read by O_DIRECT with no bounce copy
-            self.out = aligned_empty(record.nbytes).view(record.dtype)
-        else:
-            self.out = _device.host_empty(record.numel, record.dtype)
-        self.get = tier.get(record.name, out=self.out)
-        self.to_device = None
-
-    def device_memory(self) -> torch.Tensor | None:
-        """The buffer this load takes in the compute device's memory, once known."""
-        if self.record.device.type == "cpu":
-            return self.out
-        return None if self.to_device is None else self.to_device.result()
-
-    def wait(self) -> torch.Tensor:
-        host = self.get.result()
-        if self.record.device.type == "cpu":
-            return host
-        if self.to_device is None:
-            dst = torch.empty(self.record.numel, dtype=self.record.dtype, device=self.record.device)
-            self.to_device = _device.copy_async(dst, host)
-        return self.to_device.result()
 
 
 def _extent_key(key: tuple) -> tuple:
@@ -217,8 +157,12 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
     Used like :class:`torch.autograd.graph.save_on_cpu`, around forward. Each
     saved tensor is replaced by a small handle; its data goes to NVMe
     (``target="nvme"``, through a :class:`~nvoffload.io.TensorStore`) or to host
-    memory (``target="cpu"``, page-locked when CUDA is present), and comes back
-    when backward asks for it.
+    memory (``target="cpu"``), and comes back when backward asks for it.
+
+    Every copy goes through a :class:`~nvoffload.transfer.TransferEngine` (see
+    :mod:`nvoffload.activations._tier`): device->host on its device-to-host
+    stream as forward saves, host->device on its host-to-device stream ahead of
+    backward, host memory from its page-locked slab.
 
     - Parameters, leaves that require grad (and views of them), the buffers of
       modules that run inside the block, and tensors under ``min_bytes`` stay
@@ -228,8 +172,11 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
       storage span of a dense tensor already saved (``h.t()``, a slice of ``h``).
     - The most recent ``keep_recent_bytes`` of saved tensors, which backward needs
       first, stay in memory and make no round trip.
-    - During backward, reads for the next tensors (in reverse order of saving)
-      stay in flight up to ``prefetch_bytes``.
+    - During backward, the next tensors (in reverse order of saving) are
+      brought back to the device ahead of use, up to ``prefetch_bytes`` of
+      device memory (and, from NVMe, as far as the host slab has room).
+    - Saved tensors on another device than the engine's (the first offloaded
+      tensor's, without ``transfer``) stay where they are.
     - A tensor's space is released when autograd drops it: as backward consumes
       it, or when the graph is freed without backward. An exception inside the
       ``with`` block releases what that block saved; :meth:`close` releases all.
@@ -251,7 +198,12 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         target: ``"nvme"`` or ``"cpu"``.
         min_bytes, keep_recent_bytes, prefetch_bytes, max_pending_write_bytes, retain_host_memory:
             see :class:`~nvoffload.activations.ActivationOffloadConfig`.
+        host_memory_bytes: see :class:`~nvoffload.activations.ActivationOffloadConfig`.
         config: a whole ``ActivationOffloadConfig`` instead of the keywords.
+        transfer: a shared :class:`~nvoffload.transfer.TransferEngine` (its slab
+            is the host memory; it is left open). Default: an engine of this
+            object's own, over ``host_memory_bytes``, opened at the first write
+            and closed with the store.
 
     Example::
 
@@ -280,7 +232,9 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         prefetch_bytes: int | None = None,
         max_pending_write_bytes: int | None = None,
         retain_host_memory: bool | None = None,
+        host_memory_bytes: int | None = None,
         config: ActivationOffloadConfig | None = None,
+        transfer: TransferEngine | None = None,
     ) -> None:
         overrides = {
             k: v
@@ -291,6 +245,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 prefetch_bytes=prefetch_bytes,
                 max_pending_write_bytes=max_pending_write_bytes,
                 retain_host_memory=retain_host_memory,
+                host_memory_bytes=host_memory_bytes,
             ).items()
             if v is not None
         }
@@ -312,8 +267,10 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         else:
             self._swap_dirs = swap_directories(swap_dir)
 
-        self._tier = None  # the store in use; opened at the first write when we own it
-        self._close_owned_tier = None  # finalizer closing a store we opened
+        self._transfer = transfer
+        self._device = None if transfer is None else transfer.device.device  # where offloaded tensors live
+        self._tier: Tier | None = None  # opened at the first write
+        self._close_tier = None  # finalizer: gives back host memory, closes what the tier owns
         self._uid = next(_instance_ids)
         self._handles = itertools.count()
         self._lock = threading.Lock()
@@ -338,6 +295,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         self._tensors_forwarded = 0
         self._dedup_hits = 0
         self._reads_prefetched = 0
+        self._reads_avoided = 0
         self._marks: list[int] = []  # first handle of each open ``with`` block
         self._closed = False
         self._buffers = ModuleBuffers()
@@ -372,8 +330,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             self._closed = True
             for record in list(self._records.values()):
                 self._release(record)
-            if self._close_owned_tier is not None:
-                self._close_owned_tier()
+            if self._close_tier is not None:
+                self._close_tier()
             self._tier = None
 
     # ------------------------------------------------------------------- stats
@@ -393,6 +351,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 tensors_forwarded=self._tensors_forwarded,
                 dedup_hits=self._dedup_hits,
                 reads_prefetched=self._reads_prefetched,
+                reads_avoided=self._reads_avoided,
                 live_records=len(self._records),
             )
 
@@ -437,7 +396,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         """Whether a saved tensor that is not model state (see ``ModuleBuffers.holds``) is worth moving."""
         if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
             return False
-        if tensor.device.type not in ("cpu", "cuda"):
+        if tensor.device.type not in ("cpu", "cuda") or tensor.device != (self._device or tensor.device):
             return False
         nbytes = tensor.numel() * tensor.element_size()
         # min_bytes of 0 still skips empty tensors; overlapping ones (expanded) stay.
@@ -463,6 +422,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 self._dedup_hits += 1
             else:
                 handle = next(self._handles)
+                self._device = t.device
                 record = _Record(handle, f"act{self._uid}-{handle}", key, t, _is_dense(t))
                 record.original_key = self._ledger.add(t)
                 self._records[handle] = record
@@ -473,8 +433,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 self._window_bytes += record.nbytes
                 while self._window and self._window_bytes > self.config.keep_recent_bytes:
                     self._start_write(self._window.popitem(last=False)[1])
-                while self._writes and self._write_bytes > self.config.max_pending_write_bytes:
-                    self._finish_write(next(iter(self._writes.values())), wait=True)
+                while self._write_bytes > self.config.max_pending_write_bytes and self._finish_oldest_write():
+                    pass
             record.live += 1
             record.pending += 1
             ticket = _Ticket(record, view)
@@ -491,17 +451,25 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 return record
         return None
 
-    def _open_tier(self):
+    def _open_tier(self) -> Tier:
         if self._tier is None:
-            if self.config.target == "cpu":
-                self._tier = HostTier()
-            elif self._store is not None:
-                self._tier = self._store
-            else:
+            store, owns_store = self._store, False
+            if self.config.target == "nvme" and store is None:
                 from ..io import TensorStore
 
-                self._tier = TensorStore(self._swap_dirs if len(self._swap_dirs) > 1 else self._swap_dirs[0])
-                self._close_owned_tier = weakref.finalize(self, self._tier.close)
+                store, owns_store = TensorStore(self._swap_dirs if len(self._swap_dirs) > 1 else self._swap_dirs[0]), True
+            engine, owns_engine = self._transfer, False
+            if engine is None:
+                try:
+                    engine = TransferEngine(self.config.host_bytes(), self._device, what="activation offload host memory")
+                except BaseException:
+                    if owns_store:
+                        store.close()
+                    raise
+                owns_engine = True
+            room = weakref.WeakMethod(self._finish_oldest_write)  # the tier must not keep this object alive
+            self._tier = Tier(engine, store, lambda: room()(), owns_engine=owns_engine, owns_store=owns_store)
+            self._close_tier = weakref.finalize(self, self._tier.close)
         return self._tier
 
     def _start_write(self, record: _Record) -> None:
@@ -519,16 +487,13 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         else:
             flat = t.contiguous().view(-1)
             copy_key = self._ledger.add(flat)
-        if t.device.type != "cpu":
-            host = _device.host_empty(record.numel, record.dtype)
-            staging = _device.copy_async(host, flat)
-        elif isinstance(tier, HostTier):
-            host, staging = torch.empty(record.numel, dtype=record.dtype), None
-            host.copy_(flat)
-        else:
-            host, staging = flat, None
-        record.write = _Write(record, tier, staging if staging is not None else Completed(), host, copy_key)
-        record.write.poll()  # starts the put at once when no staging copy is needed
+        try:
+            record.write = tier.write(record.name, flat)
+        except BaseException:
+            if copy_key is not None:
+                self._ledger.remove(copy_key)
+            raise
+        record.write.copy_key = copy_key
         record.state = _State.WRITING
         record.written = True
         self._writes[record.handle] = record
@@ -539,30 +504,44 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         self._tensors_written += 1
 
     def _reap_writes(self) -> None:
+        if self._tier is not None:
+            self._tier.reap()
         for record in list(self._writes.values()):
-            if record.write.poll():  # also starts puts whose staging copy has finished
-                self._finish_write(record, wait=False)
+            if record.write.future.done():
+                self._finish_write(record)
 
-    def _finish_write(self, record: _Record, wait: bool) -> None:
+    def _finish_oldest_write(self) -> bool:
+        """Wait for the oldest write in flight and finish it; False when none is in flight."""
+        if not self._writes:
+            return False
+        self._finish_write(next(iter(self._writes.values())))
+        return True
+
+    def _finish_write(self, record: _Record) -> None:
+        """Wait for ``record``'s write; keep its host buffer (target="cpu") or give its staging buffer back."""
         del self._writes[record.handle]
         self._write_bytes -= record.nbytes
         write, record.write = record.write, None
         if write.copy_key is not None:
             self._ledger.remove(write.copy_key)
         try:
-            if wait:
-                write.wait()
-            else:
-                write.put.result()
+            write.future.result()
         except Exception as e:  # the I/O error surfaces when backward needs this tensor
             record.error = RuntimeError(f"writing {record.describe()} failed: {e}")
             record.error.__cause__ = e
+        if self._tier.store is None and record.error is None:
+            record.host = write.host
+        else:
+            self._tier.retire(write.host, None)
         if record.error is None and record.original._version != record.version:
             record.error = self._modified_error(record, record.original._version)
-        self._drop_original(record)
         record.state = _State.STORED
-        if record.error is None:
-            bisect.insort(self._stored, record.handle)
+        if record.error is not None:
+            self._unkeep(record)
+        if not record.kept:
+            self._drop_original(record)
+            if record.error is None:
+                bisect.insort(self._stored, record.handle)
 
     def _drop_original(self, record: _Record) -> None:
         if record.original is not None:
@@ -607,6 +586,9 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 result = record.original if ticket.view is None else record.original.as_strided(*ticket.view)
                 if not record.written:
                     self._tensors_forwarded += 1
+                elif record.avoided_in != self._passes:  # counted once a pass, however many handles share it
+                    record.avoided_in = self._passes
+                    self._reads_avoided += 1
                 self._prefetch_before(record.handle)  # the tensors after the ones kept in memory
             else:
                 if record.load is None:
@@ -616,10 +598,10 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                     self._reads_prefetched += 1
                 self._prefetch_before(record.handle)
                 try:
-                    flat = record.load.wait()
+                    self._tier.engine.wait(record.load.future)  # compute reads the device tensor after its copy
                 except Exception as e:
                     raise RuntimeError(f"reading {record.describe()} back failed: {e}") from e
-                self._count_load(record)
+                flat = record.load.device
                 size, stride, offset = ticket.view or (record.size, record.stride, record.offset)
                 result = flat.as_strided(size, stride, flat.storage_offset() + offset - record.offset)
             # Counted until autograd drops it (the load's own count ends when every handle was unpacked).
@@ -637,36 +619,75 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             del self._stored[index]
         self._consumed.discard(record.handle)
 
-    def _start_load(self, record: _Record, prefetch: bool = False) -> None:
+    def _start_load(self, record: _Record, prefetch: bool = False) -> bool:
+        """Start bringing ``record`` back to the device; False when a prefetch finds no host memory for it."""
+        load = self._tier.read(record.name, record.host, record.numel, record.dtype, record.device, prefetch=prefetch)
+        if load is None:
+            return False
         self._unlist(record)
-        record.load = _Load(record, self._tier, prefetch)
+        record.load = load
+        if record.host is not None:
+            record.host_reader = load.future
+        record.loaded_key = self._ledger.add(load.device)
         self._prefetched_bytes += record.nbytes
         self._bytes_read += record.nbytes
-        self._count_load(record)
-
-    def _count_load(self, record: _Record) -> None:
-        if record.loaded_key is None:
-            buffer = record.load.device_memory()
-            if buffer is not None:
-                record.loaded_key = self._ledger.add(buffer)
+        return True
 
     def _prefetch_before(self, handle: int) -> None:
+        """Read ahead the offloaded tensors backward needs after ``handle``, within ``prefetch_bytes``.
+
+        A tensor whose write is still in flight is on the device already: it is
+        kept there (its original is not dropped when the write finishes)
+        instead of being read back.
+        """
         budget = self.config.prefetch_bytes
-        index = bisect.bisect_left(self._stored, handle)
-        while index > 0 and self._prefetched_bytes < budget:
-            index -= 1
-            record = self._records[self._stored[index]]
+        for record in self._not_on_device_before(handle):
+            if self._prefetched_bytes >= budget:
+                break
             if self._prefetched_bytes + record.nbytes > budget and self._prefetched_bytes > 0:
                 break
-            self._start_load(record, prefetch=True)
+            if record.state is _State.WRITING:
+                record.kept = True
+                self._prefetched_bytes += record.nbytes
+            elif not self._start_load(record, prefetch=True):
+                break
+
+    def _not_on_device_before(self, handle: int):
+        """Records saved before ``handle``, nearest first, that backward would have to read back.
+
+        The stored ones not being read, and those still being written and not
+        kept; ``_stored`` may shrink at the yielded record while this runs.
+        """
+        index = bisect.bisect_left(self._stored, handle)
+        writing = sorted((h for h, r in self._writes.items() if h < handle and not r.kept), reverse=True)
+        w = 0
+        while index > 0 or w < len(writing):
+            if w == len(writing) or (index > 0 and self._stored[index - 1] > writing[w]):
+                index -= 1
+                yield self._records[self._stored[index]]
+            else:
+                w += 1
+                yield self._records[writing[w - 1]]
+
+    def _unkeep(self, record: _Record) -> None:
+        if record.kept:
+            record.kept = False
+            self._prefetched_bytes -= record.nbytes
 
     def _drop_load(self, record: _Record) -> None:
+        """Backward is done with ``record`` in this pass: free what it read back or kept on the device."""
+        if record.kept:
+            self._unkeep(record)
+            if record.state is _State.STORED:  # written: drop the original (a write in flight drops it when done)
+                self._drop_original(record)
+                if record.live > 0 and record.error is None:
+                    self._consumed.add(record.handle)  # a retained graph reads it again
         if record.load is not None:
             self._prefetched_bytes -= record.nbytes
-            record.load = None
-            if record.loaded_key is not None:
-                self._ledger.remove(record.loaded_key)
-                record.loaded_key = None
+            load, record.load = record.load, None
+            self._tier.retire(load.staging, load.future)
+            self._ledger.remove(record.loaded_key)
+            record.loaded_key = None
             if record.live > 0 and record.state is _State.STORED and record.error is None:
                 self._consumed.add(record.handle)  # a retained graph may read it again
 
@@ -691,15 +712,18 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             del self._window[record.handle]
             self._window_bytes -= record.nbytes
         if record.handle in self._writes:
-            self._finish_write(record, wait=True)
+            self._finish_write(record)
         if record.load is not None:
             with contextlib.suppress(Exception):
-                record.load.wait()
+                record.load.future.result()
             self._drop_load(record)
+        self._unkeep(record)
         self._unlist(record)
         self._drop_original(record)
         if record.written:
             self._tier.delete(record.name)
+            self._tier.retire(record.host, record.host_reader)
+            record.host = record.host_reader = None
             self._offloaded_bytes -= record.nbytes
         record.state = _State.RELEASED
         del self._records[record.handle]
