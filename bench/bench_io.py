@@ -10,7 +10,7 @@ on the same directories in the same run:
   installed (``apt-get install fio``).
 - ``TensorStore``: every tensor put (then got) at once, O_DIRECT, from 4 KiB-aligned
   buffers (``nvoffload.io.aligned_empty``), and from ordinary ``torch.empty``
-  tensors (``unaligned``: staged through the store's pooled bounce buffers).
+  tensors (``unaligned``: the I/O threads bounce unaligned blocks through aligned buffers).
 - ``torch.save``/``torch.load`` and ``numpy.tofile``/``fromfile``: one file per
   tensor, buffered, with ``fsync`` counted in the write time (without it the
   write only reaches the page cache), and the page cache emptied before reading

@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--stream", action="store_true", help="stream the parameters from NVMe too, block by block, within --cpu-memory and --device-memory (no --grad-accum, --max-grad-norm or float16)")
     ft.add_argument("--device-memory", dest="device_memory_bytes", type=_size, default=d.device_memory_bytes, help="with --stream: device memory for parameters and gradients, e.g. 2G (default 1G)")
     ft.add_argument("--offload-activations", action="store_true", help="send the activations saved for backward to NVMe")
+    ft.add_argument("--activation-memory", dest="activation_memory_bytes", type=_size, default=None, help="with --offload-activations: host memory staging their transfers, at least twice the largest saved tensor (default: with --stream an eighth of --cpu-memory, else 512M)")
     ft.add_argument("--init-from", default=None, help="safetensors checkpoint (file, shard directory or index .json) of the preset's model to start from")
     ft.add_argument("--save-to", default=None, help="write the fine-tuned weights to this safetensors file")
     ft.add_argument("--seed", type=int, default=d.seed)

@@ -71,6 +71,10 @@ class FinetuneConfig:
         device_memory_bytes: with ``stream``, device memory for streamed blocks,
             the other parameters and gradients in flight.
         offload_activations: send the activations saved for backward to NVMe.
+        activation_memory_bytes: with ``offload_activations``, the host memory
+            staging their transfers (at least twice the largest saved tensor);
+            None: with ``stream`` an eighth of ``cpu_memory_bytes`` (taken from
+            it), otherwise the offload's own default.
         init_from: a safetensors checkpoint (file, directory of shards or
             ``*.index.json``) of the preset's model to start from.
         save_to: write the fine-tuned weights to this safetensors file.
@@ -93,6 +97,7 @@ class FinetuneConfig:
     stream: bool = False
     device_memory_bytes: int = 1 << 30
     offload_activations: bool = False
+    activation_memory_bytes: int | None = None
     init_from: str | None = None
     save_to: str | None = None
     seed: int = 0
@@ -102,6 +107,8 @@ class FinetuneConfig:
         for name in ("steps", "batch_size", "grad_accum_steps", "cpu_memory_bytes", "device_memory_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.activation_memory_bytes is not None and self.activation_memory_bytes < 1:
+            raise ValueError(f"activation_memory_bytes must be >= 1, got {self.activation_memory_bytes}")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -200,6 +207,7 @@ def _build(config: FinetuneConfig, swap_dir: str) -> tuple[nn.Module, OffloadOpt
     offload = OffloadConfig(
         swap_dirs=[swap_dir], cpu_memory_bytes=config.cpu_memory_bytes, device_memory_bytes=config.device_memory_bytes,
         device=config.device, offload_activations=config.offload_activations,
+        activation_memory_bytes=config.activation_memory_bytes,
     )  # fmt: skip
     if config.init_from is None:
         return initialize(model, opt, offload, param_init_fn=model.init_weights)
@@ -246,7 +254,7 @@ def finetune(
             session = opt.session
             activations = contextlib.nullcontext()
             if config.offload_activations and session is None:  # streaming sends them through the session
-                activations = cleanup.enter_context(contextlib.closing(offload_activations(swap_dir)))
+                activations = cleanup.enter_context(contextlib.closing(offload_activations(swap_dir, host_memory_bytes=config.activation_memory_bytes)))
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (config.warmup_steps + 1)))
             if progress:
                 from tqdm import tqdm

@@ -5,20 +5,21 @@ checked by the :class:`~nvoffload.io.TensorStore`):
 
 - ``device``: the compute device's memory used by streamed parameters, the
   parameters that stay resident and gradients until the optimizer takes them;
-- ``host``: pinned host memory for cached parameter blocks and the optimizer's
-  staging buffers.
+- ``host``: host memory for cached parameter blocks, the optimizer's staging
+  buffers and activation transfers.
 
-The host buffers themselves come from one pool shared by the engines: with
-CUDA, torch's caching pinned-memory allocator through
-:func:`nvoffload.device.host_empty` (page-locked buffers are reused, not
-registered anew for every block); without CUDA, 4 KiB-aligned heap buffers.
+The host buffers themselves come from host slabs
+(:class:`~nvoffload.transfer.HostSlab`), each one mapping of exactly its
+budget (page-locked once with CUDA), carved between the engines' transfer
+engines; this module only counts.
 Engines :meth:`~MemoryManager.allocate` before they hold memory and
 :meth:`~MemoryManager.free` after; an allocation past the budget raises
 :class:`MemoryBudgetError` instead of silently using more. The peak of each
 tier is kept for the step report (:meth:`~MemoryManager.stats`).
 
 :func:`retain_freed_host_memory` keeps the C heap from handing memory back to
-the operating system between steps.
+the operating system between steps; :func:`release_freed_host_memory` makes it
+hand large blocks back as soon as they are freed.
 """
 
 from __future__ import annotations
@@ -28,10 +29,20 @@ import platform
 import threading
 from dataclasses import dataclass
 
-__all__ = ["MemoryManager", "MemoryBudgetError", "TierStats", "TIERS", "retain_freed_host_memory"]
+__all__ = [
+    "MemoryManager", "MemoryBudgetError", "TierStats", "TIERS", "release_freed_host_memory", "retain_freed_host_memory",
+]  # fmt: skip
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt() parameter
 _HEAP_LIMIT_BYTES = 2**31 - 1  # mallopt takes an int: allocations up to 2 GiB come from the heap
+_MMAP_THRESHOLD_BYTES = 128 << 10  # glibc's initial threshold
+
+
+def _mallopt_mmap_threshold(nbytes: int) -> bool:
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(nbytes)))
 
 
 def retain_freed_host_memory() -> bool:
@@ -52,10 +63,26 @@ def retain_freed_host_memory() -> bool:
     Returns:
         True when applied; False where the C library is not glibc.
     """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(None)
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(_HEAP_LIMIT_BYTES)))
+    return _mallopt_mmap_threshold(_HEAP_LIMIT_BYTES)
+
+
+def release_freed_host_memory() -> bool:
+    """Give every host allocation above 128 KiB its own mapping, unmapped as soon as it is freed.
+
+    glibc starts with that threshold but raises it (up to 32 MiB) each time a
+    mapped block is freed; after a few steps the activations and gradients of
+    a step come from the heap, and what the heap freed stays with the process,
+    so resident memory creeps up to the largest step's temporaries on top of
+    the budgets. Fixing the threshold at 128 KiB keeps resident memory near
+    what is live (``bench/results/bench_memory.md``), at the cost of faulting
+    large temporaries in again every step: the opposite trade of
+    :func:`retain_freed_host_memory`. Process-wide; :func:`nvoffload.initialize`
+    calls it unless ``OffloadConfig.retain_host_memory``.
+
+    Returns:
+        True when applied; False where the C library is not glibc.
+    """
+    return _mallopt_mmap_threshold(_MMAP_THRESHOLD_BYTES)
 
 TIERS = ("device", "host")
 

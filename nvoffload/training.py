@@ -21,10 +21,12 @@ import torch
 from torch import nn
 
 from nvoffload.activations import offload_activations as _offload_activations
+from nvoffload.device import compute_device
 from nvoffload.io import TensorStore, swap_directories
-from nvoffload.memory import MemoryManager, TierStats
+from nvoffload.memory import MemoryManager, TierStats, release_freed_host_memory
 from nvoffload.optim import OffloadOptimizer, OffloadOptimizerConfig
-from nvoffload.streaming import ParameterStreamer
+from nvoffload.streaming import ParameterStreamer, compute_device_of
+from nvoffload.transfer import HostSlab, TransferEngine
 
 __all__ = ["OffloadConfig", "OffloadSession", "initialize"]
 
@@ -35,8 +37,10 @@ class OffloadConfig:
 
     Attributes:
         swap_dirs: directories on NVMe (one swap file each, striped).
-        cpu_memory_bytes: host memory for the optimizer's staging buffers and the
-            cache of parameter blocks, together.
+        cpu_memory_bytes: host memory for the optimizer's staging buffers, the
+            cache of parameter blocks and the activation transfers, together:
+            one slab of exactly this size (page-locked once with CUDA), carved
+            between the three engines' transfer engines.
         device_memory_bytes: device memory for streamed blocks, the parameters
             outside the blocks and gradients in flight (activations are the
             model's own and not counted).
@@ -50,14 +54,20 @@ class OffloadConfig:
         activation_memory_bytes: with ``offload_activations``, host memory for
             activation transfers, half for writes in flight and half for reads
             ahead (the staging between device and NVMe), taken from
-            ``cpu_memory_bytes``; None: an eighth of it.
+            ``cpu_memory_bytes``; None: an eighth of it. It also sizes what
+            stays on the device: up to half of it in writes in flight, half in
+            reads ahead, and a third in the most recent saved tensors (kept,
+            never written).
         checksum: checksum every tensor in the store.
         retain_host_memory: let the optimizer and activation offload call
             :func:`nvoffload.memory.retain_freed_host_memory`. Off by default
             here, because freed memory then stays with the process: in the 1.3B
             scale run steps took 30 and 25 s instead of 39 and 36 s, but peak
             RSS rose from 1.5 to 4.4 GiB above the budgets
-            (``bench/results/bench_streaming_retained.md``).
+            (``bench/results/bench_streaming_retained.md``). When off,
+            :func:`initialize` calls :func:`nvoffload.memory.release_freed_host_memory`
+            instead (process-wide), so freed activations and gradients go back
+            to the operating system at once (``bench/results/bench_memory.md``).
     """
 
     swap_dirs: Sequence[str | os.PathLike] = field(default_factory=list)
@@ -93,16 +103,21 @@ class OffloadConfig:
 
 
 class OffloadSession:
-    """What :func:`initialize` set up: the store, the budgets, the streamer, the optimizer.
+    """What :func:`initialize` set up: the store, the budgets, the host slab, the streamer, the optimizer.
 
     Reachable as ``optimizer.session``. :meth:`close` (or the optimizer's
-    ``close()``) removes the hooks and the swap files.
+    ``close()``) removes the hooks and the swap files and gives back the host
+    slab (``slab``: ``cpu_memory_bytes``, carved between the engines' transfer
+    engines, ``transfers``).
     """
 
-    def __init__(self, config, store, memory, streamer, optimizer, activations):
+    def __init__(self, config, store, memory, resources, streamer, optimizer, activations):
         self.config = config
         self.store = store
         self.memory = memory
+        self.slab: HostSlab = resources.slab
+        self.transfers: dict[str, TransferEngine] = resources.engines
+        self._resources = resources
         self.streamer = streamer
         self.optimizer = optimizer
         self._activations = activations
@@ -140,7 +155,32 @@ class OffloadSession:
             self._activations.close()
         self.streamer.close()
         self.optimizer.close()
+        self._resources.close()
         self.store.close()
+
+
+class _Transfers:
+    """The session's host slab, compute device and one transfer engine per engine, each over its carve of the slab."""
+
+    def __init__(self, host_bytes: int, device: torch.device):
+        self.slab = HostSlab(host_bytes, "nvoffload's host memory (cpu_memory_bytes)")
+        self.device = compute_device(device)
+        self.engines: dict[str, TransferEngine] = {}
+
+    def engine(self, name: str, nbytes: int, what: str) -> TransferEngine:
+        """A transfer engine over ``nbytes`` carved from the slab (all of what is left when ``nbytes`` is None)."""
+        carve = self.slab.carve(self.slab.available_bytes if nbytes is None else nbytes, what)
+        self.engines[name] = TransferEngine(carve, self.device, what=what)
+        return self.engines[name]
+
+    def close(self) -> None:
+        """Close the engines and give their carves back, then the device and the slab."""
+        for engine in self.engines.values():
+            engine.close()
+            engine.slab.close()
+        self.engines = {}
+        self.device.close()
+        self.slab.close()
 
 
 def initialize(
@@ -174,6 +214,13 @@ def initialize(
         gradient clipping by the user, fp16 loss scaling and gradient
         accumulation are not available in this mode (bf16 or fp32 only).
 
+    Every copy between NVMe, host memory and the device goes through a
+    :class:`~nvoffload.transfer.TransferEngine`: one for the optimizer (over
+    ``cpu_memory_bytes * optimizer_memory_fraction``), one for activation
+    offload (over ``activation_bytes``) and one for parameter streaming (the
+    rest), each over its carve of one host slab of ``cpu_memory_bytes``,
+    sharing the device's copy streams.
+
     Raises:
         MemoryBudgetError: budgets smaller than the model needs (the smallest
             that works is named).
@@ -182,22 +229,30 @@ def initialize(
         raise TypeError(f"config must be an nvoffload.OffloadConfig, got {type(config).__name__}")
     if optimizer.state:
         raise ValueError("initialize() needs an optimizer without state; load its state afterwards")
+    if not config.retain_host_memory:
+        release_freed_host_memory()
     memory = MemoryManager(device_memory_bytes=config.device_memory_bytes, cpu_memory_bytes=config.cpu_memory_bytes)
     optimizer_bytes = int(config.cpu_memory_bytes * config.optimizer_memory_fraction)
     memory.allocate("host", optimizer_bytes, "the optimizer's staging buffers")
     if config.activation_bytes:
         memory.allocate("host", config.activation_bytes, "activation transfers (offload_activations)")
-    store = TensorStore(list(config.swap_dirs), checksum=config.checksum)
-    streamer = None
+    device = torch.device(config.device) if config.device is not None else compute_device_of(model)
+    resources = _Transfers(config.cpu_memory_bytes, device)
+    store = streamer = None
     try:
+        optimizer_transfer = resources.engine("optimizer", optimizer_bytes, "the optimizer's host memory")
+        if config.activation_bytes:
+            activation_transfer = resources.engine("activations", config.activation_bytes, "activation offload's host memory")
+        streamer_transfer = resources.engine("streamer", None, "parameter streaming's host memory")
+        store = TensorStore(list(config.swap_dirs), checksum=config.checksum)
         streamer = ParameterStreamer(
-            model, store, memory, device=config.device, blocks=blocks, prefetch_blocks=config.prefetch_blocks,
-            param_init_fn=param_init_fn, checkpoint=checkpoint,
+            model, store, memory, device=device, blocks=blocks, prefetch_blocks=config.prefetch_blocks,
+            param_init_fn=param_init_fn, checkpoint=checkpoint, transfer=streamer_transfer,
         )  # fmt: skip
         for group in optimizer.param_groups:  # parameters built on the meta device were replaced
             group["params"] = [streamer.replaced.get(p, p) for p in group["params"]]
         offloaded = OffloadOptimizer(
-            optimizer, swap_dir=store,
+            optimizer, swap_dir=store, transfer=optimizer_transfer,
             config=OffloadOptimizerConfig(
                 cpu_memory_bytes=optimizer_bytes, release_grads=True, checksum=config.checksum,
                 retain_host_memory=config.retain_host_memory,
@@ -206,16 +261,19 @@ def initialize(
     except BaseException:
         if streamer is not None:
             streamer.close()
-        store.close()
+        resources.close()
+        if store is not None:
+            store.close()
         raise
     offloaded.set_weight_home(streamer)
     activations = None
     if config.offload_activations:
         half = config.activation_bytes // 2
         activations = _offload_activations(
-            store, max_pending_write_bytes=half, prefetch_bytes=half, retain_host_memory=config.retain_host_memory
-        )
-    session = OffloadSession(config, store, memory, streamer, offloaded, activations)
+            store, max_pending_write_bytes=half, prefetch_bytes=half, keep_recent_bytes=config.activation_bytes // 3,
+            retain_host_memory=config.retain_host_memory, transfer=activation_transfer,
+        )  # fmt: skip
+    session = OffloadSession(config, store, memory, resources, streamer, offloaded, activations)
     optimizer_ref = weakref.ref(offloaded)
 
     def settle(module, args) -> None:

@@ -11,6 +11,16 @@ HAS_KVIKIO = HAS_CUDA and importlib.util.find_spec("kvikio") is not None
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
 
+def mapping_size(address: int) -> int:
+    """Size of the /proc/self/maps mapping that contains ``address`` (a host slab's real footprint)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return hi - lo
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_gds = pytest.mark.skip(reason="needs CUDA and kvikio")

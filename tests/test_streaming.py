@@ -10,17 +10,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import mapping_size
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nvoffload
 from nvoffload.checkpoint import load_file, open_checkpoint, save_file
+from nvoffload.device import SimDevice
+from nvoffload.io import TensorStore
 from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.models import GPT, GPTConfig
+from nvoffload.streaming import ParameterStreamer
+from nvoffload.transfer import TransferEngine
 
 MiB = 1 << 20
 
 
-def make_pair(preset="tiny"):
-    torch.manual_seed(0)
+def make_pair(preset="tiny", seed=0):
+    torch.manual_seed(seed)
     cfg = GPTConfig.preset(preset)
     ref = GPT(cfg)
     return cfg, ref, copy.deepcopy(ref)
@@ -59,6 +65,16 @@ def test_twenty_steps_match_training_without_offload(tmp_path, offload_activatio
     if offload_activations:  # the activation transfers draw on the host budget
         assert session._activations.config.max_pending_write_bytes == session._activations.config.prefetch_bytes == 2 * MiB
         assert session.memory.stats()["host"].used_bytes >= session.config.cpu_memory_bytes // 2 + 4 * MiB
+    # One mapping of exactly the host budget, carved between the engines' transfer engines.
+    assert mapping_size(session.slab.address) <= session.config.cpu_memory_bytes
+    assert set(session.transfers) == {"optimizer", "streamer"} | ({"activations"} if offload_activations else set())
+    carves = sorted((t.slab.address, t.slab.capacity_bytes) for t in session.transfers.values())
+    assert session.slab.address <= carves[0][0] and sum(n for _, n in carves) <= session.slab.capacity_bytes
+    assert all(a + n <= b for (a, n), (b, _) in zip(carves, carves[1:]))  # disjoint
+    assert session.streamer.transfer is session.transfers["streamer"]
+    assert len({id(t.device) for t in session.transfers.values()}) == 1  # one set of copy streams
+    if offload_activations:
+        assert session._activations._transfer is session.transfers["activations"]
     block_bytes = max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks)
     assert session.memory.limit_bytes("device") < sum(p.numel() * 4 for p in model.parameters()) * 2
     try:
@@ -87,6 +103,8 @@ def test_twenty_steps_match_training_without_offload(tmp_path, offload_activatio
         assert session.store.used_bytes > 0
     finally:
         session.close()
+    with pytest.raises(LookupError):  # the slab is unmapped
+        mapping_size(session.slab.address)
 
 
 def test_eval_and_no_grad_inference_and_load_state_dict(tmp_path):
@@ -307,3 +325,150 @@ print(before >= 100 << 20, after < 100 << 20)
 """
     out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
     assert out.split() == ["True", "True"]  # its own mapping by default; from the heap after the call
+
+
+# ---------------------------------------------------------------------- double buffering on the transfer engine
+@pytest.fixture
+def slow_streamer(tmp_path):
+    """``make(model, device_bytes)``: a streamer without optimizer on a stand-in whose copies land 100 ms after
+    they are issued, with a device budget of ``device_bytes`` and room for every block in host memory."""
+    device = SimDevice(copy_delay_us=100_000)
+    engine = TransferEngine(32 * MiB, device)
+    store = TensorStore([tmp_path])
+    made = []
+
+    def make(model, device_bytes=64 * MiB):
+        memory = MemoryManager(device_memory_bytes=device_bytes, cpu_memory_bytes=64 * MiB)
+        made.append(ParameterStreamer(model, store, memory, transfer=engine))
+        return made[-1]
+
+    yield make
+    for streamer in made:
+        streamer.close()
+    assert not engine._closed  # the streamer does not close an engine it was given
+    store.close()
+    engine.close()
+    device.close()
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["wait-removed", "waits"])
+def test_compute_waits_for_each_blocks_copy(slow_streamer, monkeypatch, wait):
+    """With copies that land late, the streamed forward equals torch bitwise; with the engine's wait made a
+    no-op it reads blocks before their copies landed and gives another result."""
+    # weights no other test has, so that no freed memory the blocks' device storage reuses holds them already
+    cfg, ref, model = make_pair(seed=7)
+    if not wait:
+        monkeypatch.setattr(TransferEngine, "wait", lambda self, future: None)
+    slow_streamer(model)
+    x, _ = batch(cfg, 0)
+    with torch.no_grad():
+        got, want = model(x), ref(x)
+    assert torch.equal(got, want) == wait
+
+
+def train_step_in_order(streamer, model, ref, cfg, monkeypatch) -> tuple[list, list]:
+    """One forward and backward of ``model``, checked against ``ref``; the order in which the forward and the
+    backward issued each block's copy to the device ("copy", i) and ran each block ("forward"/"backward", i)."""
+    log = []
+    to_device = streamer.transfer.to_device
+
+    def logged(dst, src, **kw):
+        log.append(("copy", int(kw["what"].rsplit(" ", 1)[1])))
+        return to_device(dst, src, **kw)
+
+    monkeypatch.setattr(streamer.transfer, "to_device", logged)  # blocks are all cached: the hooks issue the copies
+    handles = []
+    for i, block in enumerate(model.blocks):  # after the streamer's hooks
+        handles.append(block.register_forward_pre_hook(lambda *_, i=i: log.append(("forward", i))))
+        handles.append(block.register_full_backward_pre_hook(lambda *_, i=i: log.append(("backward", i))))
+    x, y = batch(cfg, 0)
+    loss = model(x, y)
+    end_of_forward = len(log)
+    loss.backward()
+    ref_loss = ref(x, y)
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+    for handle in handles:
+        handle.remove()
+    return log[:end_of_forward], log[end_of_forward:]
+
+
+def double_buffered(order: list[int], kind: str) -> list:
+    """The events when each block's copy is issued before the block before it in ``order`` computes."""
+    events = [("copy", order[0])]
+    for i, block in enumerate(order):
+        events += [("copy", order[i + 1])] if i + 1 < len(order) else []
+        events.append((kind, block))
+    return events
+
+
+def test_next_blocks_copy_is_issued_before_this_block_computes(slow_streamer, monkeypatch):
+    """Double buffering, shown by the order of events: block i+1's copy to the device is issued before block i
+    computes its forward, block i-1's before block i computes its backward."""
+    cfg, ref, model = make_pair("small")
+    forward, backward = train_step_in_order(slow_streamer(model), model, ref, cfg, monkeypatch)
+    order = list(range(len(model.blocks)))
+    assert forward == double_buffered(order, "forward")
+    assert backward == double_buffered(order[::-1], "backward")
+
+
+def test_next_block_is_copied_ahead_only_when_the_device_budget_has_room(slow_streamer, monkeypatch):
+    """With room for two blocks beside the resident parameters but not for their gradients too, the forward
+    copies each next block ahead and the backward copies each block when it needs it, within the budget."""
+    cfg, ref, model = make_pair()
+    block = max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks)
+    resident = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("blocks."))
+    streamer = slow_streamer(model, device_bytes=2 * resident + 4 * block)
+    forward, backward = train_step_in_order(streamer, model, ref, cfg, monkeypatch)
+    order = list(range(len(model.blocks)))
+    assert forward == double_buffered(order, "forward")
+    assert backward == [e for i in order[::-1] for e in [("copy", i), ("backward", i)]]  # each when needed
+    assert streamer.memory.stats()["device"].peak_bytes <= streamer.memory.limit_bytes("device")
+
+
+# ---------------------------------------------------------------------- on a GPU
+class H2DCopies(TorchDispatchMode):
+    """Records the CUDA stream current at every copy from host memory to the GPU (in backward too: autograd
+    carries the mode to its threads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.streams = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default and args[0].is_cuda and args[1].device.type == "cpu":
+            self.streams.append(torch.cuda.current_stream(args[0].device))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("roomy", [True, False], ids=["roomy", "tight"])
+def test_cuda_streamed_forward_and_backward_match_torch_with_copies_on_the_copy_stream(tmp_path, roomy):
+    """On a GPU: the streamed forward and backward give torch's loss and gradients, and every copy of a block to
+    the GPU runs on the transfer engine's host-to-device stream, never on the compute stream; with the device
+    budget roomy (copies ahead in forward and backward) or tight (ahead in forward only)."""
+    cfg, ref, model = make_pair("small" if roomy else "tiny")
+    ref, model = ref.cuda(), model.cuda()
+    block = max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks)
+    resident = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("blocks."))
+    device_bytes = 64 * MiB if roomy else 2 * resident + 4 * block
+    memory = MemoryManager(device_memory_bytes=device_bytes, cpu_memory_bytes=64 * MiB)
+    with TensorStore([tmp_path]) as store:
+        streamer = ParameterStreamer(model, store, memory)
+        try:
+            copy_stream = streamer.transfer.device.copy_stream("h2d")._stream
+            x, y = (t.cuda() for t in batch(cfg, 0))
+            with H2DCopies() as copies:
+                loss = model(x, y)
+                loss.backward()
+            ref_loss = ref(x, y)
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+            assert len(copies.streams) == 2 * len(model.blocks)  # each block in forward and in backward
+            assert all(s == copy_stream for s in copies.streams)
+        finally:
+            streamer.close()

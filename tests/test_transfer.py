@@ -6,21 +6,12 @@ import time
 
 import pytest
 import torch
+from conftest import mapping_size
 
 from nvoffload.device import SimDevice
 from nvoffload.io import StoreIOError, TensorStore
 from nvoffload.memory import MemoryBudgetError
 from nvoffload.transfer import Future, HostSlab, ReadAhead, TransferEngine, WriteBehind
-
-
-def _mapping_size(address: int) -> int:
-    """Size of the /proc/self/maps mapping that contains ``address``."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= address < hi:
-                return hi - lo
-    raise LookupError(f"no mapping holds {address:#x}")
 
 
 # ---------------------------------------------------------------------------- Future
@@ -60,7 +51,7 @@ def test_slab_is_one_mapping_of_exactly_the_budget():
         assert slab.capacity_bytes == budget - budget % 4096
         assert slab.address % 4096 == 0
         # The real allocation, read from the kernel's map of this process: within the budget.
-        assert _mapping_size(slab.address) <= budget
+        assert mapping_size(slab.address) <= budget
         a = slab.allocate(5000, "a")
         b = slab.allocate(70_000, "b")
         assert a.data_ptr() % 4096 == 0 and b.data_ptr() % 4096 == 0

@@ -4,13 +4,16 @@
 ``ModuleList`` of layers) and moves each block's parameters through three tiers:
 
 - the store (:mod:`nvoffload.io`): one flat tensor per block, its home;
-- host memory (``_host_cache``): copies of blocks, least recently used first
-  out, within the :class:`~nvoffload.memory.MemoryManager`'s host budget; the
+- host memory (``_host_cache``): copies of blocks in the transfer engine's
+  host slab, least recently used first out, within the
+  :class:`~nvoffload.memory.MemoryManager`'s host budget; the
   optimizer reads and writes weights there, and a changed block is written
   back before it leaves;
 - the device (``_residency``): a block while a forward, a backward
   (``_backward`` says when a pass is done with it) or a ``load_state_dict``
-  holds it; off the device its parameters hold no bytes and refuse reads
+  holds it, and the next block while it arrives (copied by the
+  :class:`~nvoffload.transfer.TransferEngine` as the block before it
+  computes); off the device its parameters hold no bytes and refuse reads
   (``_guard``).
 
 ``_materialize`` fills a model built on the meta device block by block,
@@ -20,6 +23,6 @@ checkpoints, and ``_streamer`` holds the facade that wires the module hooks.
 
 from nvoffload.streaming._blocks import find_blocks, state_tensors
 from nvoffload.streaming._guard import StreamedParameterError
-from nvoffload.streaming._streamer import ParameterStreamer
+from nvoffload.streaming._streamer import ParameterStreamer, compute_device_of
 
-__all__ = ["ParameterStreamer", "StreamedParameterError", "find_blocks", "state_tensors"]
+__all__ = ["ParameterStreamer", "StreamedParameterError", "compute_device_of", "find_blocks", "state_tensors"]

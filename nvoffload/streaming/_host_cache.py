@@ -1,19 +1,18 @@
-"""The host tier of parameter streaming: copies of blocks in host memory, within the host budget."""
+"""The host tier of parameter streaming: copies of blocks in the transfer engine's host slab, within the host budget."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Iterable
 
 import torch
 
-from nvoffload import device as _device
-from nvoffload.io import TensorStore, aligned_empty
+from nvoffload.io import TensorStore
 from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.streaming._blocks import Block
+from nvoffload.transfer import Future, HostSlab
 
 __all__ = ["HostCache"]
 
@@ -33,22 +32,25 @@ class _Entry:
 class HostCache:
     """Host copies of blocks, least recently used first out, within the :class:`MemoryManager`'s host budget.
 
-    The store holds every block. :meth:`pin` gives a block's flat host copy
-    (read from the store if not cached) and keeps it cached until :meth:`unpin`;
+    The buffers come from ``slab`` (the transfer engine's: page-locked with
+    CUDA, so copies to the device run asynchronously; 4 KiB-aligned for the
+    store's direct I/O) and are counted in the host tier. The store holds every
+    block. :meth:`pin` gives a block's flat host copy (read from the store if
+    not cached) and keeps it cached until :meth:`unpin`;
     ``unpin(modified=True)`` marks it changed, and a changed block is written back
-    before it leaves (or at :meth:`flush`). Thread-safe: the optimizer's worker
-    pins blocks while the training thread brings them to the device.
+    before it leaves (or at :meth:`flush`). :meth:`pin_loading` pins without
+    waiting for the read, for a copy to the device chained after it. Thread-safe:
+    the optimizer's worker pins blocks while the training thread brings them to the device.
     """
 
-    def __init__(self, store: TensorStore, memory: MemoryManager, device: torch.device):
+    def __init__(self, store: TensorStore, memory: MemoryManager, slab: HostSlab):
         self.store = store
         self.memory = memory
-        self._pinned_memory = device.type == "cuda"  # page-locked buffers for device copies
+        self.slab = slab
         self._lock = threading.RLock()
         self._lru: collections.OrderedDict[Block, _Entry] = collections.OrderedDict()
         self.bytes_read = 0
         self.bytes_written = 0
-        self.io_wait_s = 0.0  # time pin() waited for reads to arrive
 
     def install(self, block: Block, fill: Callable[[torch.Tensor], None]) -> None:
         """Store a new block: ``fill`` writes its weights into a flat host buffer, which is written to the store
@@ -59,7 +61,7 @@ class HostCache:
                 fill(host)
                 self._write_back(block, host)
             except BaseException:
-                self.memory.free("host", block.nbytes)
+                self._give_back(block, host)
                 raise
             self._lru[block] = _Entry(host)
 
@@ -67,17 +69,23 @@ class HostCache:
         """The block's weights in host memory, flat (read from the store when not cached); cached until :meth:`unpin`."""
         with self._lock:
             entry = self._lru.get(block) or self._start_read(block)
-            start = time.perf_counter()
             try:
                 self._settle(entry)
             except BaseException:
                 self._drop(block)
                 raise
-            finally:
-                self.io_wait_s += time.perf_counter() - start
             entry.pins += 1
             self._lru.move_to_end(block)
             return entry.host
+
+    def pin_loading(self, block: Block) -> tuple[torch.Tensor, Future | None]:
+        """Like :meth:`pin`, without waiting for the store: the flat host buffer, and the read that fills it
+        (None when it holds the weights already). Unpin it even when the read fails."""
+        with self._lock:
+            entry = self._lru.get(block) or self._start_read(block)
+            entry.pins += 1
+            self._lru.move_to_end(block)
+            return entry.host, entry.loading
 
     def unpin(self, block: Block, *, modified: bool) -> None:
         """Let the block's host copy go again; ``modified``: its weights changed (written back before it leaves)."""
@@ -141,20 +149,29 @@ class HostCache:
         self.bytes_written += block.nbytes
 
     def _new_buffer(self, block: Block) -> torch.Tensor:
+        what = f"host copy of {block}"
         self._make_room(block)
-        self.memory.allocate("host", block.nbytes, f"host copy of {block}")
-        if self._pinned_memory:
-            return _device.host_empty(block.numel, block.dtype)
-        return aligned_empty(block.nbytes).view(block.dtype)
+        self.memory.allocate("host", block.nbytes, what)
+        try:
+            return self.slab.allocate(block.nbytes, what).view(block.dtype)
+        except BaseException:
+            self.memory.free("host", block.nbytes)
+            raise
+
+    def _give_back(self, block: Block, host: torch.Tensor) -> None:
+        self.slab.free(host)
+        self.memory.free("host", block.nbytes)
 
     def _drop(self, block: Block) -> None:
-        del self._lru[block]  # the buffer goes with the entry
-        self.memory.free("host", block.nbytes)
+        self._give_back(block, self._lru.pop(block).host)
+
+    def _fits(self, block: Block) -> bool:
+        return self.memory.available_bytes("host") >= block.nbytes and self.slab.fits(block.nbytes)
 
     def _make_room(self, block: Block) -> None:
         """Evict least recently used unpinned blocks (writing back changed ones) until ``block`` fits."""
         for cached, entry in list(self._lru.items()):
-            if self.memory.available_bytes("host") >= block.nbytes:
+            if self._fits(block):
                 return
             if entry.pins:
                 continue
@@ -162,9 +179,10 @@ class HostCache:
             if entry.dirty:
                 self._write_back(cached, entry.host)
             self._drop(cached)
-        if self.memory.available_bytes("host") < block.nbytes:
+        if not self._fits(block):
             pinned = [str(b.index) for b, e in self._lru.items() if e.pins]
             raise MemoryBudgetError(
                 f"{block} needs {block.nbytes} bytes of host memory, but {self.memory.available_bytes('host')} are "
-                f"left and the cached blocks in use cannot leave (pinned: {', '.join(pinned) or 'none'})"
+                f"left ({self.slab.available_bytes} in {self.slab.what}) and the cached blocks in use cannot leave "
+                f"(pinned: {', '.join(pinned) or 'none'})"
             )

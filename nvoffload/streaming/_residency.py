@@ -1,4 +1,5 @@
-"""The device tier of parameter streaming: which blocks are on the device, who holds them, and gradients' bytes."""
+"""The device tier of parameter streaming: which blocks are on the device, who holds them, the copies that
+bring them (double buffered through the transfer engine), and gradients' bytes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.streaming import _guard
 from nvoffload.streaming._blocks import Block
 from nvoffload.streaming._host_cache import HostCache
+from nvoffload.transfer import Future, TransferEngine
 
 __all__ = ["DeviceResidency", "GradientLedger"]
 
@@ -21,11 +23,10 @@ _POLL_S = 0.5  # how often a wait for device memory checks that it can still end
 _GRAD_STALL_S = 60.0  # longest wait for device memory while no gradient is freed
 
 
-def _alias(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``tensor``'s storage with its own version counter (writes do not bump autograd's)."""
-    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
-        tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
-    )
+def _flat(block: Block) -> torch.Tensor:
+    """The block's device storage as one flat tensor with its own version counter (writes do not bump autograd's)."""
+    p = block.params[0]
+    return torch.empty(0, dtype=block.dtype, device=p.device).set_(p.untyped_storage(), 0, (block.numel,), (1,))
 
 
 class GradientLedger:
@@ -86,46 +87,88 @@ class GradientLedger:
 class DeviceResidency:
     """Which streamed blocks are on the device, who holds each there, and the device bytes they take.
 
-    A block comes to the device on its first :meth:`hold` and leaves at its last
-    :meth:`unhold`; each hold names its reason (``"forward"``, ``"backward"``,
-    ``"load_state_dict"``), and blocks are counted per reason, so a block called
-    twice or held by a forward and a backward at once stays until both let go.
-    Off the device a block's parameters keep their identity, but their storage
-    holds no bytes and they refuse reads (:mod:`~nvoffload.streaming._guard`).
+    A block's parameters are views of one device storage, zero bytes while the
+    block is off the device. A block comes to the device on its first
+    :meth:`hold` and leaves at its last :meth:`unhold`; each hold names its
+    reason (``"forward"``, ``"backward"``, ``"load_state_dict"``), and blocks are
+    counted per reason, so a block called twice or held by a forward and a
+    backward at once stays until both let go. Off the device a block's parameters
+    keep their identity, but refuse reads (:mod:`~nvoffload.streaming._guard`).
+
+    Double buffering: :meth:`stage` starts the copy of the block that comes next
+    (host to device on the transfer engine's copy stream, chained after its
+    store read when the host cache is still reading it) while the current block
+    computes, if the device budget has room for it; :meth:`hold` then has the
+    compute stream wait for the copy's event (on a GPU the host does not wait).
+    A block that was not staged is copied the same way when it is held. The host
+    copy stays pinned in the cache until its copy is done. At most one block is
+    staged: staging another, or :meth:`close`, lets the previous one go.
 
     When a block does not fit, :meth:`hold` waits only while gradients queued for
     the optimizer could free enough and keep being freed; otherwise it raises
     :class:`~nvoffload.memory.MemoryBudgetError` at once, naming what holds the device memory.
     """
 
-    def __init__(self, memory: MemoryManager, cache: HostCache, device: torch.device, gradients: GradientLedger,
-                 resident_bytes: int):  # fmt: skip
+    def __init__(self, memory: MemoryManager, cache: HostCache, transfer: TransferEngine, device: torch.device,
+                 gradients: GradientLedger, resident_bytes: int):  # fmt: skip
         self.memory = memory
         self.cache = cache
+        self.transfer = transfer
         self.device = device
         self.gradients = gradients
         self._resident_bytes = resident_bytes
         self._lock = threading.RLock()
-        self._holds: dict[Block, collections.Counter[str]] = {}  # blocks on the device
+        self._holds: dict[Block, collections.Counter[str]] = {}  # blocks held on the device
+        self._staged: Block | None = None  # on the device (or arriving), held by no one yet
+        self._copies: dict[Block, Future] = {}  # copies whose host source is still pinned
         self._placements: list[_guard.Placement] = []
         self.grad_wait_s = 0.0  # time spent waiting for the optimizer to free gradients' device memory
+        self.io_wait_s = 0.0  # time holds waited for blocks to arrive (on a GPU: their store reads)
 
     def park(self, block: Block) -> None:
-        """Take a new block's parameters off the device (its weights are in the store): each gets its own
-        storage on the device, zero bytes until the block arrives."""
-        for name, p in zip(block.param_names, block.params):
-            p.data = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-            p.untyped_storage().resize_(0)
+        """Take a new block's parameters off the device (its weights are in the store): they become views of one
+        device storage of the block, zero bytes until the block arrives."""
+        storage = torch.empty(block.numel, dtype=block.dtype, device=self.device)
+        for j, (name, p) in enumerate(zip(block.param_names, block.params)):
+            p.data = block.view(storage, j)
             self._placements.append(_guard.attach(p, name, block.index))
             _guard.guard(p)
+        storage.untyped_storage().resize_(0)
 
     def hold(self, block: Block, why: str, *, headroom_bytes: int = 0) -> None:
-        """Keep ``block`` on the device for ``why`` (bringing it there), with ``headroom_bytes`` more to follow."""
+        """Keep ``block`` on the device for ``why`` (bringing it there), with ``headroom_bytes`` more to follow.
+
+        Compute issued after this call sees the block's weights."""
         with self._lock:
+            self._reap()
             if block not in self._holds:
                 self._arrive(block, headroom_bytes)
                 self._holds[block] = collections.Counter()
             self._holds[block][why] += 1
+
+    def stage(self, block: Block | None, *, headroom_bytes: int = 0) -> None:
+        """Start bringing ``block`` to the device ahead of its :meth:`hold`, if the device budget has room for it
+        and ``headroom_bytes`` more; let a block staged before and not held since go (None: just that)."""
+        with self._lock:
+            self._reap()
+            if self._staged is not None and self._staged is not block:
+                self._leave(self._staged)
+                self._staged = None
+            if block is None or block is self._staged or block in self._holds:
+                return
+            try:
+                self.memory.allocate("device", block.nbytes, f"{block} (read ahead)", headroom_bytes=headroom_bytes)
+            except MemoryBudgetError:
+                return  # no room now: the block is copied when it is held
+            try:
+                self._bring(block)
+            except MemoryBudgetError:  # no host room to read it ahead
+                self._leave(block)
+                return
+            except BaseException:
+                self._leave(block)
+                raise
+            self._staged = block
 
     def unhold(self, block: Block, why: str) -> None:
         """Drop one hold of ``block`` for ``why``; the last one takes the block off the device."""
@@ -145,6 +188,7 @@ class DeviceResidency:
     def close(self) -> None:
         """Take every block off the device; the parameters' reads say the weights are gone from now on."""
         with self._lock:
+            self.stage(None)
             for block in list(self._holds):
                 del self._holds[block]
                 self._leave(block)
@@ -154,39 +198,87 @@ class DeviceResidency:
     def describe(self) -> str:
         """What holds the device memory, for error messages."""
         with self._lock:
-            blocks = ", ".join(f"{b.index} ({', '.join(sorted(+h))})" for b, h in self._holds.items()) or "none"
+            blocks = [f"{b.index} ({', '.join(sorted(+h))})" for b, h in self._holds.items()]
+            if self._staged is not None:
+                blocks.append(f"{self._staged.index} (read ahead)")
         return (
             f"device memory in use: {self._resident_bytes} bytes of parameters outside the blocks; "
-            f"parameter blocks on the device: {blocks}; {self.gradients.describe()}"
+            f"parameter blocks on the device: {', '.join(blocks) or 'none'}; {self.gradients.describe()}"
         )
 
     # ------------------------------------------------------------------ internals (caller holds the lock)
     def _arrive(self, block: Block, headroom_bytes: int) -> None:
-        self._reserve(block, headroom_bytes)
+        """Reserve the block's device memory (a staged block has it: only the headroom), copy it unless staged,
+        and order compute after the copy."""
+        staged = block is self._staged
+        if staged:
+            self._staged = None
         try:
-            with self.cache.pinned(block) as host:
-                for j, p in enumerate(block.params):
-                    _guard.unguard(p)
-                    p.untyped_storage().resize_(p.numel() * p.element_size())
-                    _alias(p).copy_(block.view(host, j))
+            self._reserve(block, 0 if staged else block.nbytes, headroom_bytes)
+        except BaseException:
+            if staged:
+                self._leave(block)
+            raise
+        try:
+            if not staged:
+                self._bring(block)
+            start = time.perf_counter()
+            self.transfer.wait(self._copies[block])
+            self.io_wait_s += time.perf_counter() - start
         except BaseException:
             self._leave(block)
             raise
+        for p in block.params:
+            _guard.unguard(p)
+
+    def _bring(self, block: Block) -> None:
+        """Give the block's storage its bytes and start the copy from its host copy (after the store read, if one
+        is running); the host copy stays pinned until the copy is done."""
+        block.params[0].untyped_storage().resize_(block.nbytes)
+        host, loading = self.cache.pin_loading(block)
+        dst, what = _flat(block), f"the weights of {block}"
+        try:
+            if loading is None:
+                copy = self.transfer.to_device(dst, host, what=what)
+            else:  # once the read is done, queued behind the compute so far (the last readers of this memory)
+                after = self.transfer.record()
+                copy = self.transfer.then(
+                    loading, lambda _: self.transfer.to_device(dst, host, after=after, what=what), what=what
+                )
+        except BaseException:
+            self.cache.unpin(block, modified=False)
+            raise
+        self._copies[block] = copy
 
     def _leave(self, block: Block) -> None:
+        """Take the block off the device (its copy landed first: its memory and host copy may be reused)."""
+        self._retire(block)
         for p in block.params:
-            _guard.unguard(p)  # (when it arrived only in part)
-            p.untyped_storage().resize_(0)
             _guard.guard(p)
+        block.params[0].untyped_storage().resize_(0)
         self.memory.free("device", block.nbytes)
 
-    def _reserve(self, block: Block, headroom_bytes: int) -> None:
-        needed = block.nbytes + headroom_bytes
+    def _retire(self, block: Block) -> None:
+        """Wait for the block's copy on the host (if one is out) and unpin its host copy."""
+        copy = self._copies.pop(block, None)
+        if copy is not None:
+            try:
+                copy.exception()  # a failure was raised by the hold that waited for it
+            finally:
+                self.cache.unpin(block, modified=False)
+
+    def _reap(self) -> None:
+        """Unpin the host copies of held blocks whose copies are done (compute waited for them already)."""
+        for block in [b for b, copy in self._copies.items() if b in self._holds and copy.done()]:
+            self._retire(block)
+
+    def _reserve(self, block: Block, nbytes: int, headroom_bytes: int) -> None:
+        needed = nbytes + headroom_bytes
         start = last_progress = time.perf_counter()
         queued = None
         while True:
             try:
-                self.memory.allocate("device", block.nbytes, str(block), wait_s=_POLL_S, headroom_bytes=headroom_bytes)
+                self.memory.allocate("device", nbytes, str(block), wait_s=_POLL_S, headroom_bytes=headroom_bytes)
                 break
             except MemoryBudgetError as e:
                 now, before, queued = time.perf_counter(), queued, self.gradients.queued_bytes()

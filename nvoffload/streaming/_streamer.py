@@ -18,8 +18,10 @@ from nvoffload.streaming._host_cache import HostCache
 from nvoffload.streaming._materialize import Materializer
 from nvoffload.streaming._residency import DeviceResidency, GradientLedger
 from nvoffload.streaming._weights import StreamedWeights
+from nvoffload.transfer import TransferEngine
+from nvoffload.transfer.slab import ALIGNMENT_BYTES
 
-__all__ = ["ParameterStreamer"]
+__all__ = ["ParameterStreamer", "compute_device_of"]
 
 
 def _counter(tier: str, name: str, doc: str) -> property:
@@ -42,11 +44,16 @@ class ParameterStreamer:
     for the model or any sub-module). Parameters outside every block
     (embeddings, final norm, head) stay on the device, counted in the device budget.
 
-    Module hooks, never a replaced ``forward``: a block's forward pre-hook brings
-    it to the device and reads the next blocks ahead, its forward hook lets it
-    go; its backward pre-hook brings it back (autograd saved the parameters
-    themselves, whose storage is refilled in place) and reads the previous blocks
-    ahead, and the backward pass lets it go once it is done with the block
+    Every copy goes through a :class:`~nvoffload.transfer.TransferEngine`, and
+    the next block's copy to the device runs on its copy stream while the block
+    before it computes (double buffering, when the device budget has room for
+    both). Module hooks, never a replaced ``forward``: a block's forward
+    pre-hook has the compute stream wait for the block's copy (starting it if
+    it was not started ahead), starts the next block's copy and reads the blocks
+    after it from the store into host memory; its forward hook lets it go. Its
+    backward pre-hook does the same in reverse order (autograd saved the
+    parameters themselves, whose storage is refilled in place), and the
+    backward pass lets it go once it is done with the block
     (see :class:`~nvoffload.streaming._backward.BackwardPasses`). The optimizer
     reads and writes streamed weights through the streamer, a
     :class:`~nvoffload.optim.WeightHome`, so the next forward sees the updates.
@@ -63,7 +70,8 @@ class ParameterStreamer:
             for a model on the meta device without CUDA).
         blocks: the modules to stream (default: :func:`find_blocks`); a parameter
             in two of them raises ``ValueError``.
-        prefetch_blocks: blocks read ahead into host memory.
+        prefetch_blocks: blocks read ahead into host memory beyond the one being
+            copied to the device ahead of its use.
         param_init_fn: called on each module of a meta model to initialize its
             parameters once they have memory (default: ``reset_parameters()``).
         checkpoint: a reader with ``keys()``, ``info(name)`` and ``read(name, out=)``
@@ -72,11 +80,17 @@ class ParameterStreamer:
             model's parameters and persistent buffers by name (one name of a tied
             parameter is enough) and shape; other dtypes are converted. A missing
             or unexpected tensor raises ``KeyError`` before anything is read.
+        transfer: the transfer engine to move the blocks with; its slab holds the
+            host cache, and it stays open at :meth:`close`. Default: the streamer's
+            own, over a :class:`~nvoffload.transfer.HostSlab` of the host budget
+            ``memory`` has left, closed with the streamer.
     """
 
     bytes_read = _counter("_cache", "bytes_read", "Bytes read from the store.")
     bytes_written = _counter("_cache", "bytes_written", "Bytes written to the store.")
-    io_wait_s = _counter("_cache", "io_wait_s", "Time forward and backward waited for blocks to arrive in host memory.")
+    io_wait_s = _counter(
+        "_residency", "io_wait_s", "Time forward and backward waited for blocks to arrive (on a GPU: in host memory)."
+    )
     grad_wait_s = _counter("_residency", "grad_wait_s", "Time backward waited for the optimizer to free device memory.")
 
     def __init__(
@@ -90,6 +104,7 @@ class ParameterStreamer:
         prefetch_blocks: int = 1,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         checkpoint=None,
+        transfer: TransferEngine | None = None,
     ):
         if not isinstance(prefetch_blocks, int) or prefetch_blocks < 0:
             raise ValueError(f"prefetch_blocks must be an int >= 0, got {prefetch_blocks!r}")
@@ -97,16 +112,28 @@ class ParameterStreamer:
         self.store = store
         self.memory = memory
         self.prefetch_blocks = prefetch_blocks
-        self.device = torch.device(device) if device is not None else _infer_device(model)
+        self.device = torch.device(device) if device is not None else compute_device_of(model)
+        if transfer is not None and transfer.device.device.type != self.device.type:
+            raise ValueError(f"the transfer engine copies to {transfer.device.device}, not to {self.device}")
         self._blocks, self._resident = partition(model, blocks if blocks is not None else find_blocks(model))
-        _check_budgets(self._blocks, self._resident, memory, prefetch_blocks)
+        host_bytes = memory.available_bytes("host") if transfer is None else transfer.slab.available_bytes
+        _check_budgets(self._blocks, self._resident, memory, host_bytes, prefetch_blocks)
         materializer = Materializer(model, self.device, param_init_fn=param_init_fn, checkpoint=checkpoint)
-        self._cache = HostCache(store, memory, self.device)
-        self._residency = DeviceResidency(
-            memory, self._cache, self.device, GradientLedger(memory, model), resident_bytes(self._resident)
-        )
-        memory.allocate("device", resident_bytes(self._resident), "parameters outside the streamed blocks")
-        materializer.run(self._blocks, self._resident, self._cache, self._residency)
+        self._owns_transfer = transfer is None
+        if transfer is None:
+            transfer = TransferEngine(host_bytes, self.device, what="parameter streaming's host memory")
+        self.transfer = transfer
+        try:
+            self._cache = HostCache(store, memory, transfer.slab)
+            gradients = GradientLedger(memory, model)
+            self._residency = DeviceResidency(
+                memory, self._cache, transfer, self.device, gradients, resident_bytes(self._resident)
+            )
+            memory.allocate("device", resident_bytes(self._resident), "parameters outside the streamed blocks")
+            materializer.run(self._blocks, self._resident, self._cache, self._residency)
+        except BaseException:
+            self._close_transfer()
+            raise
         self.replaced: dict[nn.Parameter, nn.Parameter] = materializer.replaced  # meta parameters -> their successors
         self._weights = StreamedWeights(model, self._blocks, self._cache, self._residency)
         self._passes = BackwardPasses(self._residency)
@@ -142,17 +169,26 @@ class ParameterStreamer:
     def _before_forward(self, block: Block, module, args) -> None:
         self._passes.release_unfinished()
         self._residency.hold(block, "forward")
-        self._cache.prefetch(self._blocks[block.pos + 1 : block.pos + 1 + self.prefetch_blocks])
+        ahead = self._blocks[block.pos + 1 : block.pos + 2 + self.prefetch_blocks]
+        self._cache.prefetch(ahead)
+        self._residency.stage(ahead[0] if ahead else None)
 
     def _after_forward(self, block: Block, module, args, output) -> None:
         if self._residency.holds(block, "forward"):  # none when the pre-hook raised
             self._residency.unhold(block, "forward")
 
     def _before_backward(self, block: Block, module, grad_output) -> None:
-        # Room for the gradients this block makes (the first block: the resident parameters' too).
-        grads = block.grad_bytes + (resident_bytes(self._resident, grads=True) if block.pos == 0 else 0)
+        grads = self._grad_headroom(block)
         self._passes.enter(block, headroom_bytes=grads)
-        self._cache.prefetch(self._blocks[max(block.pos - self.prefetch_blocks, 0) : block.pos][::-1])
+        ahead = self._blocks[max(block.pos - 1 - self.prefetch_blocks, 0) : block.pos][::-1]
+        self._cache.prefetch(ahead)
+        # the next block arrives now; its gradients and this block's are made while both are on the device
+        nxt = ahead[0] if ahead else None
+        self._residency.stage(nxt, headroom_bytes=grads + (self._grad_headroom(nxt) if nxt else 0))
+
+    def _grad_headroom(self, block: Block) -> int:
+        """Device bytes of the gradients ``block``'s backward makes (the first block's: the resident ones' too)."""
+        return block.grad_bytes + (resident_bytes(self._resident, grads=True) if block.pos == 0 else 0)
 
     def _after_backward_call(self, block: Block, module, grad_input, grad_output) -> None:
         self._passes.inputs_done(block)
@@ -217,6 +253,11 @@ class ParameterStreamer:
         self._closed = True
         self._residency.close()
         self._cache.close()
+        self._close_transfer()
+
+    def _close_transfer(self) -> None:
+        if self._owns_transfer:
+            self.transfer.close()
 
 
 def _hook(streamer: ParameterStreamer, method, *bound, needs_weights: bool = False):
@@ -239,7 +280,8 @@ def _hook(streamer: ParameterStreamer, method, *bound, needs_weights: bool = Fal
     return hook
 
 
-def _infer_device(model: nn.Module) -> torch.device:
+def compute_device_of(model: nn.Module) -> torch.device:
+    """Where ``model`` computes: the device of its real parameters; for a model on the meta device, CUDA when present."""
     devices = {p.device for p in model.parameters()} - {torch.device("meta")}
     if len(devices) > 1:
         raise ValueError(f"the model's parameters are on several devices: {sorted(map(str, devices))}")
@@ -248,23 +290,25 @@ def _infer_device(model: nn.Module) -> torch.device:
     return torch.device("cuda") if _device.cuda_available() else torch.device("cpu")
 
 
-def _check_budgets(blocks: list[Block], resident, memory: MemoryManager, prefetch_blocks: int) -> None:
+def _check_budgets(blocks: list[Block], resident, memory: MemoryManager, host_bytes: int, prefetch_blocks: int) -> None:
+    """Raise :class:`MemoryBudgetError` when the device budget or the ``host_bytes`` of the host cache are too small."""
     if not blocks:
         raise ValueError("the model has no parameters in its blocks: nothing to stream")
     largest = max(b.nbytes for b in blocks)
     weights, grads = resident_bytes(resident), resident_bytes(resident, grads=True)
     # resident weights and their gradients; one block computing, one arriving, its gradients
     device_needed = weights + grads + 3 * largest
-    host_needed = (2 + prefetch_blocks) * largest
+    # in host memory (slab buffers are 4 KiB-aligned): one block computing, one arriving, those read ahead
+    host_needed = (2 + prefetch_blocks) * -(-largest // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
     problems = []
     if memory.limit_bytes("device") < device_needed:
         problems.append(
             f"device_memory_bytes must be at least {device_needed} (resident parameters and their gradients: "
             f"{weights + grads}, plus 3 x the largest block's {largest})"
         )
-    if memory.available_bytes("host") < host_needed:
+    if host_bytes < host_needed:
         problems.append(
-            f"the host budget has {memory.available_bytes('host')} bytes left for parameter blocks; "
+            f"the host budget has {host_bytes} bytes left for parameter blocks; "
             f"streaming needs at least {host_needed} ({2 + prefetch_blocks} x the largest block's {largest})"
         )
     if problems:
