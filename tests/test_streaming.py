@@ -406,17 +406,19 @@ def double_buffered(order: list[int], kind: str) -> list:
 
 def test_next_blocks_copy_is_issued_before_this_block_computes(slow_streamer, monkeypatch):
     """Double buffering, shown by the order of events: block i+1's copy to the device is issued before block i
-    computes its forward, block i-1's before block i computes its backward."""
+    computes its forward, block i-1's before block i computes its backward; the last block, which backward
+    needs first, stays on the device after its forward."""
     cfg, ref, model = make_pair("small")
     forward, backward = train_step_in_order(slow_streamer(model), model, ref, cfg, monkeypatch)
     order = list(range(len(model.blocks)))
     assert forward == double_buffered(order, "forward")
-    assert backward == double_buffered(order[::-1], "backward")
+    assert backward == double_buffered(order[::-1], "backward")[1:]
 
 
 def test_next_block_is_copied_ahead_only_when_the_device_budget_has_room(slow_streamer, monkeypatch):
     """With room for two blocks beside the resident parameters but not for their gradients too, the forward
-    copies each next block ahead and the backward copies each block when it needs it, within the budget."""
+    copies each next block ahead and the backward copies each block when it needs it (but the last, which
+    stayed from forward), within the budget."""
     cfg, ref, model = make_pair()
     block = max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks)
     resident = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("blocks."))
@@ -424,7 +426,7 @@ def test_next_block_is_copied_ahead_only_when_the_device_budget_has_room(slow_st
     forward, backward = train_step_in_order(streamer, model, ref, cfg, monkeypatch)
     order = list(range(len(model.blocks)))
     assert forward == double_buffered(order, "forward")
-    assert backward == [e for i in order[::-1] for e in [("copy", i), ("backward", i)]]  # each when needed
+    assert backward == [e for i in order[::-1] for e in [("copy", i), ("backward", i)]][1:]  # each when needed
     assert streamer.memory.stats()["device"].peak_bytes <= streamer.memory.limit_bytes("device")
 
 

@@ -170,8 +170,9 @@ class DeviceResidency:
                 raise
             self._staged = block
 
-    def unhold(self, block: Block, why: str) -> None:
-        """Drop one hold of ``block`` for ``why``; the last one takes the block off the device."""
+    def unhold(self, block: Block, why: str, *, stay: bool = False) -> None:
+        """Drop one hold of ``block`` for ``why``; the last one takes the block off the device, or, with ``stay``
+        and no block staged, leaves it there as the staged block (the next hold needs no copy)."""
         with self._lock:
             holds = self._holds[block]
             if holds[why] <= 0:
@@ -179,7 +180,12 @@ class DeviceResidency:
             holds[why] -= 1
             if not +holds:
                 del self._holds[block]
-                self._leave(block)
+                if stay and self._staged is None:
+                    for p in block.params:
+                        _guard.guard(p)
+                    self._staged = block
+                else:
+                    self._leave(block)
 
     def holds(self, block: Block, why: str) -> int:
         with self._lock:
@@ -222,9 +228,11 @@ class DeviceResidency:
         try:
             if not staged:
                 self._bring(block)
-            start = time.perf_counter()
-            self.transfer.wait(self._copies[block])
-            self.io_wait_s += time.perf_counter() - start
+            copy = self._copies.get(block)  # none when it stayed from its last hold
+            if copy is not None:
+                start = time.perf_counter()
+                self.transfer.wait(copy)
+                self.io_wait_s += time.perf_counter() - start
         except BaseException:
             self._leave(block)
             raise

@@ -175,7 +175,9 @@ class ParameterStreamer:
 
     def _after_forward(self, block: Block, module, args, output) -> None:
         if self._residency.holds(block, "forward"):  # none when the pre-hook raised
-            self._residency.unhold(block, "forward")
+            # The last block is the first backward needs: it stays on the device, unless no backward is coming.
+            stay = block.pos == len(self._blocks) - 1 and torch.is_grad_enabled() and bool(block.trainable)
+            self._residency.unhold(block, "forward", stay=stay)
 
     def _before_backward(self, block: Block, module, grad_output) -> None:
         grads = self._grad_headroom(block)
