@@ -61,12 +61,15 @@ def save_report(
     notes: str = "",
     results_dir: Path = RESULTS_DIR,
     extra: dict | None = None,
+    plot=None,
 ) -> Path:
     """Write the JSON, markdown and plot for one benchmark run; print the table.
 
     Returns the path of the JSON file. ``plot_column`` names the numeric column
     drawn as bars, one per row, labelled by ``label_column``; ``extra`` adds
-    keys to the JSON record (e.g. a contention probe's figures).
+    keys to the JSON record (e.g. a contention probe's figures); ``plot``, a
+    function of ``matplotlib.pyplot`` returning a figure, draws the PNG instead
+    of the bars.
     """
     results_dir.mkdir(parents=True, exist_ok=True)
     record = {"benchmark": name, "machine": machine_info(), "settings": settings, "rows": rows, "notes": notes}
@@ -90,6 +93,11 @@ def save_report(
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no plot written (pip install -e '.[bench]')")
+        return json_path
+    if plot is not None:
+        fig = plot(plt)
+        fig.savefig(results_dir / f"{name}.png", dpi=100)
+        plt.close(fig)
         return json_path
     plotted = [r for r in rows if isinstance(r.get(plot_column), (int, float))]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(plotted)), 4))
