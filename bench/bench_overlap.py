@@ -2,7 +2,8 @@
 
 One process, one model (a GPT whose blocks are streamed), the same batch:
 
-- ``compute``: forward + backward with every parameter on the device (no streaming);
+- ``compute``: forward + backward with every parameter on the device (no
+  streaming), gradients dropped as they arrive (as in ``streamed``);
 - ``copies``: the streamed step's block copies alone (every block to the
   device in forward, and again in backward but the last, which stays there
   from its forward), issued through the same
@@ -14,7 +15,11 @@ One process, one model (a GPT whose blocks are streamed), the same batch:
 
 With the copies overlapped, ``streamed`` is about ``max(compute, copies)``;
 run one after the other it would be ``compute + copies``. Both are reported,
-with the ratios.
+with the ratios, and so is the tighter bound that one block of device memory
+ahead allows: the copies of a pass cannot run ahead of it, so each of forward
+and backward takes at least the longer of its compute and its copies
+(forward has as many copies as backward but half its compute), plus how long
+compute waited for copies in the streamed step.
 
 Without CUDA the CPU stands in for the GPU, and its copies run at
 ``--copy-gbps`` (``NVOFFLOAD_SIM_COPY_GBPS``'s mechanism): by default the rate at
@@ -70,9 +75,13 @@ def parse_args(argv):
 
 
 def build(args, device: torch.device) -> GPT:
+    """The model; its gradients are dropped as they arrive, as the NVMe optimizer's ``release_grads`` does."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=512, seq_len=args.seq_len, n_layer=args.layers, n_head=4, d_model=args.d_model)
-    return GPT(cfg).to(device)
+    model = GPT(cfg).to(device)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    return model
 
 
 def sync(device: torch.device) -> None:
@@ -80,30 +89,39 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_s(model, x, y, device) -> float:
+def step_s(model, x, y, device) -> tuple[float, float]:
+    """(forward, backward) seconds of one step."""
     sync(device)
     start = time.perf_counter()
-    model(x, y).backward()
+    loss = model(x, y)
     sync(device)
-    return time.perf_counter() - start
+    middle = time.perf_counter()
+    loss.backward()
+    sync(device)
+    return middle - start, time.perf_counter() - middle
 
 
-def copies_s(engine: TransferEngine, blocks: list[torch.nn.Module], device: torch.device) -> tuple[float, int]:
-    """The streamed step's copies through ``engine``, one after another: every block for forward, all but the last
-    (which stays on the device) for backward; (seconds, bytes)."""
+def copies_s(engine: TransferEngine, blocks: list[torch.nn.Module], device: torch.device) -> tuple[float, float, int]:
+    """The streamed step's copies through ``engine``, one after another: every block for forward, then all but
+    the last (which stays on the device) for backward; (forward seconds, backward seconds, bytes)."""
     host = [engine.slab.allocate(sum(p.numel() * p.element_size() for p in b.parameters()), "a block") for b in blocks]
     dev = [torch.empty(h.numel(), dtype=torch.uint8, device=device) for h in host]
-    sync(device)
-    start = time.perf_counter()
     pairs = list(zip(dev, host))
-    futures = [engine.to_device(d, h) for d, h in pairs + pairs[:-1]]
-    for f in futures:
-        engine.wait(f)
-    sync(device)
-    elapsed = time.perf_counter() - start
+    phases = []
+    for batch in (pairs, pairs[:-1][::-1]):
+        sync(device)
+        start = time.perf_counter()
+        for f in [engine.to_device(d, h) for d, h in batch]:
+            engine.wait(f)
+        sync(device)
+        phases.append(time.perf_counter() - start)
     for h in host:
         engine.slab.free(h)
-    return elapsed, sum(h.numel() for _, h in pairs + pairs[:-1])
+    return phases[0], phases[1], sum(h.numel() for _, h in pairs + pairs[:-1])
+
+
+def _medians(samples: list[tuple[float, ...]]) -> list[float]:
+    return [statistics.median(column) for column in zip(*samples)]
 
 
 class Lanes:
@@ -137,7 +155,8 @@ def main(argv=None) -> dict:
     # compute alone: everything resident
     model = build(args, device)
     step_s(model, x, y, device)  # warm-up
-    compute = statistics.median(step_s(model, x, y, device) for _ in range(args.repeats))
+    compute_f, compute_b = _medians([step_s(model, x, y, device) for _ in range(args.repeats)])
+    compute = compute_f + compute_b
     block_bytes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks]
     del model
 
@@ -150,7 +169,8 @@ def main(argv=None) -> dict:
 
     # the copies alone, on the same engine
     model = build(args, device)
-    copies = statistics.median(copies_s(engine, list(model.blocks), device)[0] for _ in range(args.repeats))
+    copies_f, copies_b = _medians([copies_s(engine, list(model.blocks), device)[:2] for _ in range(args.repeats)])
+    copies = copies_f + copies_b
     del model
 
     # streamed
@@ -160,8 +180,6 @@ def main(argv=None) -> dict:
     memory = MemoryManager(device_memory_bytes=2 * resident + 6 * max(block_bytes) + 8 * MiB, cpu_memory_bytes=host_bytes)
     with tempfile.TemporaryDirectory(prefix="nvoffload-bench-overlap-") as swap, TensorStore(swap) as store:
         streamer = ParameterStreamer(model, store, memory, device=device, transfer=engine)
-        for p in model.parameters():  # gradients go as they arrive, as the optimizer's release_grads does
-            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
         step_s(model, x, y, device)  # warm-up: reads every block into the host cache
         times, waits = [], []
         for _ in range(args.repeats):
@@ -170,7 +188,7 @@ def main(argv=None) -> dict:
                 compute_dev.trace.clear()
             streamer.io_wait_s = 0.0
             t0 = time.monotonic()
-            times.append(step_s(model, x, y, device))
+            times.append(sum(step_s(model, x, y, device)))
             waits.append(streamer.io_wait_s)
         streamed = statistics.median(times)
         waited = statistics.median(waits)
@@ -180,17 +198,26 @@ def main(argv=None) -> dict:
     engine.close()
     compute_dev.close()
 
+    # A block's copy can only start once the device has room (one block ahead) and the forward and backward
+    # copies cannot run ahead of their pass: each pass takes at least the longer of its compute and its copies.
+    bound = max(compute_f, copies_f) + max(compute_b, copies_b)
     rows = [
         {"case": "compute", "seconds": compute},
         {"case": "copies", "seconds": copies},
         {"case": "max(compute, copies)", "seconds": max(compute, copies)},
         {"case": "compute + copies", "seconds": compute + copies},
+        {"case": "per phase: max(compute, copies) forward + backward", "seconds": bound},
         {"case": "streamed", "seconds": streamed},
         {"case": "streamed: compute waiting for copies", "seconds": waited},
     ]
-    ratios = {"streamed/max": streamed / max(compute, copies), "streamed/sum": streamed / (compute + copies)}
+    ratios = {
+        "streamed/max": streamed / max(compute, copies), "streamed/sum": streamed / (compute + copies),
+        "streamed/per_phase": streamed / bound,
+    }  # fmt: skip
     notes = (
         f"streamed step / max(compute, copies) = {ratios['streamed/max']:.2f}; "
+        f"streamed step / per-phase bound = {ratios['streamed/per_phase']:.2f} (forward: compute {compute_f:.3f} s, "
+        f"copies {copies_f:.3f} s; backward: compute {compute_b:.3f} s, copies {copies_b:.3f} s); "
         f"streamed step / (compute + copies) = {ratios['streamed/sum']:.2f}; "
         f"compute waited {waited:.3f} s for copies ({waited / copies:.0%} of the copy time not hidden). "
         f"{copy_bytes / MiB:.1f} MiB copied per step"

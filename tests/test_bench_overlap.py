@@ -17,6 +17,8 @@ def test_bench_overlap_quick(tmp_path, monkeypatch):
     assert seconds["max(compute, copies)"] == max(seconds["compute"], seconds["copies"])
     assert seconds["compute + copies"] == seconds["compute"] + seconds["copies"]
     assert seconds["streamed: compute waiting for copies"] < seconds["streamed"]
+    bound = seconds["per phase: max(compute, copies) forward + backward"]
+    assert seconds["max(compute, copies)"] <= bound <= seconds["compute + copies"]
     assert record["ratios"]["streamed/sum"] < record["ratios"]["streamed/max"]
     layers = 3
     # every block computed forward and backward, and was copied to the device for each
