@@ -305,16 +305,21 @@ def test_checkpoint_needs_a_meta_model(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
-def test_retain_freed_host_memory_serves_large_blocks_from_the_heap():
-    script = """
+# glibc's heap statistics, for the scripts below (each in a fresh interpreter: the settings are process-wide)
+_MALLINFO = """
 import ctypes, torch
-from nvoffload.memory import retain_freed_host_memory
 
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
 libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = Mallinfo2
+"""
+
+
+def test_retain_freed_host_memory_serves_large_blocks_from_the_heap():
+    script = _MALLINFO + """
+from nvoffload.memory import retain_freed_host_memory
 def mapped_bytes_of(nbytes):
     t = torch.empty(nbytes, dtype=torch.uint8)
     return libc.mallinfo2().hblkhd
@@ -328,15 +333,8 @@ print(before >= 100 << 20, after < 100 << 20)
 
 
 def test_release_freed_host_memory_maps_blocks_of_a_mebibyte_and_more():
-    script = """
-import ctypes, torch
+    script = _MALLINFO + """
 from nvoffload.memory import release_freed_host_memory
-
-class Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = Mallinfo2
 def mapped(nbytes):
     base = libc.mallinfo2().hblkhd
     t = torch.empty(nbytes, dtype=torch.uint8)
