@@ -304,7 +304,6 @@ def test_checkpoint_needs_a_meta_model(tmp_path):
         nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model), checkpoint=ckpt)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
 # glibc's heap statistics, for the scripts below (each in a fresh interpreter: the settings are process-wide)
 _MALLINFO = """
 import ctypes, torch
@@ -317,6 +316,7 @@ libc.mallinfo2.restype = Mallinfo2
 """
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
 def test_retain_freed_host_memory_serves_large_blocks_from_the_heap():
     script = _MALLINFO + """
 from nvoffload.memory import retain_freed_host_memory
@@ -332,6 +332,7 @@ print(before >= 100 << 20, after < 100 << 20)
     assert out.split() == ["True", "True"]  # its own mapping by default; from the heap after the call
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
 def test_release_freed_host_memory_maps_blocks_of_a_mebibyte_and_more():
     script = _MALLINFO + """
 from nvoffload.memory import release_freed_host_memory
