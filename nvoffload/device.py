@@ -43,6 +43,7 @@ __all__ = [
     "compute_device",
     "register_host_memory",
     "unregister_host_memory",
+    "untracked",
 ]
 
 
@@ -121,6 +122,13 @@ class ComputeDevice(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def untracked(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``tensor``'s memory with a version counter of its own: autograd does not see writes through it."""
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+    )
 
 
 def compute_device(device: torch.device | str | None = None) -> ComputeDevice:
@@ -259,8 +267,7 @@ class _SimCopyStream:
         # As on a GPU, autograd sees the write when the copy is issued (``dst.copy_`` bumps the version
         # counter then); the bytes land later through an alias that leaves the counter alone.
         torch.autograd.graph.increment_version(dst)
-        alias = torch.empty(0, dtype=dst.dtype).set_(dst.untyped_storage(), dst.storage_offset(), dst.shape, dst.stride())
-        self._queue.put((alias, src, after, time.monotonic() + self._delay_s, duration_s, event))
+        self._queue.put((untracked(dst), src, after, time.monotonic() + self._delay_s, duration_s, event))
         return event
 
     def close(self) -> None:

@@ -23,10 +23,11 @@ from torch import nn
 from nvoffload.activations import offload_activations as _offload_activations
 from nvoffload.device import compute_device
 from nvoffload.io import TensorStore, swap_directories
-from nvoffload.memory import MemoryManager, TierStats, release_freed_host_memory
+from nvoffload.memory import MemoryBudgetError, MemoryManager, TierStats, release_freed_host_memory
 from nvoffload.optim import OffloadOptimizer, OffloadOptimizerConfig
 from nvoffload.streaming import ParameterStreamer, compute_device_of
 from nvoffload.transfer import HostSlab, TransferEngine
+from nvoffload.transfer.slab import ALIGNMENT_BYTES
 
 __all__ = ["OffloadConfig", "OffloadSession", "initialize"]
 
@@ -167,9 +168,17 @@ class _Transfers:
         self.device = compute_device(device)
         self.engines: dict[str, TransferEngine] = {}
 
-    def engine(self, name: str, nbytes: int, what: str) -> TransferEngine:
+    def engine(self, name: str, nbytes: int | None, what: str) -> TransferEngine:
         """A transfer engine over ``nbytes`` carved from the slab (all of what is left when ``nbytes`` is None)."""
-        carve = self.slab.carve(self.slab.available_bytes if nbytes is None else nbytes, what)
+        if nbytes is None:
+            nbytes = self.slab.available_bytes
+            if nbytes < ALIGNMENT_BYTES:
+                shares = ", ".join(f"{n} {e.slab.capacity_bytes}" for n, e in self.engines.items())
+                raise MemoryBudgetError(
+                    f"cpu_memory_bytes ({self.slab.capacity_bytes}) leaves nothing for {what} after the other "
+                    f"engines' shares ({shares}): raise it, or lower optimizer_memory_fraction or activation_memory_bytes"
+                )
+        carve = self.slab.carve(nbytes, what)
         self.engines[name] = TransferEngine(carve, self.device, what=what)
         return self.engines[name]
 

@@ -366,6 +366,27 @@ def test_micro_batches_per_step_change(tmp_path):
         assert opt.overlap_active
 
 
+def test_updates_landing_after_an_extra_forward_leave_its_backward_to_step(tmp_path):
+    """The updates the last learned micro-batch queued may land after an extra micro-batch's forward saved the
+    weights (on a busy machine, or here forced with synchronize()): that backward still runs (the updates do not
+    bump autograd's version counters), and step() restores the weights and refuses the step as for any extra
+    micro-batch."""
+    torch.manual_seed(0)
+    model = MLP()
+    data = batches(9)
+    with OffloadOptimizer(torch.optim.AdamW(groups(model), lr=1e-2), swap_dir=tmp_path, chunk_bytes=CHUNK) as opt:
+        train(model, opt, data[:6], accum=2)
+        before = params(model)
+        accumulate(model, data[6:8])
+        x, y = data[8]
+        loss = mse(model, x, y)
+        opt.synchronize()  # the second micro-batch's updates land while the third's graph holds the weights
+        loss.backward()
+        with pytest.raises(RuntimeError, match=r"backward ran 3 times for .* learned 2 per step .* restored"):
+            opt.step()
+        assert not changed(before, model)
+
+
 def test_lr_changed_between_backward_and_step(tmp_path):
     """An lr set after backward is the one step() uses (the early updates are redone); overlap is off for the
     next step, which shows the hyperparameters stay put, and back on after it."""

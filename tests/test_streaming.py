@@ -157,6 +157,11 @@ def test_budget_smaller_than_a_block_names_the_smallest_that_works(tmp_path):
         nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model, device_memory_bytes=4096))
     with pytest.raises(MemoryBudgetError, match=r"streaming needs at least \d+"):
         nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model, cpu_memory_bytes=65536))
+    with pytest.raises(MemoryBudgetError, match=r"leaves nothing for parameter streaming's host memory"):
+        nvoffload.initialize(
+            model, torch.optim.AdamW(model.parameters()),
+            config(tmp_path, model, offload_activations=True, cpu_memory_bytes=8 * MiB, activation_memory_bytes=4 * MiB),
+        )  # fmt: skip
     assert not list(tmp_path.iterdir())  # nothing left behind
 
 

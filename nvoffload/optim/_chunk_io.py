@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from nvoffload.device import Event
+from nvoffload.device import Event, untracked
 from nvoffload.optim._layout import Chunk, Layout, Record, Slot
 from nvoffload.transfer import Future, TransferEngine
 
@@ -69,8 +69,12 @@ class ModelWeights:
     def write(self, elements: slice, src: torch.Tensor, slot: Slot, *, after: Event | None = None) -> Future:
         """Set the weights of ``elements`` from host ``src`` (fp32 or the parameter's dtype); on the device
         the copy is queued behind ``after`` (default: the compute stream's work so far). ``src`` and
-        ``slot`` stay untouched until the future is done."""
-        dst = self.flat[elements]
+        ``slot`` stay untouched until the future is done.
+
+        The write does not bump the parameter's autograd version: an update only lands once the parameter's
+        gradient is final, and a forward that saw it early (an extra micro-batch) is undone by ``step()``,
+        which must not meet autograd's in-place error in that micro-batch's backward first."""
+        dst = untracked(self.flat[elements])
         if src.dtype != dst.dtype:
             src = slot.out(dst.dtype, dst.numel()).copy_(src)
         if self.on_host:
