@@ -23,7 +23,7 @@ Cases (``--cases``):
   ``F.cross_entropy(model(x).view(-1, vocab), y)`` (the whole fp32 logits);
 - ``nvoffload``: model built on the meta device, ``nvoffload.initialize`` with
   ``--cpu-memory-mib``/``--device-memory-mib`` (256/400), activations offloaded;
-  ``initialize`` fixes glibc's mmap threshold at 1 MiB
+  ``initialize`` fixes glibc's mmap threshold at 8 MiB
   (:func:`nvoffload.memory.release_freed_host_memory`);
 - ``nvoffload_glibc_default``: the same with glibc's dynamic threshold left
   alone (``release_freed_host_memory`` made a no-op): what it saves;

@@ -338,7 +338,7 @@ print(before >= 100 << 20, after < 100 << 20)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
-def test_release_freed_host_memory_maps_blocks_of_a_mebibyte_and_more():
+def test_release_freed_host_memory_maps_large_blocks_and_stops_the_threshold_rising():
     script = _MALLINFO + """
 from nvoffload.memory import release_freed_host_memory
 def mapped(nbytes):
@@ -352,7 +352,7 @@ print(before, mapped(32 << 20), mapped(24 << 20), mapped(512 << 10))
 """
     out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
     # From the heap by default (the threshold rose). After the call: mapped (sizes no free heap chunk can hold),
-    # and the threshold no longer rises when the 32 MiB mapping is freed; blocks under 1 MiB from the heap.
+    # and the threshold no longer rises when the 32 MiB mapping is freed; small blocks from the heap.
     assert out.split() == ["False", "True", "True", "False"]
 
 
