@@ -17,7 +17,8 @@ Subpackages:
 model and its optimizer.
 """
 
+from nvoffload.optim.loss_scale import LossScaling
 from nvoffload.training import OffloadConfig, OffloadSession, initialize
 
-__all__ = ["OffloadConfig", "OffloadSession", "initialize"]
+__all__ = ["LossScaling", "OffloadConfig", "OffloadSession", "initialize"]
 __version__ = "0.1.0"

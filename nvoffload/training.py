@@ -7,7 +7,11 @@
 after which the ordinary loop (``loss.backward(); optimizer.step();
 optimizer.zero_grad()``) streams the blocks' parameters from NVMe, updates the
 optimizer state on NVMe during backward and, with ``offload_activations=True``,
-sends the saved activations to NVMe too.
+sends the saved activations to NVMe too. Gradient clipping, accumulation and
+fp16 loss scaling are the config's (``max_grad_norm``,
+``gradient_accumulation_steps``, ``loss_scaling``), not the loop's: no gradient
+is left in memory after backward for ``clip_grad_norm_`` or a ``GradScaler``
+to read.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from nvoffload.activations import offload_activations as _offload_activations
 from nvoffload.device import compute_device
 from nvoffload.io import TensorStore, swap_directories
 from nvoffload.memory import MemoryBudgetError, MemoryManager, TierStats, release_freed_host_memory
-from nvoffload.optim import OffloadOptimizer, OffloadOptimizerConfig
+from nvoffload.optim import LossScaling, OffloadOptimizer, OffloadOptimizerConfig
 from nvoffload.streaming import ParameterStreamer, compute_device_of
 from nvoffload.transfer import HostSlab, TransferEngine
 from nvoffload.transfer.slab import ALIGNMENT_BYTES
@@ -60,6 +64,17 @@ class OffloadConfig:
             reads ahead, and a third in the most recent saved tensors (kept,
             never written).
         checksum: checksum every tensor in the store.
+        max_grad_norm: clip the global gradient norm to this, exactly as
+            ``torch.nn.utils.clip_grad_norm_`` (None: no clipping). The updates
+            still run during backward; when the norm turns out larger, ``step()``
+            redoes them from the gradients it kept in the store (4 bytes per
+            parameter written each step, and read again when it clips).
+        gradient_accumulation_steps: backward passes per ``optimizer.step()``;
+            their gradients are summed in fp32 in the store (4 bytes per
+            parameter written per micro-batch, and read from the second).
+        loss_scaling: fp16 dynamic loss scaling on ``torch.amp.GradScaler``'s
+            schedule (call ``loss = optimizer.scale_loss(loss)`` before
+            ``backward()``); a step whose gradients overflow is skipped.
         retain_host_memory: let the optimizer and activation offload call
             :func:`nvoffload.memory.retain_freed_host_memory`. Off by default
             here, because freed memory then stays with the process: in the 1.3B
@@ -80,6 +95,9 @@ class OffloadConfig:
     offload_activations: bool = False
     activation_memory_bytes: int | None = None
     checksum: bool = False
+    max_grad_norm: float | None = None
+    gradient_accumulation_steps: int = 1
+    loss_scaling: LossScaling | None = None
     retain_host_memory: bool = False
 
     def __post_init__(self):
@@ -94,6 +112,15 @@ class OffloadConfig:
             raise ValueError(f"optimizer_memory_fraction must be in (0, 1), got {self.optimizer_memory_fraction}")
         if not isinstance(self.prefetch_blocks, int) or self.prefetch_blocks < 0:
             raise ValueError(f"prefetch_blocks must be an int >= 0, got {self.prefetch_blocks!r}")
+        self.optimizer_config(cpu_memory_bytes=1)  # validates the optimizer's fields at the boundary
+
+    def optimizer_config(self, cpu_memory_bytes: int) -> OffloadOptimizerConfig:
+        """The :class:`~nvoffload.optim.OffloadOptimizerConfig` of the optimizer :func:`initialize` builds."""
+        return OffloadOptimizerConfig(
+            cpu_memory_bytes=cpu_memory_bytes, release_grads=True, checksum=self.checksum,
+            retain_host_memory=self.retain_host_memory, max_grad_norm=self.max_grad_norm,
+            gradient_accumulation_steps=self.gradient_accumulation_steps, loss_scaling=self.loss_scaling,
+        )  # fmt: skip
 
     @property
     def activation_bytes(self) -> int:
@@ -220,8 +247,9 @@ def initialize(
         :class:`OffloadSession`. Gradients are consumed during backward (the
         update of each parameter runs as soon as its gradient is final and the
         gradient is freed), so ``param.grad`` is None after ``backward()``:
-        gradient clipping by the user, fp16 loss scaling and gradient
-        accumulation are not available in this mode (bf16 or fp32 only).
+        clipping, accumulation and fp16 loss scaling are ``config``'s
+        (``max_grad_norm``, ``gradient_accumulation_steps``, ``loss_scaling``;
+        ``optimizer.grad_norm()`` gives the norm ``clip_grad_norm_`` would).
 
     Every copy between NVMe, host memory and the device goes through a
     :class:`~nvoffload.transfer.TransferEngine`: one for the optimizer (over
@@ -262,10 +290,7 @@ def initialize(
             group["params"] = [streamer.replaced.get(p, p) for p in group["params"]]
         offloaded = OffloadOptimizer(
             optimizer, swap_dir=store, transfer=optimizer_transfer,
-            config=OffloadOptimizerConfig(
-                cpu_memory_bytes=optimizer_bytes, release_grads=True, checksum=config.checksum,
-                retain_host_memory=config.retain_host_memory,
-            ),
+            config=config.optimizer_config(optimizer_bytes),
         )  # fmt: skip
     except BaseException:
         if streamer is not None:

@@ -165,7 +165,7 @@ def test_budget_smaller_than_a_block_names_the_smallest_that_works(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing left behind
 
 
-def test_unsupported_modes_are_refused(tmp_path):
+def test_more_backward_passes_than_gradient_accumulation_steps_are_refused(tmp_path):
     cfg, _, model = make_pair()
     model, opt = nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model))
     try:
@@ -173,8 +173,8 @@ def test_unsupported_modes_are_refused(tmp_path):
         model(x, y).backward()
         opt.step()
         model(x, y).backward()
-        with pytest.raises(RuntimeError, match="backward ran again"):
-            model(x, y).backward()  # gradient accumulation: the update already ran
+        with pytest.raises(RuntimeError, match="backward ran 2 times .* gradient_accumulation_steps is 1"):
+            model(x, y).backward()  # a second micro-batch: the update already ran
     finally:
         opt.session.close()
 

@@ -6,10 +6,12 @@
   kernel, for callers that manage their own buffers (e.g. chunks read from NVMe).
 - :class:`OffloadOptimizer` / :class:`NVMeAdamW` (in :mod:`nvoffload.optim.offload`):
   a torch optimizer with its state on NVMe, updated during backward.
+- :class:`LossScaling`: fp16 dynamic loss scaling for released gradients.
 """
 
 from nvoffload.optim.cpu_adam import CPUAdam, CPUAdamW
 from nvoffload.optim.kernels import adam_step
+from nvoffload.optim.loss_scale import LossScaling
 from nvoffload.optim.offload import (
     MemoryStats,
     NVMeAdamW,
@@ -23,6 +25,7 @@ __all__ = [
     "CPUAdam",
     "CPUAdamW",
     "adam_step",
+    "LossScaling",
     "MemoryStats",
     "NVMeAdamW",
     "OffloadOptimizerConfig",

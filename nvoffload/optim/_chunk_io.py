@@ -136,6 +136,18 @@ class ChunkIO:
                 self.written_bytes += part.numel() * 4
         return Future.all_of(futures)
 
+    def read_kept(self, chunk: Chunk, out: torch.Tensor) -> Future:
+        """Start reading ``chunk``'s kept gradient (fp32) into ``out``."""
+        with self._count_lock:
+            self.read_bytes += out.numel() * 4
+        return self.store.get(chunk.grad_name, out=out)
+
+    def write_kept(self, chunk: Chunk, grad: torch.Tensor) -> Future:
+        """Start writing the fp32 ``grad`` as ``chunk``'s kept gradient (replacing the one kept before)."""
+        with self._count_lock:
+            self.written_bytes += grad.numel() * 4
+        return self.store.put(chunk.grad_name, grad)
+
     def delete(self, chunk: Chunk, gen: int) -> None:
         for name in self.layout.names(chunk, gen):
             if name in self.store:
@@ -159,4 +171,6 @@ class ChunkIO:
         """Delete every generation of ``chunk`` from the store and forget its state."""
         for gen in {chunk.gen, chunk.pending_gen} - {None}:
             self.delete(chunk, gen)
+        if chunk.grad_name in self.store:
+            self.store.delete(chunk.grad_name)
         chunk.gen, chunk.pending_gen, chunk.applied, chunk.scalars = None, None, False, {}

@@ -6,7 +6,10 @@ state is a block of fp32 *rows* of ``numel`` elements each: row 0 is the
 master weights, the others the optimizer's per-element state (Adam's moments).
 Every update writes a new *generation* of a chunk; its store entries are named
 ``opt<N>.p<param>.c<chunk>.g<generation>`` (plus ``.w`` for the master row of
-fp32 parameters, which is kept apart, see :meth:`Layout.split`).
+fp32 parameters, which is kept apart, see :meth:`Layout.split`). With
+gradients released during backward, a chunk's fp32 gradient summed over the
+step's micro-batches is kept as ``opt<N>.p<param>.c<chunk>.grad`` (see
+:mod:`nvoffload.optim._protocol`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ _MAX_CHUNK_NUMEL = 16 * _MIB // 4  # fp32 elements: 16 MiB of master weights
 class Chunk:
     """One contiguous range of one parameter's elements and its state generations in the store."""
 
-    __slots__ = ("record", "index", "start", "numel", "gen", "pending_gen", "applied", "scalars", "pending_scalars")
+    __slots__ = (
+        "record", "index", "start", "numel", "gen", "pending_gen", "applied", "scalars", "pending_scalars", "grad_norm",
+    )  # fmt: skip
 
     def __init__(self, record: Record, index: int, start: int, numel: int):
         self.record = record
@@ -35,9 +40,15 @@ class Chunk:
         self.applied = False  # the model parameter holds this step's (uncommitted) update
         self.scalars: dict = {}  # non-tensor state of a generic optimizer, committed
         self.pending_scalars: dict = {}
+        self.grad_norm = 0.0  # L2 norm (fp32) of the step's gradient (released gradients: set by the worker)
 
     def name(self, gen: int) -> str:
         return f"{self.record.prefix}p{self.record.index}.c{self.index}.g{gen}"
+
+    @property
+    def grad_name(self) -> str:
+        """Store entry of the step's gradient kept between micro-batches (released gradients)."""
+        return f"{self.record.prefix}p{self.record.index}.c{self.index}.grad"
 
     @property
     def elements(self) -> slice:
@@ -69,17 +80,20 @@ class Record:
 
 
 class Slot:
-    """One host buffer from the slab: a chunk's fp32 state rows, then staging for its gradient (up to fp32)
-    and for its weights in a 16-bit dtype, each part 4 KiB-aligned (O_DIRECT reads and writes the rows)."""
+    """One host buffer from the slab: a chunk's fp32 state rows, then staging for its gradient (up to fp32),
+    optionally an fp32 row for the gradient kept in the store, and staging for its weights in a 16-bit
+    dtype, each part 4 KiB-aligned (O_DIRECT reads and writes the rows)."""
 
-    __slots__ = ("memory", "buffer", "_grad", "_out")
+    __slots__ = ("memory", "buffer", "_grad", "_kept", "_out")
 
-    def __init__(self, memory: torch.Tensor, rows_numel: int, chunk_numel: int):
+    def __init__(self, memory: torch.Tensor, rows_numel: int, chunk_numel: int, *, kept_grad: bool):
         self.memory = memory  # the slab allocation (uint8)
         grad_at = rows_numel * 4
-        out_at = grad_at + chunk_numel * 4
+        kept_at = grad_at + chunk_numel * 4
+        out_at = kept_at + (chunk_numel * 4 if kept_grad else 0)
         self.buffer = memory[:grad_at].view(torch.float32)
-        self._grad = memory[grad_at:out_at]
+        self._grad = memory[grad_at:kept_at]
+        self._kept = memory[kept_at:out_at].view(torch.float32)
         self._out = memory[out_at : out_at + chunk_numel * 2]
 
     def rows(self, nrows: int, numel: int) -> torch.Tensor:
@@ -88,6 +102,12 @@ class Slot:
     def grad(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """Host staging for ``numel`` gradient elements of ``dtype`` (fp32 or 16-bit)."""
         return self._grad.view(dtype)[:numel]
+
+    def kept_grad(self, numel: int) -> torch.Tensor:
+        """The fp32 row for ``numel`` elements of a gradient kept in the store (layouts with ``kept_grads``)."""
+        if self._kept.numel() < numel:
+            raise RuntimeError("this optimizer keeps no gradients in its store (release_grads is off)")
+        return self._kept[:numel]
 
     def out(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """Host staging for ``numel`` weights of the 16-bit ``dtype``."""
@@ -109,10 +129,13 @@ class Layout:
             chunks; else each parameter is one chunk.
         param_groups: the optimizer's groups (the list itself: groups added later count).
         prefix: the store entry names' prefix, unique per optimizer.
+        kept_grads: gradients are kept in the store between micro-batches and for a
+            redone update (one more fp32 row per slot, and per element in the store).
     """
 
-    def __init__(self, *, adam: bool, elementwise: bool, param_groups: list[dict], prefix: str):
+    def __init__(self, *, adam: bool, elementwise: bool, param_groups: list[dict], prefix: str, kept_grads: bool):
         self.adam = adam
+        self.kept_grads = kept_grads
         self.elementwise = elementwise
         self._groups = param_groups
         self.prefix = prefix
@@ -131,7 +154,8 @@ class Layout:
 
     @property
     def slot_bytes_per_elem(self) -> int:
-        return self.slot_rows * 4 + 4 + 2  # state rows, gradient staging, 16-bit weight staging
+        # state rows, gradient staging, (the kept gradient,) 16-bit weight staging
+        return self.slot_rows * 4 + 4 + (4 if self.kept_grads else 0) + 2
 
     def _slot_bytes(self, numel: int) -> int:
         return -(-numel * self.slot_bytes_per_elem // 4096) * 4096  # as the slab counts it
@@ -168,9 +192,14 @@ class Layout:
         per_elem = self.rows() * 4
         return sum(_aligned(p.numel()) * per_elem for g in self._groups for p in g["params"])
 
+    def kept_grad_bytes(self) -> int:
+        """Store bytes of the kept gradients (0 without ``kept_grads``)."""
+        return sum(_aligned(p.numel()) * 4 for g in self._groups for p in g["params"]) if self.kept_grads else 0
+
     def new_slot(self, slab) -> Slot:
         """A slot allocated from ``slab`` (a :class:`~nvoffload.transfer.HostSlab`)."""
-        return Slot(slab.allocate(self.slot_bytes, "an optimizer slot"), self.slot_rows * self.chunk_numel, self.chunk_numel)
+        memory = slab.allocate(self.slot_bytes, "an optimizer slot")
+        return Slot(memory, self.slot_rows * self.chunk_numel, self.chunk_numel, kept_grad=self.kept_grads)
 
     def new_record(self, index: int, param: torch.Tensor, group: dict) -> Record:
         rec = Record(self.prefix, index, param, group)

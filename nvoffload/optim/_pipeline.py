@@ -282,6 +282,9 @@ class Pipeline:
             self._free.append(slot)
 
     def _process(self, req: Request) -> None:
+        if not req.update:
+            self._keep_only(req)
+            return
         chunk, io = req.chunk, self._io
         fresh = not chunk.applied  # else the model holds an update of this step: the master comes from the store
         if chunk in self._prefetched:
@@ -308,7 +311,7 @@ class Pipeline:
             with io.model_weights(chunk.record, modify=True) as weights:
                 if dtype == torch.float32 and fresh:
                     weights.read(chunk.elements, rows[0], slot)  # the model's fp32 weights are the master (as in torch)
-                grad = io.grad_to_host(req.grad, slot, req.ready)
+                grad, kept = self._gradient(req, slot)
                 out = None
                 if dtype in LOW_PRECISION:
                     out = weights.host_view(chunk.elements)
@@ -316,6 +319,8 @@ class Pipeline:
                 chunk.applied = True  # from here on the model may hold new values
                 upload = weights.write(chunk.elements, self._update(req, rows, grad, out), slot, after=req.ready)
             wfut = io.write(chunk, gen, rows)
+            if kept is not None:
+                wfut = Future.all_of([wfut, kept])
         except BaseException:
             self._free.append(slot)
             raise
@@ -325,3 +330,34 @@ class Pipeline:
         # Keep reading ahead while the update computes next.
         if self._can_prefetch():
             self._prefetch_one()
+
+    def _gradient(self, req: Request, slot: Slot) -> tuple[torch.Tensor, Future | None]:
+        """The request's gradient in host memory (summed with the kept one when asked; the kept one alone
+        without a device gradient), its norm measured into ``chunk.grad_norm``, and the write
+        that keeps it (None when not asked)."""
+        chunk, io = req.chunk, self._io
+        if req.grad is None:
+            kept = slot.kept_grad(chunk.numel)
+            io.read_kept(chunk, kept).result()
+            return kept, None
+        grad = io.grad_to_host(req.grad, slot, req.ready)
+        if req.add_kept or req.keep:
+            kept = slot.kept_grad(chunk.numel)
+            if req.add_kept:
+                io.read_kept(chunk, kept).result()
+                kept.add_(grad)
+            else:
+                kept.copy_(grad)
+            grad = kept
+        chunk.grad_norm = float(torch.linalg.vector_norm(grad, dtype=torch.float32))
+        return grad, io.write_kept(chunk, grad) if req.keep else None
+
+    def _keep_only(self, req: Request) -> None:
+        """A micro-batch before the step's last: add the gradient to the kept one, no update."""
+        slot = self._take_slot()
+        try:
+            _, kept = self._gradient(req, slot)
+        except BaseException:
+            self._free.append(slot)
+            raise
+        self._writes.append((slot, kept))

@@ -15,10 +15,26 @@ in the store, so ``step()`` can:
 * undo it (:meth:`StepProtocol.restore`: read the committed master weights
   back into the model, drop the new generation) on an overflow, an error, or
   more micro-batches than learned.
+
+With released gradients (``release_grads``: parameter streaming, where device
+memory holds no gradient after its hook) the number of micro-batches per step
+is given (``accumulation_steps``), not learned. On each micro-batch before the
+last, the hook adds the gradient to an fp32 copy kept in the store (its
+``grad_name``); on the last, it queues the update with the sum, unscaled by the
+loss scale, and frees the gradient. The worker measures every summed
+gradient's norm, so ``step()`` knows the global norm without any gradient in
+memory and then either keeps the updates (the common case: no clipping
+needed, no overflow), redoes them all from the committed generation and the
+kept gradients scaled by the clipping coefficient (with ``max_grad_norm``,
+every last micro-batch keeps its gradient too), or, on an fp16 overflow,
+undoes them and skips the step. A parameter whose gradient came in fewer
+micro-batches (unused in the last one, or ``step()`` called early) is updated
+in ``step()`` from its kept gradient.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -29,6 +45,7 @@ from nvoffload.optim._chunk_io import ChunkIO
 from nvoffload.optim._layout import Chunk, Record
 from nvoffload.optim._pipeline import Pipeline
 from nvoffload.optim._updates import Request
+from nvoffload.optim.loss_scale import DynamicLossScale
 
 
 class OffloadIOError(RuntimeError):
@@ -71,18 +88,24 @@ class StepProtocol:
         records: one per parameter, in group order.
         io, pipeline: the chunk I/O and the worker that runs the updates.
         overlap, max_grad_norm, release_grads: as in :class:`OffloadOptimizerConfig`.
+        accumulation_steps: with ``release_grads``, backward passes per ``step()``.
+        loss_scale: with ``release_grads``, the dynamic fp16 loss scale (None: no scaling).
     """
 
     def __init__(self, records: list[Record], io: ChunkIO, pipeline: Pipeline, *, overlap: bool,
-                 max_grad_norm: float | None, release_grads: bool):  # fmt: skip
+                 max_grad_norm: float | None, release_grads: bool, accumulation_steps: int = 1,
+                 loss_scale: DynamicLossScale | None = None):  # fmt: skip
         self._records = records
         self._io = io
         self._pipeline = pipeline
         self._max_grad_norm = max_grad_norm
         self._release_grads = release_grads
+        self._accumulation_steps = accumulation_steps
+        self.loss_scale = loss_scale
+        self.last_grad_norm: float | None = None  # released gradients: the global norm the last step() used
         self._order: list[Record] = []  # first iteration's gradient order
         self._order_learned = False
-        self._can_speculate = overlap and max_grad_norm is None
+        self._can_speculate = overlap and (max_grad_norm is None or release_grads)
         self.speculate = self._can_speculate  # the hooks queue updates (else they only observe)
 
     # ------------------------------------------------------------------ the hook
@@ -91,34 +114,60 @@ class StepProtocol:
         rec.fires += 1
         if not self._order_learned and rec.fires == 1:
             self._order.append(rec)
-        if rec.spec is not None and rec.spec.grad_ref is _RELEASED and rec.fires > 1:
-            self._pipeline.wait_idle()
-            self.restore(rec.chunks)
-            rec.spec = None
-            raise RuntimeError(
-                f"backward ran again for {rec.name} after its update had been applied early: release_grads"
-                " (parameter streaming) needs exactly one backward pass per step()"
-            )
+        if self._release_grads:
+            self._on_released_grad(rec)
+            return
         if not (rec.learned_fires and rec.fires == rec.learned_fires):
             return  # more backward passes than learned: step() finds them (fires > learned_fires)
         grad = _checked_grad(rec)
         if grad is None:
             return
         hp = _hparams(rec.group)
-        if self._release_grads:
-            rec.spec = Spec(_RELEASED, None, hp, True)
-            self._submit(rec, grad, hp, 1.0)
-            rec.param.grad = None  # the queued update holds it until the worker is done
-            return
         rec.spec = Spec(weakref.ref(grad), grad._version, hp, self.speculate)
         if self.speculate:
             self._submit(rec, grad, hp, 1.0)
 
-    def _submit(self, rec: Record, grad: torch.Tensor, hp: dict, grad_scale: float) -> None:
+    def _on_released_grad(self, rec: Record) -> None:
+        """Keep the gradient of a micro-batch before the step's last; queue the update on the last."""
+        steps = self._accumulation_steps
+        if rec.fires > steps:
+            self._pipeline.wait_idle()
+            self.restore(rec.chunks)
+            rec.spec = None
+            raise RuntimeError(
+                f"backward ran {rec.fires} times for {rec.name} before step(), but gradient_accumulation_steps"
+                f" is {steps}: its update already ran in backward pass {steps} (gradients are released during"
+                f" backward). The parameter was restored; call step() after every {steps} backward passes"
+            )
+        grad = _checked_grad(rec)
+        if grad is None:
+            return
+        last = rec.fires == steps
+        hp = _hparams(rec.group)
+        if last:
+            rec.spec = Spec(_RELEASED, None, hp, True)
+        keep = not last or self._max_grad_norm is not None
+        self._submit(rec, grad, hp, self._unscale, add_kept=rec.fires > 1, keep=keep, update=last)
+        rec.param.grad = None  # the queued request holds it until the worker is done
+
+    @property
+    def _unscale(self) -> float:
+        return 1.0 if self.loss_scale is None else 1.0 / self.loss_scale.scale
+
+    def _submit(self, rec: Record, grad: torch.Tensor, hp: dict, grad_scale: float, **kinds) -> None:
         flat = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
         ready = self._io.transfer.record()  # the gradient is final here, and backward no longer reads the weights
         for chunk in rec.chunks:
-            self._pipeline.submit(Request(chunk, flat[chunk.elements], hp, rec.step + 1, grad_scale, ready))
+            self._pipeline.submit(Request(chunk, flat[chunk.elements], hp, rec.step + 1, grad_scale, ready, **kinds))
+
+    def _submit_kept(self, rec: Record, grad_scale: float) -> None:
+        """Queue ``rec``'s update from its kept gradient, from the committed generation."""
+        hp = _hparams(rec.group)
+        for chunk in rec.chunks:
+            if chunk.pending_gen is not None and chunk.pending_gen != chunk.gen:
+                self._io.delete(chunk, chunk.pending_gen)
+            chunk.pending_gen = None
+            self._pipeline.submit(Request(chunk, None, hp, rec.step + 1, grad_scale, None))
 
     # ------------------------------------------------------------------ step()
     def finish(self, *, found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None) -> None:
@@ -129,6 +178,9 @@ class StepProtocol:
         records = self._step_order()
         try:
             self._refuse_unsound(records, found_inf, grad_scale)
+            if self._release_grads:
+                self._finish_released(records)
+                return
             if found_inf is not None and float(found_inf) > 0:
                 self._restore_all(records)  # an overflow skips the step
                 return
@@ -139,13 +191,7 @@ class StepProtocol:
                     torch.nn.utils.clip_grad_norm_(with_grad, self._max_grad_norm)
             clean = self._redo_changed(records, 1.0 if grad_scale is None else 1.0 / float(grad_scale))
             pipe.wait_idle()
-            error = pipe.take_error()
-            if error is not None:
-                self._restore_all(records)
-                if isinstance(error, OSError):
-                    raise OffloadIOError(f"optimizer step failed, parameters restored: {error}") from error
-                error.add_note("nvoffload: the parameters were restored to their values before this step()")
-                raise error
+            self._raise_error(records)
             # Gradients or hyperparameters edited between backward and step(): update in step() until a step
             # shows that they no longer are (the hooks still observe them).
             self.speculate = self._can_speculate and clean
@@ -159,14 +205,62 @@ class StepProtocol:
         self._order_learned = True
         pipe.set_plan(self.plan())
 
+    def _finish_released(self, records: list[Record]) -> None:
+        """``finish`` with released gradients: run the updates still to do, then keep, redo or undo them."""
+        pipe = self._pipeline
+        for rec in records:
+            if rec.spec is None and rec.fires:  # its gradient came in fewer backward passes than accumulated
+                rec.spec = Spec(_RELEASED, None, _hparams(rec.group), True)
+                self._submit_kept(rec, self._unscale)
+        pipe.wait_idle()
+        self._raise_error(records)
+        updated = [r for r in records if r.spec is not None]
+        for rec in updated:
+            if rec.spec.hparams != _hparams(rec.group):
+                self._restore_all(records)
+                raise RuntimeError(
+                    f"the hyperparameters of {rec.name} changed between backward and step(); with"
+                    " release_grads the update already ran in backward: change them before backward"
+                )
+        norm = self._global_norm()
+        self.last_grad_norm = float(norm)
+        if self.loss_scale is not None and not math.isfinite(self.last_grad_norm):
+            self._restore_all(records)  # an fp16 overflow skips the step, as GradScaler does
+            self.loss_scale.update(found_inf=True)
+            return
+        if self._max_grad_norm is not None:
+            coef = float(torch.clamp(self._max_grad_norm / (norm + 1e-6), max=1.0))  # as clip_grad_norm_, in fp32
+            if coef < 1.0:
+                for rec in updated:
+                    self._submit_kept(rec, coef * self._unscale)
+                pipe.wait_idle()
+                self._raise_error(records)
+        if self.loss_scale is not None:
+            self.loss_scale.update(found_inf=False)
+        self._commit(records)
+
+    def _raise_error(self, records: list[Record]) -> None:
+        """After an update failed: restore every parameter and raise its error."""
+        error = self._pipeline.take_error()
+        if error is None:
+            return
+        self._restore_all(records)
+        if isinstance(error, OSError):
+            raise OffloadIOError(f"optimizer step failed, parameters restored: {error}") from error
+        error.add_note("nvoffload: the parameters were restored to their values before this step()")
+        raise error
+
     def _refuse_unsound(self, records: list[Record], found_inf, grad_scale) -> None:
         """Undo the step and raise where the early updates cannot be kept or redone."""
-        if self._release_grads and (found_inf is not None or grad_scale is not None):
-            self._restore_all(records)
-            raise ValueError(
-                "release_grads (parameter streaming) frees gradients during backward, so fp16 loss scaling"
-                " (GradScaler) cannot check them for overflow: train in bf16 or fp32"
-            )
+        if self._release_grads:
+            if found_inf is not None or grad_scale is not None:
+                self._restore_all(records)
+                raise ValueError(
+                    "release_grads (parameter streaming) frees gradients during backward, so GradScaler cannot"
+                    " check them for overflow: give the optimizer loss_scaling (OffloadConfig(loss_scaling=...))"
+                    " and scale the loss with optimizer.scale_loss(loss) instead"
+                )
+            return
         extra = next((r for r in records if r.spec is not None and r.spec.applied and r.fires > r.learned_fires), None)
         if extra is not None:
             self._restore_all(records)
@@ -188,14 +282,6 @@ class StepProtocol:
             grad = _checked_grad(rec)
             spec, rec.spec = rec.spec, None
             hp = _hparams(rec.group)
-            if spec is not None and spec.grad_ref is _RELEASED:
-                if spec.hparams != hp:
-                    self._restore_all(records)
-                    raise RuntimeError(
-                        f"the hyperparameters of {rec.name} changed between backward and step(); with"
-                        " release_grads the update already ran in backward: change them before backward"
-                    )
-                continue
             if grad is None:
                 self.restore(rec.chunks)
                 continue
@@ -263,3 +349,21 @@ class StepProtocol:
                     failures.append(f"{rec.name} elements [{chunk.start}, {chunk.start + chunk.numel}): {exc}")
         if failures:
             raise OffloadIOError("could not restore the weights of " + "; ".join(failures))
+
+    def grad_norm(self) -> float | None:
+        """With released gradients: the global L2 norm of the gradients since the last ``step()`` (summed
+        over its micro-batches, unscaled), or of the last step's when none came since (None before any).
+        Call after the update requests were drained (``wait_idle``)."""
+        if not any(r.fires for r in self._records):
+            return self.last_grad_norm
+        return float(self._global_norm())
+
+    def _global_norm(self) -> torch.Tensor:
+        """The norm of the measured gradients, computed as ``clip_grad_norm_`` does (fp32: the norm of the
+        parameters' norms, in group order), unscaled."""
+        norms = []
+        for rec in self._records:
+            if rec.fires:
+                chunks = [c.grad_norm for c in rec.chunks]
+                norms.append(chunks[0] if len(chunks) == 1 else math.sqrt(math.fsum(n * n for n in chunks)))
+        return torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float32)) * self._unscale

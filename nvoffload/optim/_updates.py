@@ -24,14 +24,24 @@ _ELEMENTWISE = ("SGD", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam"
 
 
 class Request:
-    """One chunk's update: its slice of the gradient (device memory, final at the compute stream's event
-    ``ready``), the hyperparameters and step number to use."""
+    """One chunk's work for the worker: its slice of the gradient (device memory, final at the compute
+    stream's event ``ready``; None: the gradient kept in the store), the hyperparameters and step number
+    to use, and the gradient scale.
 
-    __slots__ = ("chunk", "grad", "hparams", "step", "grad_scale", "ready")
+    With released gradients (see :mod:`nvoffload.optim._protocol`) the gradient may also be summed with
+    the one kept in the store (``add_kept``, the step's earlier micro-batches), kept in the store
+    (``keep``, for the next micro-batch or a redone update), and ``update`` may be False (a micro-batch
+    before the last: the gradient is only kept). Every request that reads a device gradient measures the
+    norm of the resulting gradient into ``chunk.grad_norm``.
+    """
 
-    def __init__(self, chunk: Chunk, grad: torch.Tensor, hparams: dict, step: int, grad_scale: float, ready: Event):
+    __slots__ = ("chunk", "grad", "hparams", "step", "grad_scale", "ready", "add_kept", "keep", "update")
+
+    def __init__(self, chunk: Chunk, grad: torch.Tensor | None, hparams: dict, step: int, grad_scale: float,
+                 ready: Event | None, *, add_kept: bool = False, keep: bool = False, update: bool = True):  # fmt: skip
         self.chunk, self.grad, self.hparams, self.step, self.grad_scale = chunk, grad, hparams, step, grad_scale
         self.ready = ready
+        self.add_kept, self.keep, self.update = add_kept, keep, update
 
 
 def for_optimizer(optimizer: torch.optim.Optimizer) -> Update:

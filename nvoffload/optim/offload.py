@@ -100,6 +100,7 @@ from nvoffload.optim._layout import ALIGN_NUMEL, Layout, Record
 from nvoffload.optim._pipeline import Pipeline
 from nvoffload.optim._protocol import OffloadIOError, StepProtocol
 from nvoffload.optim._updates import for_optimizer
+from nvoffload.optim.loss_scale import DynamicLossScale, LossScaling
 from nvoffload.transfer import TransferEngine
 
 __all__ = ["OffloadOptimizerConfig", "OffloadOptimizer", "NVMeAdamW", "OffloadIOError", "MemoryStats", "WeightHome"]
@@ -128,11 +129,17 @@ class OffloadOptimizerConfig:
         retain_host_memory: call :func:`nvoffload.memory.retain_freed_host_memory`
             (process-wide: freed host memory is reused, not handed back to the
             operating system, which keeps the I/O fast between steps).
-        release_grads: free each gradient as soon as its hook has queued the
-            update (``param.grad`` is None after backward), so that gradients
-            never accumulate in device memory; used by parameter streaming.
-            Needs ``overlap``, one backward per ``step()`` and no
-            ``max_grad_norm`` or fp16 loss scaling (they need every gradient).
+        release_grads: free each gradient as soon as its hook has consumed it
+            (``param.grad`` is None after backward), so that gradients never
+            accumulate in device memory; used by parameter streaming. Needs
+            ``overlap``. Micro-batches are summed in an fp32 copy in the store;
+            ``max_grad_norm`` and ``loss_scaling`` work from the norms measured
+            as the gradients pass (see :mod:`nvoffload.optim._protocol`).
+        gradient_accumulation_steps: with ``release_grads``, backward passes per
+            ``step()`` (without it the optimizer learns the count).
+        loss_scaling: with ``release_grads``, fp16 dynamic loss scaling on
+            ``GradScaler``'s schedule (scale the loss with
+            :meth:`OffloadOptimizer.scale_loss`); without it, use ``torch.amp.GradScaler``.
     """
 
     cpu_memory_bytes: int = 256 << 20
@@ -143,6 +150,8 @@ class OffloadOptimizerConfig:
     checksum: bool = False
     retain_host_memory: bool = True
     release_grads: bool = False
+    gradient_accumulation_steps: int = 1
+    loss_scaling: LossScaling | None = None
 
     def __post_init__(self):
         if not isinstance(self.cpu_memory_bytes, int) or self.cpu_memory_bytes <= 0:
@@ -153,8 +162,23 @@ class OffloadOptimizerConfig:
             raise ValueError(f"prefetch_chunks must be an int >= 0, got {self.prefetch_chunks!r}")
         if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
             raise ValueError(f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm}")
-        if self.release_grads and (not self.overlap or self.max_grad_norm is not None):
-            raise ValueError("release_grads needs overlap=True and max_grad_norm=None: the update must run in the hooks")
+        if self.release_grads and not self.overlap:
+            raise ValueError("release_grads needs overlap=True: the gradients are consumed in the hooks")
+        steps = self.gradient_accumulation_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {steps!r}")
+        if not self.release_grads and (steps != 1 or self.loss_scaling is not None):
+            raise ValueError(
+                "gradient_accumulation_steps and loss_scaling are for release_grads; otherwise the optimizer"
+                " learns the micro-batches per step and takes torch.amp.GradScaler"
+            )
+        if self.loss_scaling is not None and not isinstance(self.loss_scaling, LossScaling):
+            raise TypeError(f"loss_scaling must be an nvoffload.optim.LossScaling, got {type(self.loss_scaling).__name__}")
+
+    @property
+    def keeps_grads(self) -> bool:
+        """Whether gradients are kept in the store: summed over micro-batches, or for a clipped redo."""
+        return self.release_grads and (self.gradient_accumulation_steps > 1 or self.max_grad_norm is not None)
 
     @property
     def num_slots(self) -> int:
@@ -236,7 +260,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         device = self._check_groups(self.param_groups)
         self._layout = Layout(
             adam=self._update.adam, elementwise=self._update.elementwise, param_groups=self.param_groups,
-            prefix=f"opt{next(_INSTANCES)}.",
+            prefix=f"opt{next(_INSTANCES)}.", kept_grads=config.keeps_grads,
         )  # fmt: skip
         self._layout.plan(chunk_bytes=config.chunk_bytes, cpu_memory_bytes=config.cpu_memory_bytes, num_slots=config.num_slots)
         self._host_bytes = config.num_slots * self._layout.slot_bytes  # allocated once, freed when closed or collected
@@ -257,6 +281,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._protocol = StepProtocol(
             self._records, self._io, self._pipeline,
             overlap=config.overlap, max_grad_norm=config.max_grad_norm, release_grads=config.release_grads,
+            accumulation_steps=config.gradient_accumulation_steps,
+            loss_scale=DynamicLossScale(config.loss_scaling) if config.loss_scaling is not None else None,
         )  # fmt: skip
         self._codec = StateCodec(self._records, self._io, self._update, self._pipeline)
         # Closing, collection and interpreter exit all stop the worker and release the state; neither the
@@ -308,8 +334,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if isinstance(swap_dir, TensorStore):
             return swap_dir, False
         state = self._layout.state_bytes()  # two generations of each chunk coexist until step() commits
-        what = f"the optimizer state (two generations of {state} bytes)"
-        dirs = swap_directories(swap_dir, needed_bytes=2 * state, what=what)
+        kept = self._layout.kept_grad_bytes()
+        what = f"the optimizer state (two generations of {state} bytes" + (f", and {kept} of gradients)" if kept else ")")
+        dirs = swap_directories(swap_dir, needed_bytes=2 * state + kept, what=what)
         return TensorStore(dirs if len(dirs) > 1 else dirs[0], checksum=self.config.checksum), True
 
     def _add_record(self, p: torch.Tensor, group: dict) -> None:
@@ -350,6 +377,37 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # found_inf and grad_scale are set by torch.amp.GradScaler
         self._protocol.finish(found_inf=getattr(self, "found_inf", None), grad_scale=getattr(self, "grad_scale", None))
         return loss
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale, to call ``backward()`` on (``loss`` itself without
+        ``loss_scaling``): the fp16 counterpart of ``GradScaler.scale`` for released gradients."""
+        self._check_open()
+        scale = self._protocol.loss_scale
+        return loss if scale is None else loss * scale.scale
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale (``GradScaler.get_scale()``), None without ``loss_scaling``."""
+        scale = self._protocol.loss_scale
+        return None if scale is None else scale.scale
+
+    def grad_norm(self) -> float | None:
+        """The global L2 norm of the gradients, as ``torch.nn.utils.clip_grad_norm_`` returns it.
+
+        With ``release_grads`` no gradient is left after backward, so this is
+        the norm measured as they were consumed: of the micro-batches since the
+        last ``step()`` summed, unscaled by the loss scale; after ``step()``,
+        the norm that step clipped against (inf or NaN: the step was skipped).
+        Otherwise the norm of the ``.grad`` tensors now. None before any gradient.
+        """
+        self._check_open()
+        if self.config.release_grads:
+            self._pipeline.wait_idle()
+            return self._protocol.grad_norm()
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return None
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()).cpu() for g in grads])))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; waits for updates still reading gradients."""

@@ -1,0 +1,204 @@
+"""The fine-tuning recipe under parameter streaming: clipping, accumulation and fp16 loss scaling, against torch."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from test_streaming import batch, config
+
+import nvoffload
+from nvoffload.models import GPT, GPTConfig
+
+LR, WD, STEPS = 3e-3, 0.1, 10
+
+
+def pair(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    # Streamed in budgets below its size, with every parameter in one optimizer chunk (a parameter cut into
+    # chunks has its norm summed from theirs, which can differ from clip_grad_norm_'s in the last bit).
+    cfg = GPTConfig(seq_len=32, n_layer=12, n_head=4, d_model=64)
+    ref = GPT(cfg).to(dtype)
+    return cfg, ref, copy.deepcopy(ref)
+
+
+def streamed(tmp_path, model, **kw):
+    return nvoffload.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), config(tmp_path, model, **kw)
+    )
+
+
+def micro_batches(cfg, step, accum):
+    return [batch(cfg, 100 * step + i) for i in range(accum)]
+
+
+class MasterLoop:
+    """The reference: fused torch AdamW on fp32 master copies of a (16-bit) model, gradients summed in
+    fp32 over the micro-batches, clipped by clip_grad_norm_, fp16 through a real torch.amp.GradScaler."""
+
+    def __init__(self, model, max_grad_norm, scaler=None):
+        self.model, self.max_grad_norm, self.scaler = model, max_grad_norm, scaler
+        self.params = list(model.parameters())
+        self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
+        self.opt = torch.optim.AdamW(self.master, lr=LR, weight_decay=WD, fused=True)
+
+    def step(self, batches):
+        for x, y in batches:
+            loss = self.model(x, y) / len(batches)
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            for p, m in zip(self.params, self.master):
+                m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
+                p.grad = None
+        if self.scaler:
+            self.scaler.unscale_(self.opt)
+        norm = torch.nn.utils.clip_grad_norm_(self.master, self.max_grad_norm or math.inf)
+        if self.scaler:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.opt.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+        return float(norm)
+
+
+def run_streamed(model, opt, batches):
+    for x, y in batches:
+        opt.scale_loss(model(x, y) / len(batches)).backward()
+    norm = opt.grad_norm()  # what clip_grad_norm_ returns, measured as the gradients went by
+    opt.step()
+    opt.zero_grad()
+    return norm
+
+
+@pytest.mark.parametrize(
+    "accum, max_grad_norm",
+    [(2, 1.0), (1, 1.0), (3, None), (2, 1e6)],
+    ids=["accum2-clip1", "clip1", "accum3", "accum2-clip-never-bites"],
+)
+def test_fp32_equals_fused_adamw_with_clipping_and_accumulation(tmp_path, accum, max_grad_norm):
+    cfg, ref, model = pair()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    model, opt = streamed(tmp_path, model, max_grad_norm=max_grad_norm, gradient_accumulation_steps=accum)
+    try:
+        assert opt.session.memory.limit_bytes("device") < sum(p.numel() * 4 for p in model.parameters())
+        clipped = 0
+        for step in range(STEPS):
+            batches = micro_batches(cfg, step, accum)
+            for x, y in batches:
+                (ref(x, y) / accum).backward()
+            ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm or math.inf))
+            ref_opt.step()
+            ref_opt.zero_grad()
+            norm = run_streamed(model, opt, batches)
+            assert norm == pytest.approx(ref_norm, rel=1e-5)
+            assert opt.grad_norm() == norm  # after step(): the norm it clipped against
+            clipped += max_grad_norm is not None and ref_norm > max_grad_norm
+        if max_grad_norm == 1.0:
+            assert 0 < clipped < STEPS  # both paths ran: updates kept, and redone clipped
+        state = model.state_dict()
+        for name, p in ref.state_dict().items():
+            torch.testing.assert_close(state[name], p, rtol=1e-5, atol=1e-6, msg=name)
+        steps = {int(s["step"]) for s in opt.state_dict()["state"].values()}
+        assert steps == {STEPS}
+    finally:
+        opt.close()
+
+
+def test_bf16_equals_the_fp32_master_reference_loop(tmp_path):
+    cfg, ref, model = pair(torch.bfloat16)
+    loop = MasterLoop(ref, 1.0)
+    model, opt = streamed(tmp_path, model, max_grad_norm=1.0, gradient_accumulation_steps=2)
+    try:
+        for step in range(STEPS):
+            batches = micro_batches(cfg, step, 2)
+            assert run_streamed(model, opt, batches) == pytest.approx(loop.step(batches), rel=1e-4)
+        master = {i: s["master_param"] for i, s in opt.state_dict()["state"].items()}
+        for i, m in enumerate(loop.master):
+            torch.testing.assert_close(master[i], m.detach(), rtol=1e-5, atol=1e-6)
+        state = model.state_dict()
+        for name, p in ref.state_dict().items():
+            torch.testing.assert_close(state[name], p, rtol=0, atol=0, msg=name)  # rounded from equal masters
+    finally:
+        opt.close()
+
+
+def test_fp16_loss_scaling_equals_grad_scaler_and_skips_overflowing_steps(tmp_path):
+    cfg, ref, model = pair(torch.float16)
+    scaling = nvoffload.LossScaling(init_scale=2.0**16, growth_interval=3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scaling.init_scale, growth_interval=scaling.growth_interval)
+    loop = MasterLoop(ref, 1.0, scaler)
+    model, opt = streamed(tmp_path, model, max_grad_norm=1.0, gradient_accumulation_steps=2, loss_scaling=scaling)
+    try:
+        skipped = 0
+        for step in range(STEPS):
+            batches = micro_batches(cfg, step, 2)
+            assert opt.loss_scale == scaler.get_scale()
+            ref_norm = loop.step(batches)
+            norm = run_streamed(model, opt, batches)
+            if math.isfinite(ref_norm):
+                assert norm == pytest.approx(ref_norm, rel=1e-4)
+            else:
+                assert not math.isfinite(norm)
+                skipped += 1
+        assert skipped >= 1 and opt.loss_scale == scaler.get_scale()
+        adam_steps = {int(s["step"]) for s in opt.state_dict()["state"].values()}
+        assert adam_steps == {STEPS - skipped}
+        master = {i: s["master_param"] for i, s in opt.state_dict()["state"].items()}
+        for i, m in enumerate(loop.master):
+            torch.testing.assert_close(master[i], m.detach(), rtol=1e-5, atol=1e-6)
+    finally:
+        opt.close()
+
+
+def test_fewer_backward_passes_than_accumulated_update_from_the_kept_gradients(tmp_path):
+    """A last, short accumulation (the end of an epoch) updates in step() from the gradients kept so far."""
+    cfg, ref, model = pair()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    model, opt = streamed(tmp_path, model, max_grad_norm=1.0, gradient_accumulation_steps=3)
+    try:
+        for step, n in enumerate([3, 2, 3]):
+            batches = micro_batches(cfg, step, n)
+            for x, y in batches:
+                (ref(x, y) / 3).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            for x, y in batches:
+                (model(x, y) / 3).backward()
+            opt.step()
+            opt.zero_grad()
+        state = model.state_dict()
+        for name, p in ref.state_dict().items():
+            torch.testing.assert_close(state[name], p, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        opt.close()
+
+
+def test_grad_scaler_is_refused_with_the_way_to_scale(tmp_path):
+    cfg, _, model = pair()
+    model, opt = streamed(tmp_path, model)
+    scaler = torch.amp.GradScaler("cpu")
+    try:
+        x, y = batch(cfg, 0)
+        scaler.scale(model(x, y)).backward()
+        with pytest.raises(ValueError, match=r"loss_scaling .* optimizer.scale_loss"):
+            scaler.step(opt)
+    finally:
+        opt.close()
+
+
+def test_recipe_options_are_checked_at_the_boundary(tmp_path):
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+            nvoffload.OffloadConfig(swap_dirs=[tmp_path], gradient_accumulation_steps=bad)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        nvoffload.OffloadConfig(swap_dirs=[tmp_path], max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match="growth_interval"):
+        nvoffload.LossScaling(growth_interval=0)
+    with pytest.raises(TypeError, match="LossScaling"):
+        nvoffload.OffloadConfig(swap_dirs=[tmp_path], loss_scaling=2.0**16)
