@@ -131,13 +131,13 @@ class StepProtocol:
         """Keep the gradient of a micro-batch before the step's last; queue the update on the last."""
         steps = self._accumulation_steps
         if rec.fires > steps:
-            self._pipeline.wait_idle()
-            self.restore(rec.chunks)
-            rec.spec = None
+            fires = rec.fires
+            self.abandon()
             raise RuntimeError(
-                f"backward ran {rec.fires} times for {rec.name} before step(), but gradient_accumulation_steps"
+                f"backward ran {fires} times for {rec.name} before step(), but gradient_accumulation_steps"
                 f" is {steps}: its update already ran in backward pass {steps} (gradients are released during"
-                f" backward). The parameter was restored; call step() after every {steps} backward passes"
+                f" backward). The step was undone (the weights are those of the last step()); call step() after"
+                f" every {steps} backward passes"
             )
         grad = _checked_grad(rec)
         if grad is None:
@@ -204,6 +204,14 @@ class StepProtocol:
             pipe.take_error()
         self._order_learned = True
         pipe.set_plan(self.plan())
+
+    def abandon(self) -> None:
+        """Undo the updates queued since the last ``step()`` and forget their gradients (a refused step)."""
+        self._pipeline.wait_idle()
+        self._restore_all(self._step_order())
+        self._pipeline.take_error()
+        for rec in self._records:
+            rec.spec, rec.fires = None, 0
 
     def _finish_released(self, records: list[Record]) -> None:
         """``finish`` with released gradients: run the updates still to do, then keep, redo or undo them."""

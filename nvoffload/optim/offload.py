@@ -96,6 +96,7 @@ import torch
 from nvoffload.memory import retain_freed_host_memory
 from nvoffload.optim._chunk_io import ChunkIO, WeightHome
 from nvoffload.optim._codec import StateCodec
+from nvoffload.optim._hf_trainer import check_trainer_recipe
 from nvoffload.optim._layout import ALIGN_NUMEL, Layout, Record
 from nvoffload.optim._pipeline import Pipeline
 from nvoffload.optim._protocol import OffloadIOError, StepProtocol
@@ -365,6 +366,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Raises:
             OffloadIOError: an I/O error; the parameters hold their values from
                 before this step and the optimizer state is unchanged.
+            ValueError: with ``release_grads``, a ``transformers.Trainer`` drives
+                the step with another ``max_grad_norm`` or ``gradient_accumulation_steps``
+                (it could not clip: see :mod:`nvoffload.optim._hf_trainer`); the step is undone.
             ValueError: a sparse gradient, or one on another device.
             Any other error of the update (e.g. of a wrapped optimizer's own
             ``step``) is raised with its own type, after the same restore.
@@ -374,6 +378,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.config.release_grads:
+            try:
+                check_trainer_recipe(self.config.max_grad_norm, self.config.gradient_accumulation_steps)
+            except ValueError:
+                self._protocol.abandon()
+                raise
         # found_inf and grad_scale are set by torch.amp.GradScaler
         self._protocol.finish(found_inf=getattr(self, "found_inf", None), grad_scale=getattr(self, "grad_scale", None))
         return loss

@@ -1,0 +1,60 @@
+"""A Hugging Face ``Trainer`` driving an optimizer whose gradients are released: its recipe must be the optimizer's.
+
+The ``Trainer`` clips with ``torch.nn.utils.clip_grad_norm_(model.parameters())``
+between backward and ``optimizer.step()``, and counts micro-batches itself.
+With released gradients (parameter streaming) ``clip_grad_norm_`` finds no
+gradient and returns 0 without clipping anything, so the clipping and the
+accumulation must be the optimizer's own: when a ``Trainer`` on the call stack
+asks for a different ``max_grad_norm`` or ``gradient_accumulation_steps``
+than the optimizer was built with, ``step()`` refuses (before anything is
+committed) rather than train unclipped. With equal settings the ``Trainer``
+trains exactly as the optimizer's recipe says.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["check_trainer_recipe"]
+
+
+def _driving_trainer():
+    """The ``transformers.Trainer`` whose training loop called us, or None."""
+    transformers = sys.modules.get("transformers")
+    trainer_type = getattr(transformers, "Trainer", None) if transformers is not None else None
+    if trainer_type is None:
+        return None
+    frame = sys._getframe(2)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, trainer_type):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def check_trainer_recipe(max_grad_norm: float | None, accumulation_steps: int) -> None:
+    """Raise ValueError when a ``Trainer`` drives this step with clipping or accumulation the optimizer lacks."""
+    trainer = _driving_trainer()
+    if trainer is None:
+        return
+    args = trainer.args
+    wanted = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+    problems = []
+    if wanted is not None and wanted != max_grad_norm:
+        problems.append(
+            f"TrainingArguments(max_grad_norm={wanted}) clips through torch.nn.utils.clip_grad_norm_, which finds"
+            f" no gradients here and would silently skip clipping: build the optimizer with max_grad_norm={wanted}"
+            " (nvoffload.OffloadConfig(max_grad_norm=...)), which clips exactly as it would"
+        )
+    if args.gradient_accumulation_steps != accumulation_steps:
+        problems.append(
+            f"TrainingArguments(gradient_accumulation_steps={args.gradient_accumulation_steps}) but the optimizer"
+            f" sums {accumulation_steps} backward passes per step: give nvoffload.OffloadConfig the same"
+            " gradient_accumulation_steps"
+        )
+    if problems:
+        raise ValueError(
+            "a transformers Trainer drives an optimizer that releases gradients during backward (parameter"
+            " streaming): " + "; ".join(problems)
+        )
