@@ -10,7 +10,15 @@ machine the "device" is host memory too, so the RSS bound is the host budget
 plus the device budget plus a fixed overhead (the interpreter, torch, the
 model's activations, the I/O threads' bounce buffers).
 
+``--recipe`` runs the fine-tuning recipes one after another in one process
+(each on a fresh model and store), to compare step time and NVMe bytes per
+step with and without gradient clipping and accumulation: ``plain``,
+``clip`` (max_grad_norm 1.0), ``accum`` (2 micro-batches), ``clip+accum``,
+and ``accum+clip-unbitten`` (max_grad_norm so large it never clips: what
+keeping the gradients costs when the speculative updates stand).
+
     python bench/bench_streaming.py [--quick] [--preset gpt2-1.3b] [--cpu-memory-gib 4] [--device-memory-gib 2]
+        [--recipe plain --recipe clip+accum ...]
 """
 
 from __future__ import annotations
@@ -31,6 +39,14 @@ import nvoffload  # noqa: E402
 from nvoffload.models import GPT, GPTConfig  # noqa: E402
 
 GiB = 1 << 30
+# name: (max_grad_norm, gradient_accumulation_steps)
+RECIPES = {
+    "plain": (None, 1),
+    "clip": (1.0, 1),
+    "accum": (None, 2),
+    "clip+accum": (1.0, 2),
+    "accum+clip-unbitten": (1e9, 2),
+}
 
 
 def parse_args(argv):
@@ -48,25 +64,22 @@ def parse_args(argv):
         "--retain-host-memory", action="store_true",
         help="keep freed host memory in the process (faster steps, higher peak RSS): OffloadConfig.retain_host_memory",
     )
+    p.add_argument("--recipe", action="append", choices=sorted(RECIPES), help="default: plain (repeat for several)")
     p.add_argument("--name", default="bench_streaming")
     p.add_argument("--results-dir", type=Path, default=None, help="default: bench/results")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.steps, args.cpu_memory_gib, args.device_memory_gib = "small", 3, 0.03, 0.02
+    args.recipe = args.recipe or ["plain"]
     return args
 
 
-def main(argv=None) -> Path:
-    args = parse_args(argv)
+def run_recipe(args, cfg: GPTConfig, recipe: str) -> tuple[list[dict], float]:
+    """Train ``args.steps`` steps with ``recipe`` on a fresh model built on the meta device; rows and init time."""
+    max_grad_norm, accum = RECIPES[recipe]
     torch.manual_seed(0)
-    base = GPTConfig.preset(args.preset)
-    cfg = GPTConfig(**{**base.__dict__, "seq_len": args.seq_len})
     with torch.device("meta"):
         model = GPT(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
-    # fp32 parameters and gradients, fp32 master weights (the parameters themselves) and two moments
-    state_bytes = n_params * (4 + 4 + 12)
-    host_budget, device_budget = int(args.cpu_memory_gib * GiB), int(args.device_memory_gib * GiB)
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len))
     rows = []
     with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap:
@@ -74,8 +87,9 @@ def main(argv=None) -> Path:
         model, opt = nvoffload.initialize(
             model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1),
             nvoffload.OffloadConfig(
-                swap_dirs=[swap], cpu_memory_bytes=host_budget, device_memory_bytes=device_budget,
-                retain_host_memory=args.retain_host_memory,
+                swap_dirs=[swap], cpu_memory_bytes=int(args.cpu_memory_gib * GiB),
+                device_memory_bytes=int(args.device_memory_gib * GiB), retain_host_memory=args.retain_host_memory,
+                max_grad_norm=max_grad_norm, gradient_accumulation_steps=accum,
             ),
             param_init_fn=model.init_weights,
         )  # fmt: skip
@@ -84,8 +98,9 @@ def main(argv=None) -> Path:
         for step in range(args.steps):
             session.reset_stats()
             t0 = time.perf_counter()
-            loss = model(x, x.roll(-1, dims=1))
-            loss.backward()
+            for micro in range(accum):
+                loss = model(x.roll(micro, dims=1), x.roll(micro - 1, dims=1)) / accum
+                loss.backward()
             t1 = time.perf_counter()
             opt.step()
             opt.zero_grad()
@@ -93,13 +108,17 @@ def main(argv=None) -> Path:
             read, written = session.io_bytes()
             tiers = session.memory_stats()
             io_wait, grad_wait = session.streamer.io_wait_s, session.streamer.grad_wait_s
+            norm = opt.grad_norm()
             rows.append({
-                "case": f"step {step}",
-                "loss": float(loss.detach()),
+                "case": f"{recipe} step {step}",
+                "loss": float(loss.detach()) * accum,
+                "grad_norm": norm,
+                "clipped": max_grad_norm is not None and norm > max_grad_norm,
                 "step_s": t2 - t0,
                 "compute_s": t1 - t0 - io_wait - grad_wait,
                 "io_wait_s": io_wait,
                 "optimizer_s": grad_wait + (t2 - t1),
+                "step_call_s": t2 - t1,
                 "read_gb": read / 1e9,
                 "written_gb": written / 1e9,
                 "io_gb_per_s": (read + written) / 1e9 / (t2 - t0),
@@ -110,13 +129,28 @@ def main(argv=None) -> Path:
             })  # fmt: skip
             print(rows[-1], flush=True)
         session.close()
+    return rows, init_s
+
+
+def main(argv=None) -> Path:
+    args = parse_args(argv)
+    base = GPTConfig.preset(args.preset)
+    cfg = GPTConfig(**{**base.__dict__, "seq_len": args.seq_len})
+    n_params = cfg.num_parameters
+    # fp32 parameters and gradients, fp32 master weights (the parameters themselves) and two moments
+    state_bytes = n_params * (4 + 4 + 12)
+    host_budget, device_budget = int(args.cpu_memory_gib * GiB), int(args.device_memory_gib * GiB)
+    rows, init_s = [], 0.0
+    for recipe in args.recipe:
+        recipe_rows, init_s = run_recipe(args, cfg, recipe)
+        rows += recipe_rows
     budget = host_budget + device_budget
     settings = {
         "preset": args.preset, "params": n_params, "batch": args.batch, "seq_len": args.seq_len,
         "cpu_memory_bytes": host_budget, "device_memory_bytes": device_budget,
         "training_state_bytes": state_bytes, "state_vs_host_budget": state_bytes / host_budget,
         "state_vs_device_budget": state_bytes / device_budget, "init_s": init_s,
-        "retain_host_memory": args.retain_host_memory,
+        "retain_host_memory": args.retain_host_memory, "recipes": {r: RECIPES[r] for r in args.recipe},
     }  # fmt: skip
     overhead = max(r["peak_rss_gib"] for r in rows) - budget / GiB
     notes = (
@@ -125,6 +159,7 @@ def main(argv=None) -> Path:
         f"Peak RSS minus (host + device budgets) = {overhead:.2f} GiB (the fixed overhead: interpreter, torch, "
         "activations, I/O buffers). On this CPU-only machine the device tier is host memory. "
         f"Built on the meta device and written to the store block by block in {init_s:.1f} s."
+        + (" Recipes run one after another in this process: peak RSS is the process's so far." if len(rows) > args.steps else "")
     )
     where = {} if args.results_dir is None else {"results_dir": args.results_dir}
     return save_report(args.name, rows, settings=settings, plot_column="step_s", notes=notes, **where)
