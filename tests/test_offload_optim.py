@@ -499,6 +499,30 @@ def test_grad_scaler_overflow_skips_step(tmp_path):
     assert_params_equal(model, ref)
 
 
+def test_grad_scaler_with_max_grad_norm_clips_the_unscaled_gradients(tmp_path):
+    """As unscale_ then clip_grad_norm_: a max_grad_norm above the true norm never clips, one below it does."""
+    torch.manual_seed(0)
+    model = MLP()
+    data = batches(6)
+    for max_norm in (100.0, 0.05):
+        ref, m = copy.deepcopy(model), copy.deepcopy(model)
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+        with NVMeAdamW(m.parameters(), lr=1e-2, swap_dir=tmp_path, chunk_bytes=CHUNK, max_grad_norm=max_norm) as opt:
+            s_ref, s = torch.amp.GradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler("cpu", init_scale=2.0**10)
+            for x, y in data:
+                s_ref.scale((ref(x) - y).square().mean()).backward()
+                s_ref.unscale_(opt_ref)
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+                s_ref.step(opt_ref)
+                s_ref.update()
+                opt_ref.zero_grad()
+                s.scale((m(x) - y).square().mean()).backward()
+                s.step(opt)
+                s.update()
+                opt.zero_grad()
+            assert_params_equal(m, ref)
+
+
 def test_io_error_in_step_leaves_params_unchanged(tmp_path):
     torch.manual_seed(0)
     model = MLP()

@@ -184,12 +184,16 @@ class StepProtocol:
             if found_inf is not None and float(found_inf) > 0:
                 self._restore_all(records)  # an overflow skips the step
                 return
+            unscale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
             if self._max_grad_norm is not None:
-                # Exactly torch.nn.utils.clip_grad_norm_ (the gradients are scaled in place, as it does).
+                # Exactly GradScaler.unscale_ then torch.nn.utils.clip_grad_norm_ (gradients changed in place).
                 with_grad = [r.param for r in self._records if r.param.grad is not None]  # in group order
+                if with_grad and unscale != 1.0:
+                    torch._foreach_mul_([p.grad for p in with_grad], unscale)
+                    unscale = 1.0
                 if with_grad:
                     torch.nn.utils.clip_grad_norm_(with_grad, self._max_grad_norm)
-            clean = self._redo_changed(records, 1.0 if grad_scale is None else 1.0 / float(grad_scale))
+            clean = self._redo_changed(records, unscale)
             pipe.wait_idle()
             self._raise_error(records)
             # Gradients or hyperparameters edited between backward and step(): update in step() until a step
