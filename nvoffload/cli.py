@@ -3,7 +3,7 @@
 Run ``nvoffload finetune --help`` for the options; with no arguments it
 fine-tunes the ``small`` GPT preset on the shipped corpus for a few minutes on
 a CPU, with the optimizer state in a swap directory under the user's cache
-directory.
+directory; ``--model DIR`` fine-tunes a Hugging Face model directory instead.
 """
 
 from __future__ import annotations
@@ -37,29 +37,35 @@ def build_parser() -> argparse.ArgumentParser:
     ft = sub.add_parser(
         "finetune",
         help="fine-tune a GPT-style model with its optimizer state on NVMe",
-        description="Fine-tune a GPT-style causal LM (built from a preset, no download) on the shipped corpus or a"
-        " text file, with the AdamW state (fp32 master weights and moments) on NVMe.",
+        description="Fine-tune a causal LM (a GPT built from a preset, no download, or a local Hugging Face model"
+        " directory) on the shipped corpus or a text file, with the AdamW state (fp32 master weights and moments)"
+        " on NVMe.",
     )
-    ft.add_argument("--preset", default=d.preset, choices=sorted(PRESETS), help="model size (default %(default)s)")
+    which = ft.add_mutually_exclusive_group()
+    which.add_argument("--preset", default=d.preset, choices=sorted(PRESETS), help="built-in GPT size (default %(default)s)")
+    which.add_argument("--model", dest="model_dir", default=None, metavar="DIR",
+                       help="a Hugging Face causal-LM directory (config.json + *.safetensors, tokenizer files if any) to"
+                       " fine-tune instead of a preset; needs transformers (pip install 'nvoffload[hf]'). Without a"
+                       " tokenizer the text is tokenized as bytes (vocabulary of at least 256)")  # fmt: skip
     ft.add_argument("--text", dest="text_path", default=None, help="UTF-8 text file to train on (default: the shipped corpus)")
     ft.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
     ft.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch (default %(default)s)")
-    ft.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
-    ft.add_argument("--grad-accum", dest="grad_accum_steps", type=int, default=d.grad_accum_steps, help="micro-batches per step")
+    ft.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's; 128 for --model)")
+    ft.add_argument("--grad-accum", dest="grad_accum_steps", type=int, default=d.grad_accum_steps, help="micro-batches per optimizer step (default %(default)s)")
     ft.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
     ft.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     ft.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    ft.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm (updates then run in step())")
-    ft.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="parameter dtype on the device")
+    ft.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to this (default: no clipping)")
+    ft.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="parameter dtype on the device (fp32 master weights on NVMe; float16 with dynamic loss scaling)")
     ft.add_argument("--device", default=d.device, help="cpu or cuda (default %(default)s)")
     ft.add_argument("--swap-dir", default=None, help=f"directory on NVMe for the optimizer state (default: a fresh one under {default_swap_root()}, removed at the end)")
     ft.add_argument("--cpu-memory", dest="cpu_memory_bytes", type=_size, default=d.cpu_memory_bytes, help="host memory for the optimizer's staging (and with --stream the parameter cache), e.g. 256M")
-    ft.add_argument("--stream", action="store_true", help="stream the parameters from NVMe too, block by block, within --cpu-memory and --device-memory (no --grad-accum, --max-grad-norm or float16)")
+    ft.add_argument("--stream", action="store_true", help="stream the parameters from NVMe too, block by block, within --cpu-memory and --device-memory (a --model is built on the meta device and filled from its directory)")
     ft.add_argument("--device-memory", dest="device_memory_bytes", type=_size, default=d.device_memory_bytes, help="with --stream: device memory for parameters and gradients, e.g. 2G (default 1G)")
     ft.add_argument("--offload-activations", action="store_true", help="send the activations saved for backward to NVMe")
     ft.add_argument("--activation-memory", dest="activation_memory_bytes", type=_size, default=None, help="with --offload-activations: host memory staging their transfers, at least twice the largest saved tensor (default: with --stream an eighth of --cpu-memory, else 512M)")
     ft.add_argument("--init-from", default=None, help="safetensors checkpoint (file, shard directory or index .json) of the preset's model to start from")
-    ft.add_argument("--save-to", default=None, help="write the fine-tuned weights to this safetensors file")
+    ft.add_argument("--save-to", default=None, help="write the fine-tuned weights there: a safetensors file for a preset; for --model a Hugging Face directory (sharded safetensors, config.json, tokenizer), replaced atomically. Checked for writing before training")
     ft.add_argument("--seed", type=int, default=d.seed)
     ft.add_argument("--no-progress", action="store_true", help="print one line per step, as it finishes, instead of a progress bar")
     return parser
@@ -97,8 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         on_step = (lambda s: print(f"step {s.step}: {_postfix(s, dev)}", flush=True)) if args.no_progress else None
         try:
             result = finetune(config, progress=not args.no_progress, on_step=on_step)
-        # budgets too small, a checkpoint that does not fit the preset, a missing file or swap directory, I/O errors
-        except (ValueError, KeyError, MemoryBudgetError, OSError, OffloadIOError) as exc:
+        # budgets too small, a checkpoint that does not fit the model, a missing file or swap directory, a --save-to
+        # that cannot be written, I/O errors, transformers missing for --model
+        except (ValueError, KeyError, MemoryBudgetError, OSError, OffloadIOError, ImportError) as exc:
             print(f"nvoffload finetune: error: {_message(exc)}", file=sys.stderr)
             return 2
         tail = result.losses[-10:]

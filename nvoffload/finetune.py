@@ -2,8 +2,12 @@
 
 The model is built from a configuration in the package
 (:class:`nvoffload.models.GPTConfig` presets, no download) or loaded from a
-safetensors checkpoint, the text is the shipped corpus or a user's file,
-tokenized as bytes, and the swap directory lies under the user's cache
+safetensors checkpoint, or it is a Hugging Face causal LM read from a local
+model directory (``model_dir``: ``config.json`` and safetensors weights; needs
+``transformers``, the ``[hf]`` extra). The text is the shipped corpus or a
+user's file, tokenized as bytes for a preset and by the directory's tokenizer
+for a Hugging Face model (as bytes when the directory has none, see
+:class:`FinetuneConfig`), and the swap directory lies under the user's cache
 directory (``$XDG_CACHE_HOME/nvoffload`` or ``~/.cache/nvoffload``), removed at
 the end. Two modes:
 
@@ -13,7 +17,13 @@ the end. Two modes:
   through host memory to the device within ``cpu_memory_bytes`` and
   ``device_memory_bytes`` (:func:`nvoffload.initialize`); the model is built on
   the meta device, so it never is in memory at once. Gradients are consumed
-  during backward, so this mode has no gradient accumulation, clipping or fp16.
+  during backward; accumulation, clipping and fp16 loss scaling are the
+  optimizer's (:class:`nvoffload.OffloadConfig`'s ``gradient_accumulation_steps``,
+  ``max_grad_norm`` and ``loss_scaling``).
+
+A Hugging Face model is written back as a Hugging Face directory
+(:func:`nvoffload.pretrained.save_pretrained`, with the tokenizer); a preset's
+as one safetensors file.
 
 Each step reports loss, tokens/s, memory per tier and I/O GB/s.
 
@@ -43,12 +53,22 @@ from nvoffload.activations import offload_activations
 from nvoffload.checkpoint import open_checkpoint, save_file
 from nvoffload.data import ByteTokenizer, TokenDataset, load_text
 from nvoffload.models import GPT, GPTConfig
+from nvoffload.optim import LossScaling
 from nvoffload.optim.offload import NVMeAdamW, OffloadOptimizer
+from nvoffload.pretrained import (
+    _dtype_kwargs,
+    build_meta_model,
+    check_save_directory,
+    import_transformers,
+    save_pretrained,
+)
 from nvoffload.training import OffloadConfig, initialize
 
 __all__ = ["FinetuneConfig", "FinetuneResult", "StepStats", "default_swap_root", "finetune"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HF_SEQ_LEN = 128  # default tokens per sequence for a Hugging Face model (at most its context)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def default_swap_root() -> str:
@@ -62,7 +82,21 @@ class FinetuneConfig:
     """One fine-tuning run. Defaults finish in a few minutes on a 2-core CPU.
 
     Attributes (besides the usual training hyperparameters):
-        dtype: parameters on the device: float32, bfloat16 or float16 (fp32 master on NVMe).
+        preset: the built-in GPT to train (ignored with ``model_dir``).
+        model_dir: a Hugging Face causal-LM directory (``config.json`` and
+            ``*.safetensors``, as ``save_pretrained`` writes it) to fine-tune
+            instead of a preset; needs ``transformers``. With ``stream`` it is
+            built on the meta device and filled from the directory one block at
+            a time, else loaded with ``from_pretrained``. The text is tokenized
+            by the directory's tokenizer (``AutoTokenizer``) when it has one;
+            without one, as UTF-8 bytes (ids 0-255), which only makes sense for
+            a model trained on bytes, and is refused for a vocabulary under 256.
+            ``seq_len`` defaults to 128 tokens (at most the model's context).
+        dtype: parameters on the device: float32, bfloat16 or float16 (fp32
+            master on NVMe; float16 with dynamic loss scaling: a
+            ``torch.amp.GradScaler``, or with ``stream`` the optimizer's).
+        grad_accum_steps: micro-batches per optimizer step.
+        max_grad_norm: clip the global gradient norm (the updates then run in ``step()``).
         swap_dir: directory on NVMe; None makes a fresh one under
             :func:`default_swap_root`, removed at the end.
         cpu_memory_bytes: host memory for the optimizer's staging buffers (with
@@ -77,10 +111,14 @@ class FinetuneConfig:
             it), otherwise the offload's own default.
         init_from: a safetensors checkpoint (file, directory of shards or
             ``*.index.json``) of the preset's model to start from.
-        save_to: write the fine-tuned weights to this safetensors file.
+        save_to: write the fine-tuned weights there: a safetensors file for a
+            preset; for ``model_dir`` a Hugging Face directory (weights,
+            ``config.json``, the tokenizer), replaced atomically. Checked for
+            writing before the model is built.
     """
 
     preset: str = "small"
+    model_dir: str | None = None
     text_path: str | None = None  # None: the shipped corpus
     steps: int = 150
     batch_size: int = 8
@@ -117,22 +155,19 @@ class FinetuneConfig:
             raise ValueError("warmup_steps and weight_decay must be >= 0")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.stream:
-            refused = {
-                "grad_accum_steps > 1": self.grad_accum_steps > 1,
-                "max_grad_norm": self.max_grad_norm is not None,
-                "dtype float16 (it needs loss scaling)": self.dtype == "float16",
-            }
-            named = [what for what, bad in refused.items() if bad]
-            if named:
-                raise ValueError(
-                    "stream consumes each gradient as soon as backward produces it, so it cannot use "
-                    + ", ".join(named)
-                )
+        if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
+            raise ValueError(f"max_grad_norm must be positive and finite, got {self.max_grad_norm}")
+        if self.model_dir is not None:
+            if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
+                raise ValueError(f"model: {self.model_dir} is not a Hugging Face model directory (no config.json)")
+            if self.init_from is not None:
+                raise ValueError("init_from is for presets: a Hugging Face model starts from its directory's weights")
         if self.init_from is not None and not os.path.exists(self.init_from):
             raise ValueError(f"init_from: no such file or directory: {self.init_from}")
-        if self.save_to is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.save_to))):
-            raise ValueError(f"save_to: the directory of {self.save_to} does not exist")
+        parent = os.path.dirname(os.path.abspath(self.save_to)) if self.save_to is not None else None
+        if parent is not None and not os.path.isdir(parent):
+            what = "is not a directory" if os.path.exists(parent) else "does not exist"
+            raise ValueError(f"save_to: the directory of {self.save_to} {what}")
 
     @property
     def model_config(self) -> GPTConfig:
@@ -140,6 +175,74 @@ class FinetuneConfig:
         if self.seq_len is None:
             return base
         return GPTConfig(**{**base.__dict__, "seq_len": self.seq_len})
+
+
+class _HFModel:
+    """A Hugging Face model directory: its configuration, tokenizer and the model in either mode."""
+
+    def __init__(self, config: FinetuneConfig):
+        self.tf = import_transformers()
+        self.dir = config.model_dir
+        self.config = self.tf.AutoConfig.from_pretrained(self.dir)
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        self.vocab_size = int(text.vocab_size)
+        context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+        self.seq_len = config.seq_len if config.seq_len is not None else min(_HF_SEQ_LEN, context or _HF_SEQ_LEN)
+        if context is not None and self.seq_len > context:
+            raise ValueError(f"seq_len {self.seq_len} exceeds the model's context of {context} positions")
+        has_tokenizer = any(os.path.exists(os.path.join(self.dir, f)) for f in _TOKENIZER_FILES)
+        self.tokenizer = self.tf.AutoTokenizer.from_pretrained(self.dir) if has_tokenizer else None
+
+    def encode(self, text: str) -> torch.Tensor:
+        if self.tokenizer is None:
+            if self.vocab_size < ByteTokenizer.vocab_size:
+                raise ValueError(
+                    f"{self.dir} has no tokenizer, and its vocabulary of {self.vocab_size} is too small for the"
+                    f" byte-level fallback ({ByteTokenizer.vocab_size} ids): add the model's tokenizer files"
+                )
+            return ByteTokenizer().encode(text)
+        ids = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        ids = torch.tensor(ids, dtype=torch.int64)
+        if ids.numel() and int(ids.max()) >= self.vocab_size:
+            raise ValueError(
+                f"the tokenizer of {self.dir} produced id {int(ids.max())},"
+                f" beyond the model's vocabulary of {self.vocab_size}"
+            )
+        return ids
+
+    def load(self, dtype: torch.dtype, device: str) -> nn.Module:
+        """The model with its weights, on ``device`` (``from_pretrained``)."""
+        model = self.tf.AutoModelForCausalLM.from_pretrained(self.dir, **_dtype_kwargs(self.tf, dtype))
+        return model.to(device).train()
+
+    def build_on_meta(self, dtype: torch.dtype) -> nn.Module:
+        """The model built on the meta device, to fill from the directory's checkpoint."""
+        return build_meta_model(self.config, dtype=dtype)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, hf: bool) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``model`` on inputs ``x`` and targets ``y``."""
+    if not hf:
+        return model(x, y)
+    logits = model(input_ids=x, use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _check_save_to(config: FinetuneConfig) -> None:
+    """Raise (OSError) before any training when ``save_to`` cannot be written."""
+    if config.save_to is None:
+        return
+    if config.model_dir is not None:
+        check_save_directory(config.save_to)
+        return
+    if os.path.isdir(config.save_to):
+        raise IsADirectoryError(f"save_to: {config.save_to} is a directory, not a safetensors file")
+    directory = os.path.dirname(os.path.abspath(config.save_to))
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".nvoffload-probe-"):
+            pass
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"cannot write {config.save_to}: {exc.strerror} in {directory}") from None
 
 
 @dataclass(frozen=True)
@@ -185,11 +288,14 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def _build(config: FinetuneConfig, swap_dir: str) -> tuple[nn.Module, OffloadOptimizer]:
+def _build(config: FinetuneConfig, swap_dir: str, hf: _HFModel | None) -> tuple[nn.Module, OffloadOptimizer]:
     """The model and its NVMe optimizer, in the configured mode."""
     mcfg, dtype = config.model_config, _DTYPES[config.dtype]
     if not config.stream:
-        model = GPT(mcfg).to(device=config.device, dtype=dtype)
+        if hf is not None:
+            model = hf.load(dtype, config.device)
+        else:
+            model = GPT(mcfg).to(device=config.device, dtype=dtype)
         if config.init_from is not None:
             with open_checkpoint(config.init_from) as ckpt:
                 try:
@@ -201,22 +307,34 @@ def _build(config: FinetuneConfig, swap_dir: str) -> tuple[nn.Module, OffloadOpt
             cpu_memory_bytes=config.cpu_memory_bytes, max_grad_norm=config.max_grad_norm,
         )  # fmt: skip
         return model, opt
-    with torch.device("meta"):
-        model = GPT(mcfg).to(dtype=dtype)
+    if hf is not None:
+        model = hf.build_on_meta(dtype)
+    else:
+        with torch.device("meta"):
+            model = GPT(mcfg).to(dtype=dtype)
     opt = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95))
     offload = OffloadConfig(
         swap_dirs=[swap_dir], cpu_memory_bytes=config.cpu_memory_bytes, device_memory_bytes=config.device_memory_bytes,
         device=config.device, offload_activations=config.offload_activations,
-        activation_memory_bytes=config.activation_memory_bytes,
+        activation_memory_bytes=config.activation_memory_bytes, max_grad_norm=config.max_grad_norm,
+        gradient_accumulation_steps=config.grad_accum_steps,
+        loss_scaling=LossScaling() if dtype == torch.float16 else None,
     )  # fmt: skip
-    if config.init_from is None:
+    start = config.model_dir if hf is not None else config.init_from
+    if start is None:
         return initialize(model, opt, offload, param_init_fn=model.init_weights)
-    with open_checkpoint(config.init_from) as ckpt:
+    with open_checkpoint(start) as ckpt:
         return initialize(model, opt, offload, checkpoint=ckpt)
 
 
-def _save(model: nn.Module, opt: OffloadOptimizer, path: str) -> None:
-    if opt.session is not None:
+def _save(model: nn.Module, opt: OffloadOptimizer, path: str, hf: _HFModel | None) -> None:
+    if hf is not None:
+        extra = hf.tokenizer.save_pretrained if hf.tokenizer is not None else None
+        if opt.session is not None:
+            opt.session.save_pretrained(path, extra=extra)
+        else:
+            save_pretrained(model, path, extra=extra)
+    elif opt.session is not None:
         opt.session.save_checkpoint(path)
     else:
         save_file(model.state_dict(), path)
@@ -233,12 +351,20 @@ def finetune(
     Raises ValueError for a bad configuration or a text too short for one
     sequence, :class:`~nvoffload.memory.MemoryBudgetError` for budgets too
     small to stream the model (naming the smallest that works), OSError for a
-    missing text file or swap directory, and the optimizer's errors.
+    missing text file or swap directory or a ``save_to`` that cannot be
+    written (before any step), ImportError for ``model_dir`` without
+    ``transformers``, and the optimizer's errors.
     """
     torch.manual_seed(config.seed)
     dev = torch.device(config.device)
-    mcfg = config.model_config
-    data = TokenDataset(ByteTokenizer().encode(load_text(config.text_path)), mcfg.seq_len, seed=config.seed)
+    _check_save_to(config)
+    hf = _HFModel(config) if config.model_dir is not None else None
+    text = load_text(config.text_path)
+    if hf is not None:
+        tokens, seq_len = hf.encode(text), hf.seq_len
+    else:
+        tokens, seq_len = ByteTokenizer().encode(text), config.model_config.seq_len
+    data = TokenDataset(tokens, seq_len, seed=config.seed)
 
     owned_dir = None
     if config.swap_dir is None:
@@ -248,7 +374,7 @@ def finetune(
     swap_dir = owned_dir or config.swap_dir
     bar = None
     try:
-        model, opt = _build(config, swap_dir)
+        model, opt = _build(config, swap_dir, hf)
         with opt, contextlib.ExitStack() as cleanup:
             result = FinetuneResult(config, sum(p.numel() for p in model.parameters()))
             session = opt.session
@@ -260,7 +386,11 @@ def finetune(
                 from tqdm import tqdm
 
                 bar = tqdm(total=config.steps, desc="finetune", unit="step", dynamic_ncols=True)
-            tokens_per_step = config.batch_size * config.grad_accum_steps * mcfg.seq_len
+            tokens_per_step = config.batch_size * config.grad_accum_steps * seq_len
+            # float16: dynamic loss scaling, by a GradScaler, or by the optimizer when gradients are released
+            scaler = None
+            if config.dtype == "float16" and session is None:
+                scaler = torch.amp.GradScaler(dev.type)
             for step in range(1, config.steps + 1):
                 if session is not None:
                     session.reset_stats()
@@ -271,10 +401,18 @@ def finetune(
                 for _ in range(config.grad_accum_steps):
                     x, y = data.batch(config.batch_size)
                     with activations:
-                        loss = model(x.to(dev), y.to(dev)) / config.grad_accum_steps
-                    loss.backward()
+                        loss = _loss(model, x.to(dev), y.to(dev), hf is not None) / config.grad_accum_steps
                     total += loss.detach().item()
-                opt.step()
+                    if scaler is not None:
+                        loss = scaler.scale(loss)
+                    elif session is not None:
+                        loss = opt.scale_loss(loss)  # the loss itself without loss_scaling
+                    loss.backward()
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
                 sched.step()
                 opt.zero_grad()
                 stats = _step_stats(step, total, tokens_per_step, time.perf_counter() - t0, opt, dev)
@@ -285,7 +423,7 @@ def finetune(
                 if on_step is not None:
                     on_step(stats)
             if config.save_to is not None:
-                _save(model, opt, config.save_to)
+                _save(model, opt, config.save_to, hf)
     finally:
         if bar is not None:
             bar.close()

@@ -175,6 +175,21 @@ class OffloadSession:
         :meth:`~nvoffload.streaming.ParameterStreamer.save_checkpoint`."""
         self.streamer.save_checkpoint(path, metadata)
 
+    def save_pretrained(
+        self, save_directory: str | os.PathLike, *, max_shard_bytes: int | None = None,
+        extra: Callable[[str], object] | None = None,
+    ) -> list[str]:  # fmt: skip
+        """Write the model as a Hugging Face directory (sharded safetensors, index, ``config.json``), one tensor
+        in memory at a time, atomically: see :func:`nvoffload.pretrained.save_pretrained` (``max_shard_bytes``
+        None: its default, 50 GB; ``extra``: called with the new directory to add files, e.g. a tokenizer's
+        ``save_pretrained``). Call it after ``optimizer.step()``, not while updates are in flight."""
+        from nvoffload.pretrained import DEFAULT_MAX_SHARD_BYTES, save_pretrained
+
+        return save_pretrained(
+            self.streamer.model, save_directory, read=self.streamer.weights_of, extra=extra,
+            max_shard_bytes=DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes,
+        )  # fmt: skip
+
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -311,9 +326,10 @@ def initialize(
     optimizer_ref = weakref.ref(offloaded)
 
     def settle(module, args) -> None:
-        # A forward sees every update its previous backward queued (normally step() already waited).
+        # A forward sees every update its previous backward queued (normally step() already waited); the
+        # gradients an earlier micro-batch keeps go on being written while the next one computes.
         opt = optimizer_ref()
-        if opt is not None:
+        if opt is not None and opt.updates_queued:
             opt.synchronize()
 
     session._handles.append(model.register_forward_pre_hook(settle))

@@ -1,6 +1,7 @@
 """The main job: ``nvoffload finetune`` trains, reports per step, and cleans up its swap directory."""
 
 import io
+import json
 import os
 import sys
 
@@ -31,10 +32,15 @@ def test_config_validation(tmp_path):
         FinetuneConfig(preset="huge")
     with pytest.raises(ValueError, match="dtype"):
         FinetuneConfig(dtype="int8")
-    with pytest.raises(ValueError, match="cannot use grad_accum_steps > 1, max_grad_norm"):
-        FinetuneConfig(stream=True, grad_accum_steps=2, max_grad_norm=1.0)
-    with pytest.raises(ValueError, match="float16"):
-        FinetuneConfig(stream=True, dtype="float16")
+    FinetuneConfig(stream=True, grad_accum_steps=2, max_grad_norm=1.0, dtype="float16")  # the optimizer's, streamed
+    FinetuneConfig(grad_accum_steps=2, max_grad_norm=1.0, dtype="float16")  # a GradScaler, unscaled before clipping
+    with pytest.raises(ValueError, match="max_grad_norm must be positive"):
+        FinetuneConfig(max_grad_norm=0.0)
+    with pytest.raises(ValueError, match="not a Hugging Face model directory"):
+        FinetuneConfig(model_dir=str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="init_from is for presets"):
+        FinetuneConfig(model_dir=str(tmp_path), init_from=str(tmp_path / "config.json"))
     with pytest.raises(ValueError, match="init_from: no such file"):
         FinetuneConfig(init_from=str(tmp_path / "absent.safetensors"))
     with pytest.raises(ValueError, match="save_to: the directory"):
@@ -150,3 +156,120 @@ def test_cli_checkpoint_of_another_model(tmp_path, capsys):
                    "--no-progress", *mode])  # fmt: skip
         err = capsys.readouterr().err
         assert rc == 2 and "error:" in err and "shape" in err, (mode, err)
+
+
+# -- Hugging Face model directories (--model) ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Tiny Hugging Face model directories, made here (nothing is downloaded): a GPT-2 (tied head) with a byte-level
+    BPE tokenizer trained on a few strings, a Llama (untied head, rotary buffers) without a tokenizer (so the
+    text is tokenized as bytes), and a model whose vocabulary is too small for bytes."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from nvoffload.pretrained import save_pretrained
+
+    root = tmp_path_factory.mktemp("hf")
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["def f(x):\n    return x + 1\n", "the quick brown fox"], vocab_size=300, show_progress=False)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe)
+    common = dict(vocab_size=300, bos_token_id=0, eos_token_id=0)
+    gpt2 = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                   attn_pdrop=0.0, **common)  # fmt: skip
+    llama = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, max_position_embeddings=64, **common)  # fmt: skip
+    dirs = {}
+    for name, config, extra in (("gpt2", gpt2, tokenizer.save_pretrained), ("llama", llama, None),
+                                ("bytes-too-many", transformers.LlamaConfig(**{**llama.to_dict(), "vocab_size": 200}), None)):  # fmt: skip
+        torch.manual_seed(0)
+        dirs[name] = root / name
+        save_pretrained(transformers.AutoModelForCausalLM.from_config(config), dirs[name], extra=extra)
+    return dirs
+
+
+STREAM = ["--stream", "--cpu-memory", "8M", "--device-memory", "64M"]
+FP16_ACCUM = ["--dtype", "float16", "--grad-accum", "2"]
+
+
+@pytest.mark.parametrize(
+    "kind,mode",
+    [("gpt2", []), ("gpt2", STREAM), ("llama", FP16_ACCUM), ("llama", [*STREAM, *FP16_ACCUM, "--max-grad-norm", "0.5"])],
+    ids=["gpt2", "gpt2-stream", "llama-fp16-accum", "llama-stream-fp16-accum-clip"],
+)
+def test_cli_finetunes_a_hugging_face_directory(hf_dirs, tmp_path, capsys, kind, mode):
+    """--model DIR --save-to OUT: OUT is a Hugging Face directory of the trained weights (and the tokenizer)."""
+    transformers = pytest.importorskip("transformers")
+    src, out, swap = hf_dirs[kind], tmp_path / "out", tmp_path / "swap"
+    swap.mkdir()
+    rc = main(["finetune", "--model", str(src), "--steps", "3", "--seq-len", "16", "--batch-size", "2", "--lr", "1e-2",
+               "--warmup-steps", "0", "--swap-dir", str(swap), "--save-to", str(out), "--no-progress", *mode])  # fmt: skip
+    printed = capsys.readouterr().out.splitlines()
+    assert rc == 0 and [line.split(":")[0] for line in printed[:3]] == ["step 1", "step 2", "step 3"]
+    assert os.listdir(swap) == [] and sorted(os.listdir(tmp_path)) == ["out", "swap"]
+    dtype = torch.float16 if "float16" in mode else torch.float32
+    with open(out / "config.json") as f:
+        assert json.load(f)["dtype"] == str(dtype).removeprefix("torch.")
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    start = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype).state_dict()
+    assert tuned.dtype == dtype
+    moved = [k for k, v in tuned.state_dict().items() if not torch.equal(v, start[k])]
+    assert len(moved) == len(start)  # every tensor was trained (under fp16, some steps may be skipped, not all)
+    if kind == "gpt2":
+        text = "def the quick fox"
+        theirs = transformers.AutoTokenizer.from_pretrained(src)(text)["input_ids"]
+        assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == theirs
+    else:
+        assert not any("tokenizer" in name for name in os.listdir(out))
+
+
+def test_streamed_and_in_memory_hf_finetune_agree(hf_dirs, tmp_path):
+    """The same Hugging Face model, data and clipping: streamed and in-memory runs give the same losses and weights."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(model_dir=str(hf_dirs["gpt2"]), steps=4, batch_size=2, seq_len=16, lr=1e-2, warmup_steps=0,
+                  grad_accum_steps=2, max_grad_norm=0.05, swap_dir=str(tmp_path))  # fmt: skip
+    plain = finetune(FinetuneConfig(**common, save_to=str(tmp_path / "plain")), progress=False).losses
+    streamed = finetune(
+        FinetuneConfig(**common, save_to=str(tmp_path / "streamed"), stream=True, cpu_memory_bytes=8 << 20,
+                       device_memory_bytes=64 << 20), progress=False,
+    ).losses  # fmt: skip
+    assert streamed == pytest.approx(plain, rel=1e-4)
+    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain").state_dict()
+    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "streamed").state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+
+
+def test_cli_refuses_an_unwritable_save_to_before_training(hf_dirs, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    cases = [
+        (["--model", str(hf_dirs["gpt2"])], tmp_path / "file" / "out", "is not a directory"),
+        (["--model", str(hf_dirs["gpt2"]), *STREAM], tmp_path / "notes", "holds no saved model"),
+        (["--model", str(hf_dirs["gpt2"])], tmp_path / "file", "exists and is not a directory"),
+        (["--preset", "tiny"], tmp_path / "notes", "is a directory, not a safetensors file"),
+    ]
+    for args, save_to, message in cases:
+        rc = main(["finetune", *args, "--steps", "1", "--seq-len", "16", "--swap-dir", str(swap), "--save-to",
+                   str(save_to), "--no-progress"])  # fmt: skip
+        captured = capsys.readouterr()
+        assert rc == 2 and captured.out == "", (args, captured)  # no step ran
+        assert captured.err.startswith("nvoffload finetune: error: ") and message in captured.err, captured.err
+        assert captured.err.count("\n") == 1
+    assert os.listdir(swap) == [] and (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+    assert sorted(os.listdir(tmp_path)) == ["file", "notes", "swap"]
+
+
+def test_cli_hugging_face_errors(hf_dirs, tmp_path, monkeypatch, capsys):
+    base = ["finetune", "--steps", "1", "--swap-dir", str(tmp_path), "--no-progress"]
+    assert main([*base, "--model", str(hf_dirs["bytes-too-many"])]) == 2
+    assert "has no tokenizer, and its vocabulary of 200 is too small" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one model or the other
+        main([*base, "--model", str(hf_dirs["gpt2"]), "--preset", "tiny"])
+    assert "not allowed with argument" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    assert main([*base, "--model", str(hf_dirs["gpt2"])]) == 2
+    assert "pip install 'nvoffload[hf]'" in capsys.readouterr().err

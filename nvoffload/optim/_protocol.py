@@ -151,6 +151,11 @@ class StepProtocol:
         rec.param.grad = None  # the queued request holds it until the worker is done
 
     @property
+    def updates_queued(self) -> bool:
+        """Whether a hook queued an update since the last ``finish``."""
+        return any(rec.spec is not None for rec in self._records)
+
+    @property
     def _unscale(self) -> float:
         return 1.0 if self.loss_scale is None else 1.0 / self.loss_scale.scale
 
@@ -180,26 +185,8 @@ class StepProtocol:
             self._refuse_unsound(records, found_inf, grad_scale)
             if self._release_grads:
                 self._finish_released(records)
-                return
-            if found_inf is not None and float(found_inf) > 0:
-                self._restore_all(records)  # an overflow skips the step
-                return
-            unscale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
-            if self._max_grad_norm is not None:
-                # Exactly GradScaler.unscale_ then torch.nn.utils.clip_grad_norm_ (gradients changed in place).
-                with_grad = [r.param for r in self._records if r.param.grad is not None]  # in group order
-                if with_grad and unscale != 1.0:
-                    torch._foreach_mul_([p.grad for p in with_grad], unscale)
-                    unscale = 1.0
-                if with_grad:
-                    torch.nn.utils.clip_grad_norm_(with_grad, self._max_grad_norm)
-            clean = self._redo_changed(records, unscale)
-            pipe.wait_idle()
-            self._raise_error(records)
-            # Gradients or hyperparameters edited between backward and step(): update in step() until a step
-            # shows that they no longer are (the hooks still observe them).
-            self.speculate = self._can_speculate and clean
-            self._commit(records)
+            else:
+                self._finish_held(records, found_inf, grad_scale)
         finally:
             for rec in self._records:
                 rec.spec = None
@@ -208,6 +195,28 @@ class StepProtocol:
             pipe.take_error()
         self._order_learned = True
         pipe.set_plan(self.plan())
+
+    def _finish_held(self, records: list[Record], found_inf, grad_scale) -> None:
+        """``finish`` with the gradients in ``.grad``: skip on an overflow, else clip, redo what changed, commit."""
+        if found_inf is not None and float(found_inf) > 0:
+            self._restore_all(records)  # an overflow skips the step
+            return
+        unscale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
+        if self._max_grad_norm is not None:
+            # Exactly GradScaler.unscale_ then torch.nn.utils.clip_grad_norm_ (gradients changed in place).
+            with_grad = [r.param for r in self._records if r.param.grad is not None]  # in group order
+            if with_grad and unscale != 1.0:
+                torch._foreach_mul_([p.grad for p in with_grad], unscale)
+                unscale = 1.0
+            if with_grad:
+                torch.nn.utils.clip_grad_norm_(with_grad, self._max_grad_norm)
+        clean = self._redo_changed(records, unscale)
+        self._pipeline.wait_idle()
+        self._raise_error(records)
+        # Gradients or hyperparameters edited between backward and step(): update in step() until a step
+        # shows that they no longer are (the hooks still observe them).
+        self.speculate = self._can_speculate and clean
+        self._commit(records)
 
     def abandon(self) -> None:
         """Undo the updates queued since the last ``step()`` and forget their gradients (a refused step)."""

@@ -431,6 +431,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._pipeline.wait_idle()
 
     @property
+    def updates_queued(self) -> bool:
+        """Whether backward queued updates since the last ``step()`` (gradients merely kept between
+        micro-batches do not count: they change no weight)."""
+        return self._protocol.updates_queued
+
+    @property
     def overlap_active(self) -> bool:
         """Whether the next step's updates run during backward: False with ``overlap=False`` or
         ``max_grad_norm``, and for the step after one whose gradients or hyperparameters changed

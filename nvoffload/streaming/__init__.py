@@ -3,7 +3,8 @@
 :class:`ParameterStreamer` splits a model into *blocks* (the entries of its
 ``ModuleList`` of layers) and moves each block's parameters through three tiers:
 
-- the store (:mod:`nvoffload.io`): one flat tensor per block, its home;
+- the store (:mod:`nvoffload.io`): one flat byte tensor per block (its parameters
+  at aligned offsets, each with its own dtype), its home;
 - host memory (``_host_cache``): copies of blocks in the transfer engine's
   host slab, least recently used first out, within the
   :class:`~nvoffload.memory.MemoryManager`'s host budget; the

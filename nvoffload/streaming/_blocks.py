@@ -1,4 +1,4 @@
-"""How a model splits into streamed blocks, and where each parameter sits in its block's flat tensor."""
+"""How a model splits into streamed blocks, and where each parameter sits in its block's bytes."""
 
 from __future__ import annotations
 
@@ -39,8 +39,13 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+_ALIGN_BYTES = 64  # each parameter's offset in its block's bytes: views of every dtype start on a cache line
+
+
 class Block:
-    """One streamed block's layout: its parameters, one after another in one flat tensor of one dtype.
+    """One streamed block's layout: its parameters' bytes one after another, each at a 64-byte-aligned offset, in one
+    flat ``uint8`` tensor; each parameter is a view of its range with its own dtype (a block may mix dtypes, e.g.
+    an fp32 norm in a bf16 layer).
 
     ``params`` may be replaced (a parameter built on the meta device gets a new
     object) until the streamer is set up; the layout does not change.
@@ -53,17 +58,14 @@ class Block:
         self.name = f"stream.block{index}"  # in the tensor store
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) != 1:
-            raise ValueError(f"block {index} mixes parameter dtypes {sorted(map(str, dtypes))}; cast the model first")
-        self.dtype = self.params[0].dtype
+        self.dtypes = [p.dtype for p in self.params]
         self.shapes = [p.shape for p in self.params]
         self.offsets, total = [], 0
         for p in self.params:
+            total = -(-total // _ALIGN_BYTES) * _ALIGN_BYTES
             self.offsets.append(total)
-            total += p.numel()
-        self.numel = total
-        self.nbytes = total * self.params[0].element_size()
+            total += p.numel() * p.element_size()
+        self.nbytes = total
         self._trainable = [j for j, p in enumerate(self.params) if p.requires_grad]
         self.grad_bytes = _nbytes(self.trainable)  # device bytes of the gradients a backward pass makes
 
@@ -73,9 +75,9 @@ class Block:
         return [self.params[j] for j in self._trainable]
 
     def view(self, flat: torch.Tensor, j: int) -> torch.Tensor:
-        """Parameter ``j``'s range of the flat tensor ``flat``, shaped like the parameter."""
-        shape = self.shapes[j]
-        return flat[self.offsets[j] : self.offsets[j] + shape.numel()].view(shape)
+        """Parameter ``j``'s range of the block's bytes ``flat`` (a flat ``uint8`` tensor), with its dtype and shape."""
+        nbytes = self.shapes[j].numel() * self.dtypes[j].itemsize
+        return flat[self.offsets[j] : self.offsets[j] + nbytes].view(self.dtypes[j]).view(self.shapes[j])
 
     def __repr__(self) -> str:
         return f"parameter block {self.index}"

@@ -23,7 +23,7 @@ class _Entry:
     __slots__ = ("host", "loading", "dirty", "pins")
 
     def __init__(self, host: torch.Tensor, loading=None):
-        self.host = host  # flat, the block's dtype
+        self.host = host  # the block's bytes, flat uint8
         self.loading = loading  # future of the store read into ``host``
         self.dirty = False  # newer than the store
         self.pins = 0  # users that must not see it evicted
@@ -35,8 +35,9 @@ class HostCache:
     The buffers come from ``slab`` (the transfer engine's: page-locked with
     CUDA, so copies to the device run asynchronously; 4 KiB-aligned for the
     store's direct I/O) and are counted in the host tier. The store holds every
-    block. :meth:`pin` gives a block's flat host copy (read from the store if
-    not cached) and keeps it cached until :meth:`unpin`;
+    block. :meth:`pin` gives a block's host copy, its flat bytes (read from the
+    store if not cached; ``Block.view`` gives each parameter's part), and keeps
+    it cached until :meth:`unpin`;
     ``unpin(modified=True)`` marks it changed, and a changed block is written back
     before it leaves (or at :meth:`flush`). :meth:`pin_loading` pins without
     waiting for the read, for a copy to the device chained after it. Thread-safe:
@@ -66,7 +67,8 @@ class HostCache:
             self._lru[block] = _Entry(host)
 
     def pin(self, block: Block) -> torch.Tensor:
-        """The block's weights in host memory, flat (read from the store when not cached); cached until :meth:`unpin`."""
+        """The block's weights in host memory, its flat bytes (read from the store when not cached); cached until
+        :meth:`unpin`."""
         with self._lock:
             entry = self._lru.get(block) or self._start_read(block)
             try:
@@ -153,7 +155,7 @@ class HostCache:
         self._make_room(block)
         self.memory.allocate("host", block.nbytes, what)
         try:
-            return self.slab.allocate(block.nbytes, what).view(block.dtype)
+            return self.slab.allocate(block.nbytes, what)
         except BaseException:
             self.memory.free("host", block.nbytes)
             raise

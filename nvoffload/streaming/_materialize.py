@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from nvoffload.streaming._blocks import Block, state_tensors
+from nvoffload.streaming._hf_models import (
+    checkpoint_names,
+    default_init,
+    rebuilt_buffers,
+)
 from nvoffload.streaming._host_cache import HostCache
 from nvoffload.streaming._residency import DeviceResidency
 
 __all__ = ["Materializer"]
+
+
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` and its descendants, children before parents (as transformers' ``initialize_weights`` visits them,
+    so a parent's init of its children's weights, e.g. GPT-2's scaled projections, comes last)."""
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
 
 
 class Materializer:
@@ -20,19 +34,29 @@ class Materializer:
     A model may be built on the meta device: its parameters are then replaced by
     new ``nn.Parameter`` objects on the device (in every module that holds them,
     so ties survive; :attr:`replaced` maps old to new) and filled one block at a
-    time from ``checkpoint`` or by ``param_init_fn`` (default:
-    ``reset_parameters()``), so a model larger than memory never is in memory at
-    once. ``checkpoint`` is matched against the model when this object is made:
+    time from ``checkpoint`` or by ``param_init_fn`` (default: a Hugging Face
+    model's own ``_init_weights``, else ``reset_parameters()``), so a model
+    larger than memory never is in memory at once. A parameter no init sets
+    (it is NaN until then) raises ``ValueError`` naming it. ``checkpoint`` is
+    matched against the model when this object is made (names as transformers
+    matches them, see :func:`~nvoffload.streaming._hf_models.checkpoint_names`):
     a missing or unexpected tensor raises ``KeyError`` and a shape mismatch
-    ``ValueError`` before anything is read.
+    ``ValueError`` before anything is read. Buffers on the meta device come
+    from the checkpoint, or, for those it does not hold (non-persistent ones,
+    or all without a checkpoint), from a twin of the model built from its
+    ``config`` (:func:`~nvoffload.streaming._hf_models.rebuilt_buffers`).
     """
 
     def __init__(self, model: nn.Module, device: torch.device, *,
                  param_init_fn: Callable[[nn.Module], None] | None, checkpoint):  # fmt: skip
         self.model = model
         self.device = device
-        self._param_init_fn = param_init_fn
         self._checkpoint = checkpoint
+        self._init_fn = param_init_fn or default_init(model)
+        self._init_what = (
+            "param_init_fn" if param_init_fn is not None
+            else "reset_parameters()" if self._init_fn is None else "the model's _init_weights()"
+        )  # fmt: skip
         self._sources = self._plan_checkpoint() if checkpoint is not None else {}
         self.replaced: dict[nn.Parameter, nn.Parameter] = {}
         self._owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
@@ -43,23 +67,25 @@ class Materializer:
 
     def run(self, blocks: list[Block], resident: list[tuple[str, nn.Parameter]], cache: HostCache,
             residency: DeviceResidency) -> None:  # fmt: skip
-        """Fill ``resident`` (replaced entries are updated in place), store and park every block, fill buffers."""
-        for i, (name, p) in enumerate(resident):
-            if p.is_meta:
-                p = self._replace_meta(p)
-                resident[i] = (name, p)
-                self._fill_resident(p)
-            elif p.device != self.device:
+        """Fill buffers and ``resident`` (replaced entries are updated in place), store and park every block."""
+        self._fill_buffers()
+        for name, p in resident:
+            if not p.is_meta and p.device != self.device:
                 raise ValueError(f"parameter {name} is on {p.device}, the streamer's device is {self.device}")
+        meta = [i for i, (_, p) in enumerate(resident) if p.is_meta]
+        for i in meta:
+            resident[i] = (resident[i][0], self._replace_meta(resident[i][1]))
+        filled = [resident[i] for i in meta]
+        owners = {module: None for _, p in filled for module, _ in self._owners[p]}  # each module once, in order
+        self._fill(filled, owners)
         for block in blocks:
             meta = [j for j, p in enumerate(block.params) if p.is_meta]
             for j in meta:
                 block.params[j] = self._replace_meta(block.params[j])
             if meta:
-                self._fill_block(block)
+                self._fill([(block.param_names[j], block.params[j]) for j in meta], _post_order(block.module))
             cache.install(block, lambda host, block=block: self._copy_into(block, host))
             residency.park(block)
-        self._fill_buffers()
 
     @staticmethod
     def _copy_into(block: Block, host: torch.Tensor) -> None:
@@ -77,53 +103,59 @@ class Materializer:
             self._sources[new] = self._sources.pop(old)
         return new
 
-    def _fill_resident(self, p: nn.Parameter) -> None:
-        if self._checkpoint is not None:
-            self._read_checkpoint(p, p.data)
-        else:
-            for module, _ in self._owners[p]:
-                self._call_init(module)
-
-    def _fill_block(self, block: Block) -> None:
-        if self._checkpoint is not None:
-            for p in block.params:
-                self._read_checkpoint(p, p.data)
-        else:
-            for module in block.module.modules():
-                self._call_init(module)
-
-    def _call_init(self, module: nn.Module) -> None:
+    def _fill(self, params: list[tuple[str, nn.Parameter]], modules: Iterable[nn.Module]) -> None:
+        """Fill new parameters from the checkpoint, or by initializing ``modules``; raise for any left unset."""
         with torch.no_grad():
-            if self._param_init_fn is not None:
-                self._param_init_fn(module)
-            elif hasattr(module, "reset_parameters") and any(True for _ in module.parameters(recurse=False)):
-                module.reset_parameters()
+            if self._checkpoint is not None:
+                for _, p in params:
+                    self._read_checkpoint(p, p.data)
+                return
+            for _, p in params:
+                p.fill_(math.nan if p.is_floating_point() else 0)
+            for module in modules:
+                if self._init_fn is not None:
+                    self._init_fn(module)
+                elif hasattr(module, "reset_parameters") and any(True for _ in module.parameters(recurse=False)):
+                    module.reset_parameters()
+            unset = [name for name, p in params if p.is_floating_point() and bool(p.isnan().any())]
+        if unset:
+            raise ValueError(
+                f"{', '.join(unset[:5])}{', ...' if len(unset) > 5 else ''}: built on the meta device, and "
+                f"{self._init_what} left {'them' if len(unset) > 1 else 'it'} unset (NaN): pass a param_init_fn "
+                "that initializes every parameter, or a checkpoint that holds them"
+            )
 
     def _plan_checkpoint(self) -> dict[torch.Tensor, str]:
         """The checkpoint tensor to read for each parameter and buffer, checked before anything is read."""
         ckpt = self._checkpoint
-        aliases: dict[torch.Tensor, list[str]] = {}
-        for name, t in state_tensors(self.model).items():
-            aliases.setdefault(t, []).append(name)
-        sources, missing = {}, []
-        for t, names in aliases.items():
-            if not t.is_meta:
-                if isinstance(t, nn.Parameter):
-                    raise ValueError(
-                        f"checkpoint= fills a model built on the meta device, but {names[0]} is on {t.device}: "
-                        "build the model under `with torch.device('meta'):` or call load_state_dict() instead"
-                    )
-                continue  # a buffer the model computed itself
-            found = next((n for n in names if n in ckpt), None)
-            if found is None:
-                missing.append(names[0])
+        tensors = state_tensors(self.model)
+        first_names: dict[torch.Tensor, str] = {}
+        for name, t in tensors.items():
+            if isinstance(t, nn.Parameter) and not t.is_meta:
+                raise ValueError(
+                    f"checkpoint= fills a model built on the meta device, but {name} is on {t.device}: "
+                    "build the model under `with torch.device('meta'):` or call load_state_dict() instead"
+                )
+            first_names.setdefault(t, name)
+        model_name = checkpoint_names(self.model, tensors.keys())
+        sources, unexpected = {}, []
+        for key in ckpt.keys():
+            name = model_name(key)
+            if name is None:  # a tensor the model ignores
                 continue
-            shape = tuple(ckpt.info(found).shape)
+            t = tensors.get(name)
+            if t is None:
+                unexpected.append(key)
+                continue
+            if not t.is_meta or t in sources:  # a buffer the model computed itself, or a tie read already
+                continue
+            shape = tuple(ckpt.info(key).shape)
             if shape != tuple(t.shape):
-                raise ValueError(f"checkpoint tensor {found!r} has shape {shape}, the model's has {tuple(t.shape)}")
-            sources[t] = found
-        known = {n for names in aliases.values() for n in names}
-        unexpected = [n for n in ckpt.keys() if n not in known]
+                raise ValueError(
+                    f"checkpoint tensor {key!r} has shape {shape}, the model's {name} has {tuple(t.shape)}"
+                )
+            sources[t] = key
+        missing = [name for t, name in first_names.items() if t.is_meta and t not in sources]
         if missing or unexpected:
             raise KeyError(
                 "the checkpoint does not match the model: "
@@ -145,16 +177,18 @@ class Materializer:
                 out.copy_(self._checkpoint.read(name).view(out.shape))
 
     def _fill_buffers(self) -> None:
-        """Give buffers built on the meta device memory and their checkpoint values."""
-        for module in self.model.modules():
+        """Give buffers built on the meta device memory: their checkpoint values, or the rebuilt ones."""
+        meta = {}
+        for path, module in self.model.named_modules():
             for key, b in module._buffers.items():
-                if b is None or not b.is_meta:
-                    continue
-                if b not in self._sources:
-                    raise ValueError(
-                        f"buffer {key!r} of {type(module).__name__} is on the meta device and "
-                        "no checkpoint holds it: build buffers on the device (they are not streamed)"
-                    )
+                if b is not None and b.is_meta:
+                    meta[f"{path}.{key}" if path else key] = (module, key, b)
+        unread = [name for name, (_, _, b) in meta.items() if b not in self._sources]
+        rebuilt = rebuilt_buffers(self.model, unread) if unread else {}
+        for name, (module, key, b) in meta.items():
+            if name in rebuilt:
+                new = rebuilt[name].to(self.device, b.dtype)
+            else:
                 new = torch.empty(b.shape, dtype=b.dtype, device=self.device)
                 self._read_checkpoint(b, new)
-                module._buffers[key] = new
+            module._buffers[key] = new

@@ -24,9 +24,10 @@ _GRAD_STALL_S = 60.0  # longest wait for device memory while no gradient is free
 
 
 def _flat(block: Block) -> torch.Tensor:
-    """The block's device storage as one flat tensor with its own version counter (writes do not bump autograd's)."""
+    """The block's device storage as one flat byte tensor with its own version counter (writes do not bump
+    autograd's)."""
     p = block.params[0]
-    return torch.empty(0, dtype=block.dtype, device=p.device).set_(p.untyped_storage(), 0, (block.numel,), (1,))
+    return torch.empty(0, dtype=torch.uint8, device=p.device).set_(p.untyped_storage(), 0, (block.nbytes,), (1,))
 
 
 class GradientLedger:
@@ -128,7 +129,7 @@ class DeviceResidency:
     def park(self, block: Block) -> None:
         """Take a new block's parameters off the device (its weights are in the store): they become views of one
         device storage of the block, zero bytes until the block arrives."""
-        storage = torch.empty(block.numel, dtype=block.dtype, device=self.device)
+        storage = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
         for j, (name, p) in enumerate(zip(block.param_names, block.params)):
             p.data = block.view(storage, j)
             self._placements.append(_guard.attach(p, name, block.index))

@@ -34,7 +34,8 @@ def _counter(tier: str, name: str, doc: str) -> property:
 class ParameterStreamer:
     """Streams the parameters of a model's blocks between NVMe, host memory and the device.
 
-    Each block's parameters are one flat tensor in the store, cached in host
+    Each block's parameters are one flat byte tensor in the store (each at an
+    aligned offset, with its own dtype: a block may mix dtypes), cached in host
     memory as the host budget allows, and on the device only while a forward,
     a backward or a ``load_state_dict`` uses the block. Off the device a
     parameter keeps its identity, shape, dtype, device, ``grad`` and hooks, so
@@ -61,7 +62,13 @@ class ParameterStreamer:
     Args:
         model: the model; its parameters may be on the device or on the meta
             device (then ``param_init_fn`` or ``checkpoint`` fills them, one
-            block at a time, straight into the store).
+            block at a time, straight into the store). Its buffers on the meta
+            device come from ``checkpoint``; those it does not hold (non-persistent
+            ones such as rotary ``inv_freq``, or all without a checkpoint) are
+            computed by a twin of the model built from its ``config`` on the CPU
+            with its parameters on the meta device (``type(model)(model.config)``,
+            as for a Hugging Face ``PreTrainedModel``); a model that cannot be
+            rebuilt so raises ``ValueError`` naming the buffer.
         store: the tensor store that holds the blocks' weights.
         memory: the budgets; raises :class:`~nvoffload.memory.MemoryBudgetError`
             at construction when they cannot hold the resident parameters plus
@@ -73,13 +80,22 @@ class ParameterStreamer:
         prefetch_blocks: blocks read ahead into host memory beyond the one being
             copied to the device ahead of its use.
         param_init_fn: called on each module of a meta model to initialize its
-            parameters once they have memory (default: ``reset_parameters()``).
+            parameters once they have memory, children before parents (default:
+            for a Hugging Face ``PreTrainedModel`` its ``_init_weights``, else
+            ``reset_parameters()`` of the modules that have it). Parameters are
+            NaN until then: one left unset raises ``ValueError`` naming it.
         checkpoint: a reader with ``keys()``, ``info(name)`` and ``read(name, out=)``
             (:func:`nvoffload.checkpoint.open_checkpoint`) to fill a model built on
             the meta device from, one tensor at a time. Its tensors must match the
             model's parameters and persistent buffers by name (one name of a tied
-            parameter is enough) and shape; other dtypes are converted. A missing
-            or unexpected tensor raises ``KeyError`` before anything is read.
+            parameter is enough, as in Hugging Face checkpoints without
+            ``lm_head.weight``) and shape; other dtypes are converted. For a
+            Hugging Face model, names are matched as transformers matches them:
+            its family's renamings (GPT-NeoX's ``embed_out``), the model's
+            ``base_model_prefix`` added or stripped (the hub's GPT-2 names
+            ``h.0...``, ``GPT2LMHeadModel`` ``transformer.h.0...``), its
+            ``_keys_to_ignore_on_load_unexpected`` ignored. A missing or
+            unexpected tensor raises ``KeyError`` before anything is read.
         transfer: the transfer engine to move the blocks with; its slab holds the
             host cache, and it stays open at :meth:`close`. Default: the streamer's
             own, over a :class:`~nvoffload.transfer.HostSlab` of the host budget
@@ -226,6 +242,13 @@ class ParameterStreamer:
     def gather(self, param: torch.Tensor) -> torch.Tensor:
         """A copy of a streamed parameter's current weights (CPU)."""
         return self._weights.gather(param)
+
+    def weights_of(self, tensor: torch.Tensor):
+        """A context manager yielding the current weights of one of the model's parameters or buffers, without a
+        copy: a streamed parameter's host copy in the block cache (its block stays cached, read-only for the
+        caller, until the context exits), anything else as it is. For writing checkpoints one tensor at a time
+        (:func:`nvoffload.pretrained.save_pretrained`); call it after ``optimizer.step()``."""
+        return self._weights.current(tensor)
 
     def save_checkpoint(self, path, metadata: dict[str, str] | None = None) -> None:
         """Write the model's state (as ``state_dict()`` names it) to a safetensors file, one tensor in memory at a time.

@@ -69,6 +69,16 @@ class StreamedWeights:
         with self.held(param) as weights:
             return weights.clone()
 
+    @contextlib.contextmanager
+    def current(self, tensor: torch.Tensor):
+        """The current weights of a parameter or buffer of the model: a streamed parameter's host copy (its
+        block cached while the context lasts), anything else as it is."""
+        if not self.holds(tensor):
+            yield tensor.detach()
+            return
+        with self.held(tensor) as weights:
+            yield weights
+
     def save_checkpoint(self, path, metadata: dict[str, str] | None) -> None:
         """The model's state, as ``state_dict()`` names it, to a safetensors file, one tensor in memory at a time."""
         tensors = state_tensors(self.model)

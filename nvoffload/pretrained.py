@@ -1,0 +1,391 @@
+"""Hugging Face model directories written one tensor at a time, atomically.
+
+:func:`save_pretrained` writes what ``transformers``' ``save_pretrained`` writes
+for a causal LM: ``model.safetensors`` (or shards ``model-00001-of-0000N.safetensors``
+and ``model.safetensors.index.json``), each file with the metadata
+``{"format": "pt"}``, ``config.json`` (its ``dtype`` and ``architectures`` set
+as Hugging Face sets them) and ``generation_config.json`` when the model can
+generate; ``AutoModelForCausalLM.from_pretrained`` opens the result. Unlike
+``transformers``, it holds one tensor in memory at a time (a streamed model's
+weights are read from the streamer's host cache, block by block:
+``optimizer.session.save_pretrained(...)``), and it is atomic: everything is
+written into a temporary sibling directory, fsynced, and only then put in
+place of the target, so an error or a crash leaves the previous directory
+intact and no partial one.
+
+It needs no ``transformers`` import itself: the configuration is whatever the
+model's ``config`` attribute saves. The other way, :func:`build_meta_model`
+builds a ``transformers`` causal LM on the meta device,
+for :func:`nvoffload.initialize` to fill from a model directory one block at a
+time.
+
+Example::
+
+    from nvoffload.pretrained import save_pretrained
+
+    save_pretrained(model, "out/tuned", max_shard_bytes=2 * 10**9)   # any nn.Module
+    # a model streamed by nvoffload.initialize:
+    optimizer.session.save_pretrained("out/tuned")
+
+    # streaming a Hugging Face model directory (config.json + safetensors):
+    model = build_meta_model(AutoConfig.from_pretrained("gpt2-dir"), dtype=torch.bfloat16)
+    with open_checkpoint("gpt2-dir") as ckpt:
+        model, optimizer = nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config, checkpoint=ckpt)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import errno
+import json
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+
+import torch
+from torch import nn
+
+from nvoffload.checkpoint import SafetensorsWriter, _fsync_dir
+from nvoffload.streaming import state_tensors
+
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "build_meta_model", "check_save_directory", "save_pretrained", "saved_tensors"]
+
+DEFAULT_MAX_SHARD_BYTES = 50 * 10**9  # transformers' default max_shard_size ("50GB")
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_MARKERS = ("config.json", WEIGHTS_NAME, INDEX_NAME)  # an existing directory holding one of these may be replaced
+_METADATA = {"format": "pt"}
+
+
+def check_save_directory(path: str | os.PathLike) -> str:
+    """Check that :func:`save_pretrained` can write ``path``, without writing it; returns its absolute path.
+
+    ``path``'s parent must be an existing directory in which this process can
+    create (and rename) directories; ``path`` itself must not exist, be an
+    empty directory, or be a directory that already holds a saved model (a
+    ``config.json``, ``model.safetensors`` or ``model.safetensors.index.json``),
+    which will be replaced as a whole.
+
+    Raises:
+        FileNotFoundError: the parent directory does not exist.
+        NotADirectoryError: ``path`` or its parent is not a directory.
+        FileExistsError: ``path`` is a directory holding something other than a saved model.
+        PermissionError (or another OSError): a directory cannot be created beside ``path``.
+    """
+    target = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(target)
+    if not os.path.exists(parent):
+        raise FileNotFoundError(errno.ENOENT, f"cannot save a model to {target}: the directory {parent} does not exist")
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(errno.ENOTDIR, f"cannot save a model to {target}: {parent} is not a directory")
+    if os.path.lexists(target):
+        if not os.path.isdir(target) or os.path.islink(target):
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"cannot save a model to {target}: it exists and is not a directory"
+            )
+        entries = os.listdir(target)
+        if entries and not any(name in entries for name in _MARKERS):
+            raise FileExistsError(
+                errno.EEXIST,
+                f"refusing to replace {target}: it is a non-empty directory that holds no saved model"
+                f" (none of {', '.join(_MARKERS)})",
+            )
+    try:  # the real test: what save_pretrained does first
+        os.rmdir(_sibling(target, "probe"))
+    except OSError as exc:
+        raise type(exc)(
+            exc.errno, f"cannot save a model to {target}: cannot create a directory in {parent} ({exc.strerror})"
+        ) from None
+    return target
+
+
+def saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors :func:`save_pretrained` writes, by name, in ``state_dict()`` order, without reading them.
+
+    ``state_dict()``'s entries (parameters and persistent buffers) less the
+    model's ``_keys_to_ignore_on_save`` and, of each tied parameter, every name
+    but one, chosen as ``transformers`` chooses: the names matching the
+    ``_tied_weights_keys`` of the model's modules (e.g. ``lm_head.weight``) are
+    dropped while another name remains; a model without them keeps the first name.
+
+    Raises:
+        NotImplementedError: the model's weights are converted when
+            ``transformers`` loads them (a conversion mapping, as for Mixtral's
+            experts); writing them back in the stored layout is not supported.
+    """
+    _refuse_weight_conversions(model)
+    tensors = state_tensors(model)
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        tensors.pop(key, None)
+    names_of: dict[torch.Tensor, list[str]] = {}
+    for name, t in tensors.items():
+        names_of.setdefault(t, []).append(name)
+    patterns = _tied_weight_patterns(model)
+    dropped: set[str] = set()
+    for names in names_of.values():
+        if len(names) < 2:
+            continue
+        keep = [n for n in names if not any(re.search(p, n) for p in patterns)] or [max(names)]
+        dropped.update(n for n in names if n != keep[0])
+    return {name: t for name, t in tensors.items() if name not in dropped}
+
+
+def save_pretrained(
+    model: nn.Module,
+    save_directory: str | os.PathLike,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    read: Callable[[torch.Tensor], AbstractContextManager[torch.Tensor]] | None = None,
+    extra: Callable[[str], object] | None = None,
+) -> list[str]:
+    """Write ``model`` as a Hugging Face model directory, one tensor in memory at a time, atomically.
+
+    Args:
+        model: any ``nn.Module``; a ``transformers`` model also gets its
+            ``config.json`` (``dtype`` set to its parameters' dtype,
+            ``architectures`` to its class) and ``generation_config.json``.
+        save_directory: the directory to write. Its parent must exist; an
+            existing directory is replaced as a whole, once the new one is
+            complete, and only if it is empty or holds a saved model (see
+            :func:`check_save_directory`).
+        max_shard_bytes: the largest shard, in bytes; tensors are put in shards
+            in ``state_dict()`` order as ``transformers`` does (a larger tensor
+            gets a shard of its own). One shard is ``model.safetensors``;
+            several are indexed by ``model.safetensors.index.json``.
+        read: gives a tensor's current weights: called with each tensor of
+            :func:`saved_tensors` (the model's own parameter or buffer), it
+            returns a context manager yielding the weights, on any device,
+            valid until it exits. Default: the tensor itself. A streamed model
+            passes its streamer's :meth:`~nvoffload.streaming.ParameterStreamer.weights_of`
+            (which :meth:`nvoffload.OffloadSession.save_pretrained` does).
+        extra: called with the temporary directory before it is put in place,
+            to add files (e.g. ``tokenizer.save_pretrained``).
+
+    Returns:
+        The names of the files written, sorted.
+
+    Raises:
+        OSError: the target cannot be written (see :func:`check_save_directory`),
+            or an I/O error; nothing is left behind and an existing directory is
+            untouched. Any error of ``read`` or ``extra`` likewise.
+        ValueError: ``max_shard_bytes`` is not a positive int.
+        NotImplementedError: see :func:`saved_tensors`.
+    """
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    target = check_save_directory(save_directory)
+    tensors = saved_tensors(model)
+    if not tensors:
+        raise ValueError(f"{type(model).__name__} has no parameters or buffers to save")
+    shards = _shard(tensors, max_shard_bytes)
+    read = read if read is not None else _as_is
+    tmp = _sibling(target, "tmp")
+    try:
+        for filename, names in shards.items():
+            shapes = {name: (tensors[name].dtype, tuple(tensors[name].shape)) for name in names}
+            with SafetensorsWriter(os.path.join(tmp, filename), shapes, _METADATA) as writer:
+                for name in names:
+                    with read(tensors[name]) as weights:
+                        writer.write(name, weights)
+        if len(shards) > 1:
+            index = {
+                "metadata": {
+                    "total_parameters": sum(p.numel() for p in model.parameters()),
+                    "total_size": sum(_nbytes(t) for t in tensors.values()),
+                },
+                "weight_map": {name: filename for filename, names in shards.items() for name in names},
+            }
+            with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
+                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _save_configs(model, tmp)
+        if extra is not None:
+            extra(tmp)
+        written = sorted(os.listdir(tmp))
+        for name in written:
+            _fsync_dir(os.path.join(tmp, name))
+        _fsync_dir(tmp)
+        _put_in_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return written
+
+
+def build_meta_model(config, *, dtype: torch.dtype | None = None) -> nn.Module:
+    """``AutoModelForCausalLM.from_config(config)`` built on the meta device, in training mode.
+
+    :func:`nvoffload.initialize` with ``checkpoint=open_checkpoint(model_dir)``
+    then fills its parameters block by block and rebuilds its non-persistent
+    buffers (rotary frequencies, ...) on the compute device. ``dtype``: the
+    parameters' (default: the configuration's).
+
+    Raises:
+        ImportError: ``transformers`` is not installed (``pip install 'nvoffload[hf]'``).
+    """
+    transformers = import_transformers()
+    kwargs = _dtype_kwargs(transformers, dtype) if dtype is not None else {}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    return model.train()
+
+
+def import_transformers():
+    """The ``transformers`` module, imported on first use (the ``[hf]`` extra), or a clear ImportError."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(f"Hugging Face models need transformers ({exc}): pip install 'nvoffload[hf]'") from None
+    return transformers
+
+
+def _dtype_kwargs(transformers, dtype: torch.dtype) -> dict:
+    """``dtype=`` for ``from_config``/``from_pretrained`` (``torch_dtype=`` before transformers 4.56)."""
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
+
+
+# -- what is written -------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _as_is(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    yield tensor.detach()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tied_weight_patterns(model: nn.Module) -> list[str]:
+    """The ``_tied_weights_keys`` of every module (a dict target -> source in transformers 5, a list before), full names."""
+    patterns = []
+    for prefix, module in model.named_modules():
+        tied = getattr(module, "_tied_weights_keys", None) or ()
+        keys = tied.keys() if isinstance(tied, Mapping) else tied
+        patterns += [f"{prefix}.{k}" if prefix else k for k in keys]
+    return patterns
+
+
+def _refuse_weight_conversions(model: nn.Module) -> None:
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None and hasattr(model, "config") and hasattr(model, "can_generate"):
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import PrefixChange
+        except ImportError:  # transformers 4, or not installed: no conversion mappings
+            return
+        mapping = get_model_conversion_mapping(model, add_legacy=False)
+        conversions = [c for c in mapping if not isinstance(c, PrefixChange)]
+    if conversions:
+        raise NotImplementedError(
+            f"transformers converts {type(model).__name__}'s weights when it loads them ({conversions[0]!r}, ...):"
+            " writing them back in the stored layout, one tensor at a time, is not supported"
+        )
+
+
+def _shard(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> dict[str, list[str]]:
+    """File name -> tensor names, as ``huggingface_hub.split_torch_state_dict_into_shards`` splits."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_bytes = 0
+    for name, t in tensors.items():
+        nbytes = _nbytes(t)
+        if nbytes > max_shard_bytes:
+            shards.append([name])
+            continue
+        if current_bytes + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += nbytes
+    if current:
+        shards.append(current)
+    if len(shards) == 1:
+        return {WEIGHTS_NAME: shards[0]}
+    return {f"model-{i:05d}-of-{len(shards):05d}.safetensors": names for i, names in enumerate(shards, start=1)}
+
+
+def _parameter_dtype(model: nn.Module) -> torch.dtype | None:
+    """As ``PreTrainedModel.dtype``: the first floating-point parameter's dtype."""
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def _save_configs(model: nn.Module, directory: str) -> None:
+    """``config.json`` (a copy with ``dtype`` and ``architectures`` set) and ``generation_config.json``, as transformers."""
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "save_pretrained", None)):
+        return
+    config = copy.deepcopy(config)
+    dtype = _parameter_dtype(model)
+    if dtype is not None:  # "torch_dtype" before transformers 4.56
+        name = "torch_dtype" if "torch_dtype" in vars(config) and "dtype" not in vars(config) else "dtype"
+        setattr(config, name, str(dtype).split(".")[1])
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(directory)
+    can_generate = getattr(model, "can_generate", None)
+    generation = getattr(model, "generation_config", None)
+    if callable(can_generate) and can_generate() and generation is not None:
+        generation.save_pretrained(directory)
+
+
+# -- putting it in place -----------------------------------------------------------
+
+
+def _sibling(target: str, what: str) -> str:
+    """A new empty hidden directory beside ``target``, with the permissions ``os.makedirs`` gives (umask applied,
+    unlike ``tempfile.mkdtemp``'s 0700)."""
+    parent, base = os.path.split(target)
+    for _ in range(100):
+        path = os.path.join(parent, f".{base}.{what}-{secrets.token_hex(4)}")
+        try:
+            os.mkdir(path, 0o777)
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(errno.EEXIST, f"cannot find a free name for a directory beside {target}")
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where not supported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # the file system cannot exchange
+        return False
+    raise OSError(err, f"cannot put {a} in place of {b}: {os.strerror(err)}")
+
+
+def _put_in_place(tmp: str, target: str) -> None:
+    """Rename the complete directory ``tmp`` to ``target``, replacing (then removing) an existing one."""
+    parent = os.path.dirname(target)
+    if not os.path.lexists(target):
+        os.rename(tmp, target)
+    elif _exchange(tmp, target):  # target now holds the new files, tmp the old ones
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:  # two renames: a crash between them leaves the old directory under a hidden sibling name
+        old = _sibling(target, "old")
+        os.rename(target, old)  # onto the empty directory just made
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            os.rename(old, target)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(parent)
