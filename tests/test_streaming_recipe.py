@@ -146,6 +146,10 @@ def test_fp16_loss_scaling_equals_grad_scaler_and_skips_overflowing_steps(tmp_pa
                 assert not math.isfinite(norm)
                 skipped += 1
         assert skipped >= 1 and opt.loss_scale == scaler.get_scale()
+        saved = opt.state_dict()  # the scale and its growth tracker resume with the state
+        assert saved["loss_scale"] == {"scale": scaler.get_scale(), "growth_tracker": scaler._get_growth_tracker()}
+        opt.load_state_dict({**saved, "loss_scale": {"scale": 8.0, "growth_tracker": 1}})
+        assert opt.loss_scale == 8.0
         adam_steps = {int(s["step"]) for s in opt.state_dict()["state"].values()}
         assert adam_steps == {STEPS - skipped}
         master = {i: s["master_param"] for i, s in opt.state_dict()["state"].items()}

@@ -449,20 +449,27 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         Same layout as the wrapped optimizer's ``state_dict()`` (for Adam/AdamW:
         ``step``, ``exp_avg``, ``exp_avg_sq`` and with amsgrad ``max_exp_avg_sq``,
-        fp32), plus ``master_param`` (fp32) for bf16/fp16 parameters.
+        fp32), plus ``master_param`` (fp32) for bf16/fp16 parameters, and with
+        ``loss_scaling`` the scale and growth tracker (``loss_scale``).
         """
         self._check_open()
-        return self._codec.state_dict(self.param_groups)
+        state = self._codec.state_dict(self.param_groups)
+        if self._protocol.loss_scale is not None:
+            state["loss_scale"] = self._protocol.loss_scale.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this optimizer or of the wrapped optimizer's type, streaming it to the store.
 
         Hyperparameters of the groups are taken from ``state_dict`` (as torch
         does). Parameters without a ``master_param`` entry use the model's
-        current weights as master weights.
+        current weights as master weights; without a ``loss_scale`` entry the
+        loss scale stays as it is.
         """
         self._check_open()
         self._codec.load_state_dict(state_dict, self.param_groups)
+        if self._protocol.loss_scale is not None and "loss_scale" in state_dict:
+            self._protocol.loss_scale.load_state_dict(state_dict["loss_scale"])
         self._pipeline.set_plan(self._protocol.plan())
 
     # ------------------------------------------------------------------ memory
