@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import functools
 import os
-import queue
 import threading
 import time
 import weakref
 from typing import Protocol
 
 import torch
+
+from nvoffload._workers import Worker
 
 __all__ = [
     "ComputeDevice",
@@ -251,12 +252,10 @@ class _SimCopyStream:
     """One worker thread running queued copies in order, each no sooner than its issue time plus the delay."""
 
     def __init__(self, name: str, delay_s: float, bytes_per_s: float, trace: list | None):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._delay_s = delay_s
         self._bytes_per_s = bytes_per_s
-        thread = threading.Thread(target=_run_sim_stream, args=(self._queue, name, trace), name=name, daemon=True)
-        thread.start()
-        self._stop = weakref.finalize(self, self._queue.put, None)
+        self._worker = Worker(name, functools.partial(_run_sim_copy, name, trace))
+        self._stop = weakref.finalize(self, self._worker.stop)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event:
         if dst.shape != src.shape:
@@ -267,36 +266,36 @@ class _SimCopyStream:
         # As on a GPU, autograd sees the write when the copy is issued (``dst.copy_`` bumps the version
         # counter then); the bytes land later through an alias that leaves the counter alone.
         torch.autograd.graph.increment_version(dst)
-        self._queue.put((untracked(dst), src, after, time.monotonic() + self._delay_s, duration_s, event))
+        self._worker.submit((untracked(dst), src, after, time.monotonic() + self._delay_s, duration_s, event))
         return event
 
     def close(self) -> None:
         self._stop()
 
 
-def _run_sim_stream(ops: queue.SimpleQueue, name: str, trace: list | None) -> None:
+def _run_sim_copy(name: str, trace: list | None, op: tuple) -> None:
+    """One queued stand-in copy, on its stream's worker thread."""
     from nvoffload.transfer.future import WAIT_LIMIT_S
 
-    while (op := ops.get()) is not None:
-        dst, src, after, not_before, duration_s, event = op
-        error = None
-        if after is not None and not after.synchronize(WAIT_LIMIT_S):
-            error = TimeoutError(f"a stand-in copy waited {WAIT_LIMIT_S:g} s for the event it was queued behind")
-        else:
-            # The bytes land at the end: until then the destination holds its old contents, as on a GPU.
-            start_s = time.monotonic()
-            wake = max(not_before, start_s + duration_s)
-            while (left := wake - time.monotonic()) > 0:
-                time.sleep(left)
-            try:
-                with torch.no_grad():
-                    dst.copy_(src)
-            except BaseException as exc:  # noqa: BLE001 - reported through the event
-                error = exc
-            if trace is not None:
-                trace.append((name, max(start_s, wake - duration_s), time.monotonic(), src.numel() * src.element_size()))
-        del op, dst, src, after  # the idle thread must not keep the last copy's tensors alive
-        event._complete(error)
+    dst, src, after, not_before, duration_s, event = op
+    error = None
+    if after is not None and not after.synchronize(WAIT_LIMIT_S):
+        error = TimeoutError(f"a stand-in copy waited {WAIT_LIMIT_S:g} s for the event it was queued behind")
+    else:
+        # The bytes land at the end: until then the destination holds its old contents, as on a GPU.
+        start_s = time.monotonic()
+        wake = max(not_before, start_s + duration_s)
+        while (left := wake - time.monotonic()) > 0:
+            time.sleep(left)
+        try:
+            with torch.no_grad():
+                dst.copy_(src)
+        except BaseException as exc:  # noqa: BLE001 - reported through the event
+            error = exc
+        if trace is not None:
+            trace.append((name, max(start_s, wake - duration_s), time.monotonic(), src.numel() * src.element_size()))
+    del op, dst, src, after  # the event's waiters must not find the copy's tensors still held
+    event._complete(error)
 
 
 class SimDevice:

@@ -24,7 +24,6 @@ only sees CPU tensors (or moves CUDA tensors by GPUDirect Storage) pins nothing.
 from __future__ import annotations
 
 import collections
-import queue
 import threading
 import weakref
 import zlib
@@ -32,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from nvoffload._workers import Worker
 from nvoffload.device import ComputeDevice, Event, compute_device
 from nvoffload.io.buffers import byte_view
 from nvoffload.io.config import ALIGNMENT_BYTES
@@ -111,7 +111,7 @@ class Stager:
         self.piece_bytes = capacity_bytes // 2 // ALIGNMENT_BYTES * ALIGNMENT_BYTES
         self._slab: HostSlab | None = None
         self._devices: dict[torch.device, ComputeDevice] = {}
-        self._jobs: queue.SimpleQueue | None = None
+        self._jobs: Worker | None = None
         self._stop = None
         self._closed = False
         self._lock = threading.Lock()
@@ -229,10 +229,9 @@ class Stager:
                 raise RuntimeError(f"{self.what} was closed")
             if self._jobs is None:
                 self._slab = HostSlab(self.capacity_bytes, self.what)
-                self._jobs = queue.SimpleQueue()
-                threading.Thread(target=_run_jobs, args=(self._jobs,), name="nvoffload-staging", daemon=True).start()
-                self._stop = weakref.finalize(self, self._jobs.put, None)
-            self._jobs.put(job)
+                self._jobs = Worker("nvoffload-staging", _Job.__call__)
+                self._stop = weakref.finalize(self, self._jobs.stop)
+            self._jobs.submit(job)
         return job
 
     def _retire(self, writes: collections.deque) -> None:
@@ -265,9 +264,3 @@ class Stager:
             except TimeoutError:
                 continue
             self._slab.free(buf)
-
-
-def _run_jobs(jobs: queue.SimpleQueue) -> None:
-    while (job := jobs.get()) is not None:
-        job()
-        del job

@@ -21,7 +21,6 @@ missing wait is a wrong result in the tests rather than a corrupted run.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 import weakref
@@ -29,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from nvoffload._workers import Worker
 from nvoffload.device import ComputeDevice, Event, compute_device
 from nvoffload.transfer.future import WAIT_LIMIT_S, Future
 from nvoffload.transfer.slab import HostSlab
@@ -114,10 +114,8 @@ class TransferEngine:
             self._owns_device = True
         else:
             self.device, self._owns_device = device, False
-        self._chain: queue.SimpleQueue = queue.SimpleQueue()
-        thread = threading.Thread(target=_run_chains, args=(self._chain,), name="nvoffload-transfer", daemon=True)
-        thread.start()
-        self._stop_chains = weakref.finalize(self, self._chain.put, None)
+        self._chains = Worker("nvoffload-transfer", _run_chain)
+        self._stop_chains = weakref.finalize(self, self._chains.stop)
         self._closed = False
 
     # ---------------------------------------------------------------- host <-> device
@@ -180,7 +178,7 @@ class TransferEngine:
         """
         self._check_open(what)
         chained = _Chained()
-        self._chain.put((first, start_next, chained))
+        self._chains.submit((first, start_next, chained))
         future = Future([chained], what=what)
         future.chain = chained
         return future
@@ -235,13 +233,13 @@ class TransferEngine:
             raise RuntimeError(f"transfer of {what or 'a tensor'}: the TransferEngine is closed")
 
 
-def _run_chains(chains: queue.SimpleQueue) -> None:
-    while (item := chains.get()) is not None:
-        first, start_next, chained = item
-        try:
-            value = first.result()
-            nxt = start_next(value)
-        except BaseException as exc:  # noqa: BLE001 - the chained future raises it
-            nxt = Future.failed(exc)
-        del first, start_next, item
-        chained.set(nxt)
+def _run_chain(item: tuple) -> None:
+    """Start the second step of a chain once its first is done, on the engine's worker thread."""
+    first, start_next, chained = item
+    try:
+        value = first.result()
+        nxt = start_next(value)
+    except BaseException as exc:  # noqa: BLE001 - the chained future raises it
+        nxt = Future.failed(exc)
+    del first, start_next, item
+    chained.set(nxt)
