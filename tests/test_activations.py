@@ -5,6 +5,7 @@ import doctest
 import gc
 import importlib
 import os
+import time
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nvoffload.activations import ActivationOffloadConfig, SavedTensorCounter, offload_activations
+from nvoffload.device import SimDevice
 from nvoffload.memory import MemoryBudgetError
 from nvoffload.models.gpt import GPT, GPTConfig
 from nvoffload.transfer import TransferEngine
@@ -562,6 +564,37 @@ def test_reads_reach_the_device_ahead_of_unpack(target, tmp_path, monkeypatch):
     assert len(waited) > 3 and len(ahead) == offload.stats().reads_prefetched >= len(waited) // 2
     _grads_with_offload(target, tmp_path, prefetch_bytes=0)
     assert read_ahead()[1] == []  # without prefetch, each read starts when backward asks for it
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes long enough for every write in flight to end."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.6)
+        return grad
+
+
+def test_a_tensor_used_again_after_its_write_ends_stays_on_the_device(tmp_path):
+    """``h`` is saved twice; backward's first use finds its write (slow copies) still in flight and uses the
+    original: it stays for the second use, after the write ended, instead of being dropped and read back
+    (it was counted both avoided and read, one run in a few under load)."""
+    with TransferEngine(8 << 20, SimDevice(copy_delay_us=200_000)) as engine:
+        offload = make_offload("nvme", tmp_path, keep_recent_bytes=0, prefetch_bytes=0, min_bytes=4096, transfer=engine)
+        a = torch.randn(256, 256, requires_grad=True)
+        w = torch.randn(256, requires_grad=True)  # under min_bytes: stays resident
+        with offload:
+            h = a.sin()  # saved by the two products
+            z = _SlowBackward.apply(h * w) * h  # backward: h (write in flight), then the slow step, then h again
+        z.sum().backward()
+        stats = offload.stats()
+        assert stats.tensors_written >= 2 and stats.reads_avoided == stats.tensors_written and stats.bytes_read == 0
+        torch.testing.assert_close(a.grad, (2 * h * w * a.cos()).detach())
+        offload.close()
 
 
 def test_shared_engine_is_used_and_left_open(tmp_path):

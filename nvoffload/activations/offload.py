@@ -589,6 +589,11 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 elif record.avoided_in != self._passes:  # counted once a pass, however many handles share it
                     record.avoided_in = self._passes
                     self._reads_avoided += 1
+                if record.written and not record.kept and record.pending > 1:
+                    # Its other handles come later in this pass: keep the original (within the read-ahead's
+                    # bytes) rather than drop it when the write ends and read it back for them.
+                    record.kept = True
+                    self._prefetched_bytes += record.nbytes
                 self._prefetch_before(record.handle)  # the tensors after the ones kept in memory
             else:
                 if record.load is None:
