@@ -369,7 +369,8 @@ class StepProtocol:
                 except BaseException as exc:  # noqa: BLE001
                     failures.append(f"{rec.name} elements [{chunk.start}, {chunk.start + chunk.numel}): {exc}")
         if failures:
-            raise OffloadIOError("could not restore the weights of " + "; ".join(failures))
+            more = f" (and {len(failures) - 3} more chunks)" if len(failures) > 3 else ""
+            raise OffloadIOError("could not restore the weights of " + "; ".join(failures[:3]) + more)
 
     def grad_norm(self) -> float | None:
         """With released gradients: the global L2 norm of the gradients since the last ``step()`` (summed
