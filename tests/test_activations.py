@@ -575,7 +575,7 @@ class _SlowBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(0.6)
+        time.sleep(2.0)
         return grad
 
 
@@ -583,7 +583,7 @@ def test_a_tensor_used_again_after_its_write_ends_stays_on_the_device(tmp_path):
     """``h`` is saved twice; backward's first use finds its write (slow copies) still in flight and uses the
     original: it stays for the second use, after the write ended, instead of being dropped and read back
     (it was counted both avoided and read, one run in a few under load)."""
-    with TransferEngine(8 << 20, SimDevice(copy_delay_us=200_000)) as engine:
+    with TransferEngine(8 << 20, SimDevice(copy_delay_us=1_500_000)) as engine:  # writes in flight for 1.5 s
         offload = make_offload("nvme", tmp_path, keep_recent_bytes=0, prefetch_bytes=0, min_bytes=4096, transfer=engine)
         a = torch.randn(256, 256, requires_grad=True)
         w = torch.randn(256, requires_grad=True)  # under min_bytes: stays resident
