@@ -36,7 +36,9 @@ How a step runs:
 * After a step whose gradients or hyperparameters changed between backward
   and ``step()``, the next step runs its whole update inside ``step()`` (the
   hooks only watch); overlap comes back after a step in which nothing changed.
-  ``max_grad_norm`` always updates in ``step()``. The cost of these modes is
+  ``max_grad_norm`` always updates in ``step()``, except with ``release_grads``
+  (parameter streaming), where the hooks update and ``step()`` redoes a step
+  that needs clipping from gradients kept in the store. The cost of these modes is
   the lost overlap, never other results.
 * Fewer micro-batches than learned: that step updates in ``step()``, and the
   new count is learned. More: the forward passes after the learned last one
@@ -122,8 +124,10 @@ class OffloadOptimizerConfig:
             4096); None derives it from ``cpu_memory_bytes``.
         prefetch_chunks: chunks read ahead of the one being updated.
         max_grad_norm: clip the global gradient norm to this (as
-            ``torch.nn.utils.clip_grad_norm_``) before the update; needs every
-            gradient first, so the update runs inside ``step()``.
+            ``torch.nn.utils.clip_grad_norm_``, after unscaling a ``GradScaler``'s
+            gradients) before the update; needs every gradient first, so the
+            update runs inside ``step()`` (with ``release_grads`` it still runs
+            during backward and ``step()`` redoes it when the norm is too large).
         overlap: update each parameter as soon as its gradient is final
             (speculatively, see the module docs); False runs everything in ``step()``.
         checksum: ask the store to checksum every chunk.
@@ -439,8 +443,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     @property
     def overlap_active(self) -> bool:
         """Whether the next step's updates run during backward: False with ``overlap=False`` or
-        ``max_grad_norm``, and for the step after one whose gradients or hyperparameters changed
-        between backward and ``step()``, until a step without such a change."""
+        ``max_grad_norm`` (unless ``release_grads``), and for the step after one whose gradients or
+        hyperparameters changed between backward and ``step()``, until a step without such a change."""
         return self._protocol.speculate
 
     # ------------------------------------------------------------------ state dict
