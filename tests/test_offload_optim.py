@@ -586,6 +586,12 @@ def test_bad_input(tmp_path, monkeypatch):
         OffloadOptimizer(torch.optim.LBFGS(lin.parameters()), swap_dir=tmp_path)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         OffloadOptimizer(lin, swap_dir=tmp_path)
+    for field in ("cpu_memory_bytes", "chunk_bytes", "prefetch_chunks", "max_grad_norm", "gradient_accumulation_steps"):
+        with pytest.raises(ValueError, match=rf"{field} must be .* got True"):  # a bool is no number
+            NVMeAdamW(lin.parameters(), swap_dir=tmp_path, **{field: True})
+    for dtype in (torch.float64, torch.float8_e4m3fn, torch.int32):  # refused when built, not at every step()
+        with pytest.raises(ValueError, match=rf"dtype {dtype} cannot be offloaded \(float32, bfloat16 or float16"):
+            NVMeAdamW([nn.Parameter(torch.zeros(4).to(dtype), requires_grad=False)], swap_dir=tmp_path)
     import shutil as _shutil
 
     real = _shutil.disk_usage

@@ -221,8 +221,9 @@ def test_recipe_options_are_checked_at_the_boundary(tmp_path):
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="gradient_accumulation_steps"):
             nvoffload.OffloadConfig(swap_dirs=[tmp_path], gradient_accumulation_steps=bad)
-    with pytest.raises(ValueError, match="max_grad_norm"):
-        nvoffload.OffloadConfig(swap_dirs=[tmp_path], max_grad_norm=-1.0)
+    for bad in (-1.0, True, math.inf):
+        with pytest.raises(ValueError, match="max_grad_norm"):
+            nvoffload.OffloadConfig(swap_dirs=[tmp_path], max_grad_norm=bad)
     with pytest.raises(ValueError, match="growth_interval"):
         nvoffload.LossScaling(growth_interval=0)
     with pytest.raises(TypeError, match="LossScaling"):

@@ -112,6 +112,14 @@ _INSTANCES = itertools.count()
 OffloadIOError.__module__ = WeightHome.__module__ = __name__  # their public home (tracebacks, pickles, docs)
 
 
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _is_int(value) -> bool:
+    """An int that is not a bool (``True`` is no byte count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class OffloadOptimizerConfig:
     """How :class:`OffloadOptimizer` stages its state.
@@ -159,18 +167,23 @@ class OffloadOptimizerConfig:
     loss_scaling: LossScaling | None = None
 
     def __post_init__(self):
-        if not isinstance(self.cpu_memory_bytes, int) or self.cpu_memory_bytes <= 0:
+        if not _is_int(self.cpu_memory_bytes) or self.cpu_memory_bytes <= 0:
             raise ValueError(f"cpu_memory_bytes must be a positive int, got {self.cpu_memory_bytes!r}")
-        if self.chunk_bytes is not None and (self.chunk_bytes <= 0 or self.chunk_bytes % (4 * ALIGN_NUMEL)):
-            raise ValueError(f"chunk_bytes must be a positive multiple of {4 * ALIGN_NUMEL}, got {self.chunk_bytes}")
-        if not isinstance(self.prefetch_chunks, int) or self.prefetch_chunks < 0:
+        if self.chunk_bytes is not None and (
+            not _is_int(self.chunk_bytes) or self.chunk_bytes <= 0 or self.chunk_bytes % (4 * ALIGN_NUMEL)
+        ):
+            raise ValueError(f"chunk_bytes must be a positive multiple of {4 * ALIGN_NUMEL}, got {self.chunk_bytes!r}")
+        if not _is_int(self.prefetch_chunks) or self.prefetch_chunks < 0:
             raise ValueError(f"prefetch_chunks must be an int >= 0, got {self.prefetch_chunks!r}")
-        if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
-            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm}")
+        if self.max_grad_norm is not None and not (
+            isinstance(self.max_grad_norm, (int, float)) and not isinstance(self.max_grad_norm, bool)
+            and self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)
+        ):  # fmt: skip
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm!r}")
         if self.release_grads and not self.overlap:
             raise ValueError("release_grads needs overlap=True: the gradients are consumed in the hooks")
         steps = self.gradient_accumulation_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        if not _is_int(steps) or steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {steps!r}")
         if not self.release_grads and (steps != 1 or self.loss_scaling is not None):
             raise ValueError(
@@ -327,8 +340,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for p in g["params"]:
                 if p.is_sparse or p.layout != torch.strided:
                     raise ValueError(f"parameter of layout {p.layout} cannot be offloaded (dense parameters only)")
-                if not p.is_floating_point():
-                    raise ValueError(f"parameter of dtype {p.dtype} cannot be offloaded (floating point only)")
+                if p.dtype not in _PARAM_DTYPES:
+                    raise ValueError(
+                        f"parameter of dtype {p.dtype} cannot be offloaded (float32, bfloat16 or float16: the"
+                        " master weights are float32)"
+                    )
             self._update.check_group(g)
         return next(iter(devices)) if devices else torch.device("cpu")
 
