@@ -468,3 +468,41 @@ def test_staging_bytes_is_validated(tmp_path, bad):
     with pytest.raises(ValueError, match=r"staging_bytes must be an int of at least 8192 \(two 4 KiB pieces\), got"):
         TensorStore(tmp_path, staging_bytes=bad)
     assert os.listdir(tmp_path) == []  # refused before any swap file was made
+
+
+_WAIT_FOR_SIGTERM = """
+import sys, time, torch
+from nvoffload.io import TensorStore
+store = TensorStore(sys.argv[1])
+store.put("x", torch.ones(1 << 20)).result()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_sigterm_unwinds_and_removes_the_swap_file_as_sigint_does(tmp_path):
+    """SIGTERM (a job scheduler's kill, ``kill PID``) ended the process on the spot and left the swap file; it now
+    exits 143 through the ordinary unwinding, which removes it."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _WAIT_FOR_SIGTERM, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert child.stdout.readline().strip() == "ready"
+    assert any(p.suffix == ".swap" for p in tmp_path.iterdir())
+    child.terminate()
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 143, err[-2000:]
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_programs_own_sigterm_handler_is_left_alone(tmp_path):
+    import signal
+
+    def mine(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        TensorStore(tmp_path).close()
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)

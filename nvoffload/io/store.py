@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import threading
 import uuid
 import warnings
@@ -177,6 +178,7 @@ class TensorStore:
         share = None if capacity_bytes is None else _share_bytes(capacity_bytes, len(dirs))
         for d in dirs:
             _warn_about_orphans(d)
+        _exit_cleanly_on_sigterm()
 
         self.checksum = checksum
         self._engine = IOEngine(config)
@@ -581,6 +583,18 @@ def _size_bytes(path: str) -> int:
         return os.stat(path).st_size
     except FileNotFoundError:  # removed meanwhile
         return 0
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """Make SIGTERM unwind the program as SIGINT does (``SystemExit(143)``), so that stores close and their swap
+    files go: by default it ends the process on the spot and leaves them behind. Only from the main thread, and
+    only where no handler was installed (a program's own stays)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+
+
+def _exit_on_signal(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _unlink(paths: list[str]) -> None:
