@@ -150,6 +150,7 @@ class OffloadSession:
         self.optimizer = optimizer
         self._activations = activations
         self._handles = []  # the model's forward hooks installed by initialize()
+        self.closed = False
 
     def memory_stats(self) -> dict[str, TierStats]:
         """Used, peak and limit bytes of the device and host tiers, plus the bytes on NVMe (as ``nvme``)."""
@@ -191,6 +192,7 @@ class OffloadSession:
         )  # fmt: skip
 
     def close(self) -> None:
+        self.closed = True
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -200,6 +202,9 @@ class OffloadSession:
         self.optimizer.close()
         self._resources.close()
         self.store.close()
+
+
+_SESSION_ATTR = "_nvoffload_session"  # on the model: a weak reference to the session streaming it
 
 
 class _Transfers:
@@ -281,6 +286,12 @@ def initialize(
         raise TypeError(f"config must be an nvoffload.OffloadConfig, got {type(config).__name__}")
     if optimizer.state:
         raise ValueError("initialize() needs an optimizer without state; load its state afterwards")
+    previous = getattr(model, _SESSION_ATTR, lambda: None)()
+    if previous is not None and not previous.closed:
+        raise ValueError(
+            f"this {type(model).__name__} is already streamed by an nvoffload session: close that one first"
+            " (optimizer.close()), or build the model again"
+        )
     if not config.retain_host_memory:
         release_freed_host_memory()
     memory = MemoryManager(device_memory_bytes=config.device_memory_bytes, cpu_memory_bytes=config.cpu_memory_bytes)
@@ -343,4 +354,5 @@ def initialize(
 
         session._handles += [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
     offloaded.session = session
+    setattr(model, _SESSION_ATTR, weakref.ref(session))
     return model, offloaded

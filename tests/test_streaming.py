@@ -538,3 +538,16 @@ def test_cuda_initialize_trains_like_torch_from_one_page_locked_slab(tmp_path):
             torch.testing.assert_close(got[name].cuda(), value, rtol=1e-4, atol=1e-5, msg=name)
     finally:
         session.close()
+
+
+def test_initialize_twice_on_one_model_is_refused(tmp_path):
+    cfg, _, model = make_pair()
+    model, opt = nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model))
+    try:
+        with pytest.raises(ValueError, match="already streamed by an nvoffload session: close that one first"):
+            nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model))
+        x, y = batch(cfg, 0)
+        model(x, y).backward()  # the first session is untouched
+        opt.step()
+    finally:
+        opt.close()
