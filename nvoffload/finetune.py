@@ -52,6 +52,7 @@ from torch import nn
 from nvoffload.activations import offload_activations
 from nvoffload.checkpoint import open_checkpoint, save_file
 from nvoffload.data import ByteTokenizer, TokenDataset, load_text
+from nvoffload.device import cuda_available
 from nvoffload.models import GPT, GPTConfig
 from nvoffload.optim import LossScaling
 from nvoffload.optim.offload import NVMeAdamW, OffloadOptimizer
@@ -149,6 +150,17 @@ class FinetuneConfig:
             raise ValueError(f"activation_memory_bytes must be >= 1, got {self.activation_memory_bytes}")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        context = GPTConfig.preset(self.preset).seq_len
+        if self.model_dir is None and self.seq_len is not None and self.seq_len > context:
+            raise ValueError(f"seq_len {self.seq_len} exceeds the {self.preset} preset's context of {context} positions")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"device: {exc}") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if device.type == "cuda" and not cuda_available():
+            raise ValueError(f"device {self.device}: no CUDA GPU is usable here (torch {torch.__version__}); use --device cpu")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be positive and finite, got {self.lr}")
         if self.warmup_steps < 0 or self.weight_decay < 0:

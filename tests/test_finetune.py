@@ -32,6 +32,15 @@ def test_config_validation(tmp_path):
         FinetuneConfig(preset="huge")
     with pytest.raises(ValueError, match="dtype"):
         FinetuneConfig(dtype="int8")
+    with pytest.raises(ValueError, match="seq_len 100000 exceeds the tiny preset's context of 64 positions"):
+        FinetuneConfig(preset="tiny", seq_len=100_000)  # ran for minutes without a step
+    with pytest.raises(ValueError, match="device must be cpu or cuda"):
+        FinetuneConfig(device="mps")
+    with pytest.raises(ValueError, match="device: "):
+        FinetuneConfig(device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU is usable here .* use --device cpu"):
+            FinetuneConfig(device="cuda")  # was torch's AssertionError traceback
     FinetuneConfig(stream=True, grad_accum_steps=2, max_grad_norm=1.0, dtype="float16")  # the optimizer's, streamed
     FinetuneConfig(grad_accum_steps=2, max_grad_norm=1.0, dtype="float16")  # a GradScaler, unscaled before clipping
     with pytest.raises(ValueError, match="max_grad_norm must be positive"):
