@@ -29,6 +29,8 @@ from nvoffload.device import compute_device
 from nvoffload.io import TensorStore, swap_directories
 from nvoffload.memory import MemoryBudgetError, MemoryManager, TierStats, release_freed_host_memory
 from nvoffload.optim import LossScaling, OffloadOptimizer, OffloadOptimizerConfig
+from nvoffload.optim._layout import Layout
+from nvoffload.optim._updates import for_optimizer
 from nvoffload.streaming import ParameterStreamer, compute_device_of
 from nvoffload.transfer import HostSlab, TransferEngine
 from nvoffload.transfer.slab import ALIGNMENT_BYTES
@@ -204,6 +206,22 @@ class OffloadSession:
         self.store.close()
 
 
+def _check_free_space(model: nn.Module, optimizer: torch.optim.Optimizer, config: OffloadConfig) -> None:
+    """Raise ``OSError(ENOSPC)`` before anything is written when the swap directories cannot hold the model's
+    weights and two generations of the optimizer state (with the kept gradients): activations come on top."""
+    update = for_optimizer(optimizer)
+    layout = Layout(
+        adam=update.adam, elementwise=update.elementwise, param_groups=optimizer.param_groups, prefix="",
+        kept_grads=config.optimizer_config(1).keeps_grads,
+    )  # fmt: skip
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    state, kept = layout.state_bytes(), layout.kept_grad_bytes()
+    swap_directories(
+        config.swap_dirs, needed_bytes=weights + 2 * state + kept,
+        what=f"the weights ({weights} bytes) and the optimizer state (two generations of {state} bytes, and {kept} of gradients)",
+    )  # fmt: skip
+
+
 _SESSION_ATTR = "_nvoffload_session"  # on the model: a weak reference to the session streaming it
 
 
@@ -292,6 +310,7 @@ def initialize(
             f"this {type(model).__name__} is already streamed by an nvoffload session: close that one first"
             " (optimizer.close()), or build the model again"
         )
+    _check_free_space(model, optimizer, config)
     if not config.retain_host_memory:
         release_freed_host_memory()
     memory = MemoryManager(device_memory_bytes=config.device_memory_bytes, cpu_memory_bytes=config.cpu_memory_bytes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import subprocess
 import sys
@@ -551,3 +552,15 @@ def test_initialize_twice_on_one_model_is_refused(tmp_path):
         opt.step()
     finally:
         opt.close()
+
+
+def test_initialize_checks_free_space_before_writing_anything(tmp_path, monkeypatch):
+    import shutil
+
+    cfg, _, model = make_pair()
+    real = shutil.disk_usage
+    monkeypatch.setattr("nvoffload.io.store.shutil.disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    with pytest.raises(OSError, match=r"needs \d+ bytes for the weights \(\d+ bytes\) and the optimizer state") as info:
+        nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model))
+    assert info.value.errno == errno.ENOSPC
+    assert not list(tmp_path.iterdir())  # it started, then failed in step 0, before
