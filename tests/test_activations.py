@@ -681,3 +681,34 @@ def test_cuda_copies_out_and_back_on_their_own_streams(target, tmp_path, monkeyp
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(f"nvoffload.activations.{module}"))
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_failed_write_fails_that_backward_only_and_close_releases_everything(tmp_path):
+    """An EIO while a saved tensor is written: that backward raises naming the tensor, the next trains exactly,
+    and close() releases everything (it raised KeyError on every call for the tensor the failed write left
+    no space for, and kept the swap file)."""
+    from nvoffload.io import TensorStore
+
+    store = TensorStore(tmp_path)
+    offload = offload_activations(store, min_bytes=1024, keep_recent_bytes=0, max_pending_write_bytes=0)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    x = torch.randn(64, 256)
+    want = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    store.inject_fault("eio", after_ops=2)
+    with offload:
+        y = model(x).sum()
+    with pytest.raises(RuntimeError, match=r"writing saved activation .* failed: \[Errno 5\]"):
+        y.backward()
+    del y
+    model.zero_grad()
+    with offload:
+        y = model(x).sum()
+    y.backward()
+    for p, g in zip(model.parameters(), want):
+        assert torch.equal(p.grad, g)
+    offload.close()
+    offload.close()
+    assert store.used_bytes == 0
+    store.close()
+    assert not list(tmp_path.iterdir())

@@ -170,7 +170,8 @@ class Tier:
         return Load(self.engine.load(self.store, name, dst, staging), dst, staging, prefetch)
 
     def delete(self, name: str) -> None:
-        if self.store is not None:
+        """Free ``name``'s space in the store (a tensor whose write failed left none)."""
+        if self.store is not None and name in self.store:
             self.store.delete(name)
 
     # ---------------------------------------------------------------- lifetime
