@@ -20,6 +20,7 @@ from nvoffload.device import SimDevice
 from nvoffload.io import TensorStore
 from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.models import GPT, GPTConfig
+from nvoffload.optim import OffloadIOError
 from nvoffload.streaming import ParameterStreamer
 from nvoffload.transfer import TransferEngine
 
@@ -564,3 +565,45 @@ def test_initialize_checks_free_space_before_writing_anything(tmp_path, monkeypa
         nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model))
     assert info.value.errno == errno.ENOSPC
     assert not list(tmp_path.iterdir())  # it started, then failed in step 0, before
+
+
+@pytest.mark.parametrize("after_ops", [0, 3, 10, 30], ids=lambda n: f"eio-after-{n}-ops")
+def test_an_io_error_mid_step_leaves_the_step_undone_and_training_exact(tmp_path, after_ops):
+    """One EIO in step 2 (an optimizer read, a block written back in forward, the update's writes, by when it
+    comes): that step raises, the model's forward agrees with its state_dict(), and the next steps train exactly
+    as a run that never took step 2 (a fault in forward used to leave the model silently diverged)."""
+    cfg, ref, model = make_pair("small")
+    runs = {}
+    for name, m in (("faulty", model), ("skipped", copy.deepcopy(ref))):
+        (tmp_path / name).mkdir()
+        m, opt = nvoffload.initialize(m, torch.optim.AdamW(m.parameters(), lr=1e-3), config(tmp_path / name, m))
+        losses = []
+        try:
+            for step in range(6):
+                x, y = batch(cfg, step)
+                if step == 2:
+                    if name == "skipped":
+                        continue
+                    opt.session.store.inject_fault("eio", after_ops=after_ops)
+                    with pytest.raises((OSError, OffloadIOError), match="Errno 5"):  # the store's, or step()'s
+                        m(x, y).backward()
+                        opt.step()
+                    opt.zero_grad()
+                    continue
+                loss = m(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            state = {k: v.clone() for k, v in m.state_dict().items()}
+            check = copy.deepcopy(ref)
+            check.load_state_dict(state)
+            x, y = batch(cfg, 99)
+            with torch.no_grad():
+                assert float(m(x, y)) == float(check(x, y))  # the forward is the state_dict's
+            runs[name] = losses, state
+        finally:
+            opt.close()
+    assert runs["faulty"][0] == runs["skipped"][0]
+    for k, v in runs["skipped"][1].items():
+        assert torch.equal(runs["faulty"][1][k], v), k
