@@ -357,9 +357,14 @@ def initialize(
 
     def settle(module, args) -> None:
         # A forward sees every update its previous backward queued (normally step() already waited); the
-        # gradients an earlier micro-batch keeps go on being written while the next one computes.
+        # gradients an earlier micro-batch keeps go on being written while the next one computes. After a
+        # backward that raised, its step is undone: the next one starts from the last step()'s weights.
         opt = optimizer_ref()
-        if opt is not None and opt.updates_queued:
+        if opt is None:
+            return
+        if opt.session is not None and opt.session.streamer.backward_failed:
+            opt.abandon_step()
+        elif opt.updates_queued:
             opt.synchronize()
 
     session._handles.append(model.register_forward_pre_hook(settle))

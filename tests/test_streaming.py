@@ -567,8 +567,12 @@ def test_initialize_checks_free_space_before_writing_anything(tmp_path, monkeypa
     assert not list(tmp_path.iterdir())  # it started, then failed in step 0, before
 
 
-@pytest.mark.parametrize("after_ops", [0, 3, 10, 30], ids=lambda n: f"eio-after-{n}-ops")
-def test_an_io_error_mid_step_leaves_the_step_undone_and_training_exact(tmp_path, after_ops):
+@pytest.mark.parametrize(
+    "fault, after_ops",
+    [("eio", 0), ("eio", 3), ("eio", 10), ("eio", 30), ("enospc", 0), ("enospc", 5), ("short_read", 0)],
+    ids=lambda v: str(v),
+)
+def test_an_io_error_mid_step_leaves_the_step_undone_and_training_exact(tmp_path, fault, after_ops):
     """One EIO in step 2 (an optimizer read, a block written back in forward, the update's writes, by when it
     comes): that step raises, the model's forward agrees with its state_dict(), and the next steps train exactly
     as a run that never took step 2 (a fault in forward used to leave the model silently diverged)."""
@@ -584,12 +588,11 @@ def test_an_io_error_mid_step_leaves_the_step_undone_and_training_exact(tmp_path
                 if step == 2:
                     if name == "skipped":
                         continue
-                    opt.session.store.inject_fault("eio", after_ops=after_ops)
-                    with pytest.raises((OSError, OffloadIOError), match="Errno 5"):  # the store's, or step()'s
+                    opt.session.store.inject_fault(fault, after_ops=after_ops)
+                    with pytest.raises((OSError, OffloadIOError), match=r"Errno|short"):  # the store's, or step()'s
                         m(x, y).backward()
                         opt.step()
-                    opt.zero_grad()
-                    continue
+                    continue  # no zero_grad(), no step(): the loop just goes on
                 loss = m(x, y)
                 loss.backward()
                 opt.step()
@@ -607,3 +610,43 @@ def test_an_io_error_mid_step_leaves_the_step_undone_and_training_exact(tmp_path
     assert runs["faulty"][0] == runs["skipped"][0]
     for k, v in runs["skipped"][1].items():
         assert torch.equal(runs["faulty"][1][k], v), k
+
+
+def test_a_backward_that_raises_midway_is_undone_by_the_next_forward(tmp_path):
+    """Blocks 3 and 2 had their updates applied when backward raised in block 1: the next iteration (no step(),
+    no zero_grad()) starts from the last step's weights and trains exactly as a run without that iteration
+    (every later iteration failed with "backward ran again" before)."""
+    cfg, ref, model = make_pair("small")
+    runs = {}
+    for name, m in (("failed", model), ("skipped", copy.deepcopy(ref))):
+        (tmp_path / name).mkdir()
+        m, opt = nvoffload.initialize(m, torch.optim.AdamW(m.parameters(), lr=1e-3), config(tmp_path / name, m))
+        fail = {"armed": False}
+
+        def boom(module, grad_input, grad_output):
+            if fail["armed"]:
+                fail["armed"] = False
+                raise RuntimeError("a failure in backward")
+
+        m.blocks[1].register_full_backward_hook(boom)
+        losses = []
+        try:
+            for step in range(5):
+                x, y = batch(cfg, step)
+                if step == 2:
+                    if name == "failed":
+                        fail["armed"] = True
+                        with pytest.raises(RuntimeError, match="a failure in backward"):
+                            m(x, y).backward()
+                    continue
+                loss = m(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            runs[name] = losses, {k: v.clone() for k, v in m.state_dict().items()}
+        finally:
+            opt.close()
+    assert runs["failed"][0] == runs["skipped"][0]
+    for k, v in runs["skipped"][1].items():
+        assert torch.equal(runs["failed"][1][k], v), k

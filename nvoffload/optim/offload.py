@@ -450,6 +450,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._check_open()
         self._pipeline.wait_idle()
 
+    def abandon_step(self) -> None:
+        """Undo what backward did since the last ``step()``: the weights its queued updates changed are restored
+        and the gradients kept between micro-batches are forgotten (a backward that raised cannot be finished)."""
+        self._check_open()
+        self._protocol.abandon()
+
     @property
     def updates_queued(self) -> bool:
         """Whether backward queued updates since the last ``step()`` (gradients merely kept between

@@ -99,6 +99,10 @@ class BackwardPasses:
                     hold.held = False
                     self._residency.unhold(block, "backward")
 
+    def unfinished(self) -> bool:
+        """Outside backward: whether a pass never ended (its backward raised)."""
+        return bool(self._passes) and _current_pass() == -1
+
     def release_unfinished(self) -> None:
         """Outside backward: let go of what passes that never ended (backward raised) still hold."""
         if self._passes and _current_pass() == -1:

@@ -227,6 +227,11 @@ class ParameterStreamer:
     def _after_load(self, owned, module, incompatible_keys) -> None:
         self._weights.after_load(owned)
 
+    @property
+    def backward_failed(self) -> bool:
+        """Outside backward: whether the last backward pass raised before it ended."""
+        return self._passes.unfinished()
+
     # ------------------------------------------------------------------ WeightHome (the optimizer)
     def holds(self, param: torch.Tensor) -> bool:
         return self._weights.holds(param)
