@@ -70,7 +70,9 @@ class OffloadConfig:
             ``torch.nn.utils.clip_grad_norm_`` (None: no clipping). The updates
             still run during backward; when the norm turns out larger, ``step()``
             redoes them from the gradients it kept in the store (4 bytes per
-            parameter written each step, and read again when it clips).
+            parameter written each step, and read again when it clips). The
+            norm of a parameter larger than one optimizer chunk is summed from
+            its chunks' norms, which can differ from torch's in the last bit.
         gradient_accumulation_steps: backward passes per ``optimizer.step()``;
             their gradients are summed in fp32 in the store (4 bytes per
             parameter written per micro-batch, and read from the second).
