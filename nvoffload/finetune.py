@@ -53,6 +53,7 @@ from nvoffload.activations import offload_activations
 from nvoffload.checkpoint import open_checkpoint, save_file
 from nvoffload.data import ByteTokenizer, TokenDataset, load_text
 from nvoffload.device import cuda_available
+from nvoffload.io.ownership import SwapDirectoryInUse, claim
 from nvoffload.models import GPT, GPTConfig
 from nvoffload.optim import LossScaling
 from nvoffload.optim.offload import NVMeAdamW, OffloadOptimizer
@@ -98,8 +99,9 @@ class FinetuneConfig:
             ``torch.amp.GradScaler``, or with ``stream`` the optimizer's).
         grad_accum_steps: micro-batches per optimizer step.
         max_grad_norm: clip the global gradient norm (the updates then run in ``step()``).
-        swap_dir: directory on NVMe; None makes a fresh one under
-            :func:`default_swap_root`, removed at the end.
+        swap_dir: directory on NVMe; None: :func:`default_swap_root`, reused run
+            after run so that what a killed run left there is cleaned up (a fresh
+            subdirectory, removed at the end, while another run holds it).
         cpu_memory_bytes: host memory for the optimizer's staging buffers (with
             ``stream``, also the cache of parameter blocks).
         stream: stream the parameters from NVMe too (see the module docstring).
@@ -378,12 +380,17 @@ def finetune(
         tokens, seq_len = ByteTokenizer().encode(text), config.model_config.seq_len
     data = TokenDataset(tokens, seq_len, seed=config.seed)
 
-    owned_dir = None
-    if config.swap_dir is None:
-        root = default_swap_root()
-        os.makedirs(root, exist_ok=True)
-        owned_dir = tempfile.mkdtemp(prefix="finetune-", dir=root)
-    swap_dir = owned_dir or config.swap_dir
+    owned_dir = release = None
+    swap_dir = config.swap_dir
+    if swap_dir is None:
+        # The cache directory itself, reused run after run, so that what a killed run left there is cleaned up
+        # (nvoffload.io.ownership); a fresh subdirectory while another run holds it.
+        swap_dir = default_swap_root()
+        os.makedirs(swap_dir, exist_ok=True)
+        try:
+            release = claim(swap_dir)
+        except SwapDirectoryInUse:
+            owned_dir = swap_dir = tempfile.mkdtemp(prefix="finetune-", dir=swap_dir)
     bar = None
     try:
         model, opt = _build(config, swap_dir, hf)
@@ -441,6 +448,8 @@ def finetune(
             bar.close()
         if owned_dir is not None:
             shutil.rmtree(owned_dir, ignore_errors=True)
+        if release is not None:
+            release()
     return result
 
 

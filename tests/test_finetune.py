@@ -64,7 +64,22 @@ def test_finetune_loss_decreases_and_cleans_up(tmp_path, monkeypatch):
     assert len(losses) == 40 and sum(losses[-5:]) / 5 < losses[0] - 0.5
     last = result.steps[-1]
     assert last.tokens_per_s > 0 and last.nvme_bytes > 0 and last.io_gb_per_s > 0 and last.host_held_bytes > 0
-    assert os.listdir(tmp_path / "nvoffload") == []  # the run's swap directory is gone
+    assert os.listdir(tmp_path / "nvoffload") == []  # the run's swap file and lock are gone
+
+
+def test_default_swap_directory_is_reused_and_a_killed_runs_files_are_cleaned(tmp_path, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    root = tmp_path / "nvoffload"
+    root.mkdir()
+    with open("/proc/sys/kernel/pid_max") as f:
+        dead = int(f.read()) + 1  # no process can have it
+    (root / "nvoffload.lock").write_text(f"{dead} {socket.gethostname()}\n")
+    (root / f"nvoffload-{dead}-0123456789ab.swap").write_bytes(b"\0" * 8192)
+    with pytest.warns(UserWarning, match=rf"removed 1 swap file\(s\) .* left by process {dead}"):
+        finetune(FinetuneConfig(preset="tiny", steps=1, batch_size=2), progress=False)
+    assert os.listdir(root) == []
 
 
 def test_cli(tmp_path, monkeypatch):

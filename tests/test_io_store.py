@@ -422,7 +422,8 @@ def test_swap_files_removed_without_close(tmp_path):
     script = (
         "import sys, torch\nfrom nvoffload.io import TensorStore\n"
         "store = TensorStore(sys.argv[1])\nstore.put('x', torch.ones(1 << 20)).result()\n"
-        "assert len(__import__('os').listdir(sys.argv[1])) == 1\n"
+        "assert sorted(__import__('os').listdir(sys.argv[1]))[-1] == 'nvoffload.lock'\n"
+        "assert sum(f.endswith('.swap') for f in __import__('os').listdir(sys.argv[1])) == 1\n"
     )
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True)
     assert os.listdir(tmp_path) == []
@@ -506,3 +507,58 @@ def test_a_programs_own_sigterm_handler_is_left_alone(tmp_path):
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+_HOLD_THE_DIRECTORY = """
+import sys, time, torch
+from nvoffload.io import TensorStore
+store = TensorStore(sys.argv[1])
+store.put("x", torch.ones(1 << 18)).result()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(directory):
+    child = subprocess.Popen([sys.executable, "-c", _HOLD_THE_DIRECTORY, str(directory)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    return child
+
+
+def test_a_directory_another_live_process_holds_is_refused_and_a_subdirectory_works(tmp_path):
+    import errno
+
+    from nvoffload.io.ownership import SwapDirectoryInUse
+
+    child = _holder(tmp_path)
+    try:
+        with pytest.raises(SwapDirectoryInUse, match=rf"in use by process {child.pid} on .*\(a subdirectory will do\)") as info:
+            TensorStore(tmp_path)
+        assert info.value.errno == errno.EBUSY
+        (tmp_path / "mine").mkdir()
+        TensorStore(tmp_path / "mine").close()
+    finally:
+        child.kill()
+        child.communicate()
+
+
+def test_a_killed_processs_lock_and_swap_files_are_cleaned_by_the_next_store(tmp_path):
+    """SIGKILL leaves the lock and the swap file; the next store on that directory removes both, saying so."""
+    child = _holder(tmp_path)
+    child.kill()
+    child.communicate()
+    left = sorted(os.listdir(tmp_path))
+    assert left[-1] == "nvoffload.lock" and left[0].startswith(f"nvoffload-{child.pid}-")
+    with pytest.warns(UserWarning, match=rf"removed 1 swap file\(s\) .* left by process {child.pid}, which no longer runs"):
+        store = TensorStore(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(p) for p in store.swap_files] + ["nvoffload.lock"])
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_stores_of_one_process_share_a_directory_and_the_last_one_unlocks_it(tmp_path):
+    a, b = TensorStore(tmp_path), TensorStore(tmp_path)
+    a.close()
+    assert "nvoffload.lock" in os.listdir(tmp_path)
+    b.close()
+    assert os.listdir(tmp_path) == []

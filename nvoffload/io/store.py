@@ -24,6 +24,7 @@ from nvoffload.io.config import IOConfig
 from nvoffload.io.engine import IOEngine, NativePart, OpenFile
 from nvoffload.io.errors import ChecksumError, StoreIOError
 from nvoffload.io.gds import GDSFile, gds_available
+from nvoffload.io.ownership import claim
 from nvoffload.io.staging import DEFAULT_STAGING_BYTES, Stager, wait_for_device
 from nvoffload.transfer.extents import Extents
 from nvoffload.transfer.future import Future
@@ -176,6 +177,14 @@ class TensorStore:
             raise ValueError(f"capacity_bytes must be a non-negative int or None, got {capacity_bytes!r}")
         dirs = swap_directories(swap_dirs, needed_bytes=capacity_bytes or 0, what="its share of the store's capacity")
         share = None if capacity_bytes is None else _share_bytes(capacity_bytes, len(dirs))
+        releases: list = []
+        try:
+            for d in dirs:
+                releases.append(claim(d))  # refuses a directory another live process holds
+        except BaseException:
+            _release_all(releases)
+            raise
+        self._release_dirs = weakref.finalize(self, _release_all, releases)  # after the files go (made first)
         for d in dirs:
             _warn_about_orphans(d)
         _exit_cleanly_on_sigterm()
@@ -549,6 +558,7 @@ class TensorStore:
         _unlink([swap.file.path for swap in self._swaps])
         self._swaps = []
         self._unlink_at_exit.detach()
+        self._release_dirs()
 
 
 _SWAP_NAME = re.compile(r"nvoffload-(\d+)-[0-9a-f]{12}\.swap")
@@ -595,6 +605,11 @@ def _exit_cleanly_on_sigterm() -> None:
 
 def _exit_on_signal(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
+
+
+def _release_all(releases: list) -> None:
+    for release in releases:
+        release()
 
 
 def _unlink(paths: list[str]) -> None:
