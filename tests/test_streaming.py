@@ -567,6 +567,42 @@ def test_initialize_checks_free_space_before_writing_anything(tmp_path, monkeypa
     assert not list(tmp_path.iterdir())  # it started, then failed in step 0, before
 
 
+def _train_around_step_2(tmp_path, name, cfg, ref, model, steps, fail=None, check_forward=False):
+    """Train ``model`` streamed for ``steps`` steps; step 2 runs ``fail(model, opt, x, y)`` (skipped when None).
+    Returns the other steps' losses and the final state; ``check_forward``: the forward equals the state_dict's."""
+    (tmp_path / name).mkdir()
+    model, opt = nvoffload.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config(tmp_path / name, model))
+    losses = []
+    try:
+        for step in range(steps):
+            x, y = batch(cfg, step)
+            if step == 2:
+                if fail is not None:
+                    fail(model, opt, x, y)
+                continue  # no zero_grad(), no step(): the loop just goes on
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        if check_forward:
+            check = copy.deepcopy(ref)
+            check.load_state_dict(state)
+            x, y = batch(cfg, 99)
+            with torch.no_grad():
+                assert float(model(x, y)) == float(check(x, y))  # the forward is the state_dict's
+        return losses, state
+    finally:
+        opt.close()
+
+
+def _assert_same_training(got, want):
+    assert got[0] == want[0]
+    for k, v in want[1].items():
+        assert torch.equal(got[1][k], v), k
+
+
 @pytest.mark.parametrize(
     "fault, after_ops",
     [("eio", 0), ("eio", 3), ("eio", 10), ("eio", 30), ("enospc", 0), ("enospc", 5), ("short_read", 0)],
@@ -577,39 +613,16 @@ def test_an_io_error_mid_step_leaves_the_step_undone_and_training_exact(tmp_path
     comes): that step raises, the model's forward agrees with its state_dict(), and the next steps train exactly
     as a run that never took step 2 (a fault in forward used to leave the model silently diverged)."""
     cfg, ref, model = make_pair("small")
-    runs = {}
-    for name, m in (("faulty", model), ("skipped", copy.deepcopy(ref))):
-        (tmp_path / name).mkdir()
-        m, opt = nvoffload.initialize(m, torch.optim.AdamW(m.parameters(), lr=1e-3), config(tmp_path / name, m))
-        losses = []
-        try:
-            for step in range(6):
-                x, y = batch(cfg, step)
-                if step == 2:
-                    if name == "skipped":
-                        continue
-                    opt.session.store.inject_fault(fault, after_ops=after_ops)
-                    with pytest.raises((OSError, OffloadIOError), match=r"Errno|short"):  # the store's, or step()'s
-                        m(x, y).backward()
-                        opt.step()
-                    continue  # no zero_grad(), no step(): the loop just goes on
-                loss = m(x, y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-            state = {k: v.clone() for k, v in m.state_dict().items()}
-            check = copy.deepcopy(ref)
-            check.load_state_dict(state)
-            x, y = batch(cfg, 99)
-            with torch.no_grad():
-                assert float(m(x, y)) == float(check(x, y))  # the forward is the state_dict's
-            runs[name] = losses, state
-        finally:
-            opt.close()
-    assert runs["faulty"][0] == runs["skipped"][0]
-    for k, v in runs["skipped"][1].items():
-        assert torch.equal(runs["faulty"][1][k], v), k
+
+    def fail(m, opt, x, y):
+        opt.session.store.inject_fault(fault, after_ops=after_ops)
+        with pytest.raises((OSError, OffloadIOError), match=r"Errno|short"):  # the store's, or step()'s
+            m(x, y).backward()
+            opt.step()
+
+    faulty = _train_around_step_2(tmp_path, "faulty", cfg, ref, model, 6, fail, check_forward=True)
+    skipped = _train_around_step_2(tmp_path, "skipped", cfg, ref, copy.deepcopy(ref), 6, check_forward=True)
+    _assert_same_training(faulty, skipped)
 
 
 def test_a_backward_that_raises_midway_is_undone_by_the_next_forward(tmp_path):
@@ -617,36 +630,18 @@ def test_a_backward_that_raises_midway_is_undone_by_the_next_forward(tmp_path):
     no zero_grad()) starts from the last step's weights and trains exactly as a run without that iteration
     (every later iteration failed with "backward ran again" before)."""
     cfg, ref, model = make_pair("small")
-    runs = {}
-    for name, m in (("failed", model), ("skipped", copy.deepcopy(ref))):
-        (tmp_path / name).mkdir()
-        m, opt = nvoffload.initialize(m, torch.optim.AdamW(m.parameters(), lr=1e-3), config(tmp_path / name, m))
-        fail = {"armed": False}
 
-        def boom(module, grad_input, grad_output):
-            if fail["armed"]:
-                fail["armed"] = False
-                raise RuntimeError("a failure in backward")
+    def boom(module, grad_input, grad_output):
+        raise RuntimeError("a failure in backward")
 
-        m.blocks[1].register_full_backward_hook(boom)
-        losses = []
+    def fail(m, opt, x, y):
+        handle = m.blocks[1].register_full_backward_hook(boom)
         try:
-            for step in range(5):
-                x, y = batch(cfg, step)
-                if step == 2:
-                    if name == "failed":
-                        fail["armed"] = True
-                        with pytest.raises(RuntimeError, match="a failure in backward"):
-                            m(x, y).backward()
-                    continue
-                loss = m(x, y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-            runs[name] = losses, {k: v.clone() for k, v in m.state_dict().items()}
+            with pytest.raises(RuntimeError, match="a failure in backward"):
+                m(x, y).backward()
         finally:
-            opt.close()
-    assert runs["failed"][0] == runs["skipped"][0]
-    for k, v in runs["skipped"][1].items():
-        assert torch.equal(runs["failed"][1][k], v), k
+            handle.remove()
+
+    failed = _train_around_step_2(tmp_path, "failed", cfg, ref, model, 5, fail)
+    skipped = _train_around_step_2(tmp_path, "skipped", cfg, ref, copy.deepcopy(ref), 5)
+    _assert_same_training(failed, skipped)
