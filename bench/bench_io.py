@@ -11,6 +11,9 @@ on the same directories in the same run:
 - ``TensorStore``: every tensor put (then got) at once, O_DIRECT, from 4 KiB-aligned
   buffers (``nvoffload.io.aligned_empty``), and from ordinary ``torch.empty``
   tensors (``unaligned``: the I/O threads bounce unaligned blocks through aligned buffers).
+- ``TensorStore crc32c``: the same with the store's checksums (CRC-32C of every tensor at ``put``,
+  verified at ``get``: the default), and, printed apart, the checksums' own speed on one thread
+  (native CRC-32C beside ``zlib.crc32`` and a plain read of the buffer).
 - ``torch.save``/``torch.load`` and ``numpy.tofile``/``fromfile``: one file per
   tensor, buffered, with ``fsync`` counted in the write time (without it the
   write only reaches the page cache), and the page cache emptied before reading
@@ -36,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,9 +47,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS_DIR, save_report  # noqa: E402
+from report import RESULTS_DIR, markdown_table, save_report  # noqa: E402
 
-from nvoffload.io import IOConfig, TensorStore, aligned_empty  # noqa: E402
+from nvoffload.io import IOConfig, TensorStore, _aio, aligned_empty  # noqa: E402
+from nvoffload.io.checksum import crc32c  # noqa: E402
 
 MiB = 1 << 20
 GB = 1e9
@@ -95,15 +100,16 @@ def fio_bandwidth(dirs: list[Path], total_bytes: int, rw: str, jobs_per_dir: int
     return float(job["read" if rw == "read" else "write"]["bw_bytes"])
 
 
-def store_bandwidth(dirs: list[Path], tensors: list[torch.Tensor], config: IOConfig):
+def store_bandwidth(dirs: list[Path], tensors: list[torch.Tensor], config: IOConfig, checksum: bool):
     """(write, read) bytes/s of TensorStore: every put in flight at once, then every get.
 
+    ``checksum``: the store's CRC-32C of every tensor, taken at ``put`` and verified at ``get``.
     The gets read back into the tensors themselves (no second copy in memory);
     the first two are zeroed in between and checked against copies taken before.
     """
     total = sum(t.numel() * t.element_size() for t in tensors)
     expected = [t.clone() for t in tensors[:2]]
-    with TensorStore([str(d) for d in dirs], capacity_bytes=total, config=config) as store:
+    with TensorStore([str(d) for d in dirs], capacity_bytes=total, config=config, checksum=checksum) as store:
         start = time.perf_counter()
         for f in [store.put(f"t{i}", t) for i, t in enumerate(tensors)]:
             f.result()
@@ -237,8 +243,9 @@ def main(argv=None) -> Path:
                     lambda d, j=jobs: (fio_bandwidth(d, total, "write", j), fio_bandwidth(d, total, "read", j)),
                 )
             )
-    cases.append(("TensorStore", True, lambda d: store_bandwidth(d, aligned, config)))
-    cases.append(("TensorStore unaligned", True, lambda d: store_bandwidth(d, unaligned, config)))
+    cases.append(("TensorStore", True, lambda d: store_bandwidth(d, aligned, config, checksum=False)))
+    cases.append(("TensorStore crc32c", True, lambda d: store_bandwidth(d, aligned, config, checksum=True)))
+    cases.append(("TensorStore unaligned", True, lambda d: store_bandwidth(d, unaligned, config, checksum=False)))
     cases.append(("torch.save/load", False, lambda d: file_bandwidth(d, aligned, torch_save, torch_load)))
     cases.append(("numpy tofile/fromfile", False, lambda d: file_bandwidth(d, aligned, numpy_save, numpy_load)))
 
@@ -283,7 +290,40 @@ def main(argv=None) -> Path:
         "queue_depth": config.queue_depth,
         "fio": "direct=1 bs=1M iodepth=32 ioengine=libaio, one job per directory" if have_fio else None,
     }
-    return save_report("bench_io", rows, settings=settings, plot_column="read_GBps", notes=notes, results_dir=args.results_dir)
+    hashes = hash_bandwidth(aligned[0])
+    print(markdown_table(hashes))
+    return save_report(
+        "bench_io", rows, settings=settings, plot_column="read_GBps", notes=notes, results_dir=args.results_dir,
+        extra={"checksums": hashes},
+    )  # fmt: skip
+
+
+def hash_bandwidth(buffer: torch.Tensor, repeats: int = 5) -> list[dict]:
+    """GB/s of the checksums over one buffer, best of ``repeats``, on one thread: the native CRC-32C (SSE4.2,
+    and its table path), ``zlib.crc32`` (the peer), and a read of the buffer (``max`` over int64: the limit)."""
+    data = buffer.view(torch.uint8)
+    nbytes = data.numel()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cases = {
+            "crc32c native (SSE4.2)": lambda: crc32c(data),
+            "crc32c native (table)": lambda: _aio.crc32c(data.data_ptr(), nbytes, 0, False),
+            "zlib.crc32": lambda: zlib.crc32(data.numpy()),
+            "memory read (limit)": lambda: data.view(torch.int64).max(),
+        }
+        best = {}
+        for _ in range(repeats):
+            for name, run in cases.items():
+                start = time.perf_counter()
+                run()
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    zlib_GBps = nbytes / best["zlib.crc32"] / GB
+    return [
+        {"case": name, "GBps": nbytes / s / GB, "vs_zlib": nbytes / s / GB / zlib_GBps} for name, s in best.items()
+    ]
 
 
 if __name__ == "__main__":

@@ -14,11 +14,27 @@ Subpackages:
 - :mod:`nvoffload.device` -- the thin CUDA layer (everything else is device-neutral).
 
 :func:`initialize` with an :class:`OffloadConfig` puts all of them to work on a
-model and its optimizer.
+model and its optimizer; :func:`save_training_checkpoint` and
+:func:`load_training_checkpoint` save and resume a run (:mod:`nvoffload.training_checkpoint`).
 """
 
 from nvoffload.optim.loss_scale import LossScaling
 from nvoffload.training import OffloadConfig, OffloadSession, initialize
+from nvoffload.training_checkpoint import (
+    TrainingCheckpoint,
+    latest_training_checkpoint,
+    load_training_checkpoint,
+    save_training_checkpoint,
+)
 
-__all__ = ["LossScaling", "OffloadConfig", "OffloadSession", "initialize"]
+__all__ = [
+    "LossScaling",
+    "OffloadConfig",
+    "OffloadSession",
+    "TrainingCheckpoint",
+    "initialize",
+    "latest_training_checkpoint",
+    "load_training_checkpoint",
+    "save_training_checkpoint",
+]
 __version__ = "0.1.0"

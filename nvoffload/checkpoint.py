@@ -39,6 +39,9 @@ from typing import NamedTuple
 
 import torch
 
+from nvoffload._atomic_dir import fsync_path
+from nvoffload.io.checksum import crc32c
+
 __all__ = [
     "CheckpointError",
     "CheckpointReader",
@@ -305,6 +308,25 @@ class SafetensorsReader:
             )
         return out
 
+    def read_slice(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Read ``out.numel()`` elements of tensor ``name`` (flat, row-major) from element ``start`` into ``out``,
+        a contiguous CPU tensor of the stored dtype: a part of a tensor larger than memory."""
+        info, offset = self._entry(name)
+        if out.dtype != info.dtype or out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"read_slice({name!r}): out must be a contiguous CPU tensor of {info.dtype}")
+        numel = math.prod(info.shape)
+        if start < 0 or start + out.numel() > numel:
+            raise ValueError(f"read_slice({name!r}): elements [{start}, {start + out.numel()}) outside its {numel}")
+        if self._file.closed:
+            raise ValueError(f"read_slice({name!r}): the reader of {self.path} is closed")
+        nbytes = out.numel() * out.element_size()
+        at = offset + start * out.element_size()
+        if nbytes and _pread_into(self._file.fileno(), _bytes_of(out), at) != nbytes:
+            raise CheckpointError(
+                self.path, "the file ended inside the tensor's data (truncated after it was opened?)", name
+            )
+        return out
+
     def close(self) -> None:
         """Close the file. Idempotent."""
         self._file.close()
@@ -395,6 +417,10 @@ class CheckpointReader:
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read tensor ``name`` from its shard: see :meth:`SafetensorsReader.read`."""
         return self._shard(name).read(name, out)
+
+    def read_slice(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Read part of tensor ``name`` from its shard: see :meth:`SafetensorsReader.read_slice`."""
+        return self._shard(name).read_slice(name, start, out)
 
     def close(self) -> None:
         """Close every shard. Idempotent."""
@@ -513,14 +539,6 @@ def _encode_header(layout: dict[str, tuple[TensorInfo, int]], metadata: Mapping[
     return encoded + b" " * (-len(encoded) % _LENGTH_BYTES)
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class SafetensorsWriter:
     """Writes a safetensors file one tensor at a time, in any order.
 
@@ -530,6 +548,8 @@ class SafetensorsWriter:
     file to ``path``, so a crash never leaves a partial checkpoint under the
     final name. Leaving a ``with`` block by an exception, or :meth:`abort`,
     removes the partial file.
+
+    ``checksums`` holds the CRC-32C of each tensor's bytes (of the parts written so far).
 
     Args:
         path: the file to create (replaced if it exists, once complete).
@@ -548,7 +568,9 @@ class SafetensorsWriter:
         self._layout = _plan(tensors_info)
         header = _encode_header(self._layout, metadata)
         self._data_start = _LENGTH_BYTES + len(header)
-        self._pending = set(self._layout)  # names not written yet
+        self._written = dict.fromkeys(self._layout, 0)  # name -> elements written so far (write_slice: in order)
+        self._done: set[str] = set()  # names written completely
+        self.checksums: dict[str, int] = dict.fromkeys(self._layout, 0)  # name -> CRC-32C of its bytes so far
         self._fd: int | None = os.open(self._tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
             _pwrite_all(self._fd, len(header).to_bytes(_LENGTH_BYTES, "little") + header, 0)
@@ -563,24 +585,50 @@ class SafetensorsWriter:
         Any device and memory layout: the bytes written are those of a
         contiguous CPU copy (made only when ``tensor`` is not one already).
         """
-        if self._fd is None:
-            raise ValueError(f"write({name!r}): the writer of {self.path} is closed")
-        if name not in self._layout:
-            raise KeyError(f"write({name!r}): the tensor was not declared when {self.path} was opened")
-        if name not in self._pending:
+        info = self._check_write("write", name, tensor)
+        if self._written[name] or name in self._done:
             raise ValueError(f"write({name!r}): the tensor was already written to {self.path}")
-        info, offset = self._layout[name]
-        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
-            raise TypeError(f"write({name!r}): needs a dense torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype != info.dtype or tuple(tensor.shape) != info.shape:
+        if tuple(tensor.shape) != info.shape:
             raise ValueError(
                 f"write({name!r}): got dtype {tensor.dtype} and shape {tuple(tensor.shape)}, "
                 f"declared dtype {info.dtype} and shape {info.shape}"
             )
-        if info.nbytes:
+        self._put(name, 0, tensor)
+
+    def write_slice(self, name: str, start: int, values: torch.Tensor) -> None:
+        """Write ``values`` (any shape, the declared dtype) as elements ``start``, ``start + 1``, ... of tensor
+        ``name``, flat and row-major: a tensor larger than memory, in parts. The parts of one tensor come in
+        order, each starting where the last ended."""
+        info = self._check_write("write_slice", name, values)
+        numel = math.prod(info.shape)
+        if start != self._written[name] or start + values.numel() > numel:
+            raise ValueError(
+                f"write_slice({name!r}): elements [{start}, {start + values.numel()}) of {numel}; the next part"
+                f" must start at {self._written[name]}"
+            )
+        self._put(name, start, values)
+
+    def _check_write(self, call: str, name: str, tensor: torch.Tensor) -> TensorInfo:
+        if self._fd is None:
+            raise ValueError(f"{call}({name!r}): the writer of {self.path} is closed")
+        if name not in self._layout:
+            raise KeyError(f"{call}({name!r}): the tensor was not declared when {self.path} was opened")
+        info = self._layout[name][0]
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+            raise TypeError(f"{call}({name!r}): needs a dense torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != info.dtype:
+            raise ValueError(f"{call}({name!r}): got dtype {tensor.dtype}, declared dtype {info.dtype}")
+        return info
+
+    def _put(self, name: str, start: int, tensor: torch.Tensor) -> None:
+        info, offset = self._layout[name]
+        if tensor.numel():
             data = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-            _pwrite_all(self._fd, _bytes_of(data), self._data_start + offset)
-        self._pending.discard(name)
+            _pwrite_all(self._fd, _bytes_of(data), self._data_start + offset + start * data.element_size())
+            self.checksums[name] = crc32c(data, self.checksums[name])
+        self._written[name] = start + tensor.numel()
+        if self._written[name] == math.prod(info.shape):
+            self._done.add(name)
 
     def close(self) -> None:
         """Finish the file: check every tensor was written, fsync, and rename it to ``path``.
@@ -590,8 +638,8 @@ class SafetensorsWriter:
         """
         if self._fd is None:
             return
-        if self._pending:
-            missing = sorted(self._pending)
+        missing = sorted(set(self._layout) - self._done)
+        if missing:
             self.abort()
             shown = ", ".join(map(repr, missing[:5])) + (", ..." if len(missing) > 5 else "")
             raise CheckpointError(self.path, f"closed before {len(missing)} declared tensor(s) were written: {shown}")
@@ -603,7 +651,7 @@ class SafetensorsWriter:
             raise
         os.close(self._fd)
         self._fd = None
-        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        fsync_path(os.path.dirname(os.path.abspath(self.path)))
 
     def abort(self) -> None:
         """Give up: close and remove the partial file, leaving ``path`` untouched.

@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import errno
 import json
 import os
 import re
-import secrets
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -50,7 +48,8 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 
-from nvoffload.checkpoint import SafetensorsWriter, _fsync_dir
+from nvoffload._atomic_dir import fsync_path, new_sibling, put_in_place
+from nvoffload.checkpoint import SafetensorsWriter
 from nvoffload.streaming import state_tensors
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "build_meta_model", "check_save_directory", "save_pretrained", "saved_tensors"]
@@ -96,7 +95,7 @@ def check_save_directory(path: str | os.PathLike) -> str:
                 f" (none of {', '.join(_MARKERS)})",
             )
     try:  # the real test: what save_pretrained does first
-        os.rmdir(_sibling(target, "probe"))
+        os.rmdir(new_sibling(target, "probe"))
     except OSError as exc:
         raise type(exc)(
             exc.errno, f"cannot save a model to {target}: cannot create a directory in {parent} ({exc.strerror})"
@@ -142,6 +141,7 @@ def save_pretrained(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     read: Callable[[torch.Tensor], AbstractContextManager[torch.Tensor]] | None = None,
     extra: Callable[[str], object] | None = None,
+    checksums: dict[str, dict[str, int]] | None = None,
 ) -> list[str]:
     """Write ``model`` as a Hugging Face model directory, one tensor in memory at a time, atomically.
 
@@ -165,6 +165,7 @@ def save_pretrained(
             (which :meth:`nvoffload.OffloadSession.save_pretrained` does).
         extra: called with the temporary directory before it is put in place,
             to add files (e.g. ``tokenizer.save_pretrained``).
+        checksums: filled, when given, with ``{file name: {tensor name: CRC-32C of its bytes}}``.
 
     Returns:
         The names of the files written, sorted.
@@ -182,9 +183,9 @@ def save_pretrained(
     tensors = saved_tensors(model)
     if not tensors:
         raise ValueError(f"{type(model).__name__} has no parameters or buffers to save")
-    shards = _shard(tensors, max_shard_bytes)
+    shards = shard_files({name: _nbytes(t) for name, t in tensors.items()}, max_shard_bytes, "model")
     read = read if read is not None else _as_is
-    tmp = _sibling(target, "tmp")
+    tmp = new_sibling(target, "tmp")
     try:
         for filename, names in shards.items():
             shapes = {name: (tensors[name].dtype, tuple(tensors[name].shape)) for name in names}
@@ -192,6 +193,8 @@ def save_pretrained(
                 for name in names:
                     with read(tensors[name]) as weights:
                         writer.write(name, weights)
+            if checksums is not None:
+                checksums[filename] = dict(writer.checksums)
         if len(shards) > 1:
             index = {
                 "metadata": {
@@ -207,9 +210,9 @@ def save_pretrained(
             extra(tmp)
         written = sorted(os.listdir(tmp))
         for name in written:
-            _fsync_dir(os.path.join(tmp, name))
-        _fsync_dir(tmp)
-        _put_in_place(tmp, target)
+            fsync_path(os.path.join(tmp, name))
+        fsync_path(tmp)
+        put_in_place(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -288,26 +291,28 @@ def _refuse_weight_conversions(model: nn.Module) -> None:
         )
 
 
-def _shard(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> dict[str, list[str]]:
-    """File name -> tensor names, as ``huggingface_hub.split_torch_state_dict_into_shards`` splits."""
+def shard_files(nbytes: Mapping[str, int], max_shard_bytes: int, stem: str) -> dict[str, list[str]]:
+    """File name -> tensor names, as ``huggingface_hub.split_torch_state_dict_into_shards`` splits: tensors (by
+    name, with their sizes in bytes) in order, a new shard when the next would pass ``max_shard_bytes`` (a
+    larger tensor gets a shard of its own); ``<stem>.safetensors`` when one shard holds all, else
+    ``<stem>-00001-of-0000N.safetensors``, ..."""
     shards: list[list[str]] = []
     current: list[str] = []
     current_bytes = 0
-    for name, t in tensors.items():
-        nbytes = _nbytes(t)
-        if nbytes > max_shard_bytes:
+    for name, size in nbytes.items():
+        if size > max_shard_bytes:
             shards.append([name])
             continue
-        if current_bytes + nbytes > max_shard_bytes:
+        if current_bytes + size > max_shard_bytes:
             shards.append(current)
             current, current_bytes = [], 0
         current.append(name)
-        current_bytes += nbytes
+        current_bytes += size
     if current:
         shards.append(current)
-    if len(shards) == 1:
-        return {WEIGHTS_NAME: shards[0]}
-    return {f"model-{i:05d}-of-{len(shards):05d}.safetensors": names for i, names in enumerate(shards, start=1)}
+    if len(shards) <= 1:
+        return {f"{stem}.safetensors": shards[0] if shards else []}
+    return {f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors": names for i, names in enumerate(shards, start=1)}
 
 
 def _parameter_dtype(model: nn.Module) -> torch.dtype | None:
@@ -334,58 +339,3 @@ def _save_configs(model: nn.Module, directory: str) -> None:
     generation = getattr(model, "generation_config", None)
     if callable(can_generate) and can_generate() and generation is not None:
         generation.save_pretrained(directory)
-
-
-# -- putting it in place -----------------------------------------------------------
-
-
-def _sibling(target: str, what: str) -> str:
-    """A new empty hidden directory beside ``target``, with the permissions ``os.makedirs`` gives (umask applied,
-    unlike ``tempfile.mkdtemp``'s 0700)."""
-    parent, base = os.path.split(target)
-    for _ in range(100):
-        path = os.path.join(parent, f".{base}.{what}-{secrets.token_hex(4)}")
-        try:
-            os.mkdir(path, 0o777)
-        except FileExistsError:
-            continue
-        return path
-    raise FileExistsError(errno.EEXIST, f"cannot find a free name for a directory beside {target}")
-
-
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where not supported."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # the file system cannot exchange
-        return False
-    raise OSError(err, f"cannot put {a} in place of {b}: {os.strerror(err)}")
-
-
-def _put_in_place(tmp: str, target: str) -> None:
-    """Rename the complete directory ``tmp`` to ``target``, replacing (then removing) an existing one."""
-    parent = os.path.dirname(target)
-    if not os.path.lexists(target):
-        os.rename(tmp, target)
-    elif _exchange(tmp, target):  # target now holds the new files, tmp the old ones
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:  # two renames: a crash between them leaves the old directory under a hidden sibling name
-        old = _sibling(target, "old")
-        os.rename(target, old)  # onto the empty directory just made
-        try:
-            os.rename(tmp, target)
-        except BaseException:
-            os.rename(old, target)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(parent)

@@ -65,7 +65,8 @@ class OffloadConfig:
             stays on the device: up to half of it in writes in flight, half in
             reads ahead, and a third in the most recent saved tensors (kept,
             never written).
-        checksum: checksum every tensor in the store.
+        checksum: checksum every tensor in the store (CRC-32C, on by default; see
+            :class:`~nvoffload.io.TensorStore`).
         max_grad_norm: clip the global gradient norm to this, exactly as
             ``torch.nn.utils.clip_grad_norm_`` (None: no clipping). The updates
             still run during backward; when the norm turns out larger, ``step()``
@@ -98,7 +99,7 @@ class OffloadConfig:
     device: str | None = None
     offload_activations: bool = False
     activation_memory_bytes: int | None = None
-    checksum: bool = False
+    checksum: bool = True
     max_grad_norm: float | None = None
     gradient_accumulation_steps: int = 1
     loss_scaling: LossScaling | None = None

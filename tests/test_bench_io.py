@@ -18,7 +18,7 @@ def test_bench_io_quick(tmp_path, monkeypatch, capsys):
     record = json.loads(Path(path).read_text())
     rows = {row["case"]: row for row in record["rows"]}
     expected = {"TensorStore x1", "TensorStore unaligned x1", "torch.save/load x1", "numpy tofile/fromfile x1"}
-    expected |= {"TensorStore x2", "TensorStore unaligned x2"}
+    expected |= {"TensorStore x2", "TensorStore unaligned x2", "TensorStore crc32c x1", "TensorStore crc32c x2"}
     have_fio = shutil.which("fio") is not None
     if have_fio:
         expected |= {"fio x1", "fio x2"}
@@ -32,5 +32,8 @@ def test_bench_io_quick(tmp_path, monkeypatch, capsys):
     if have_fio:
         assert rows["fio x1"]["write_vs_fio"] == 1.0
     assert record["settings"]["total_bytes"] == 256 << 20
+    hashes = {row["case"]: row for row in record["checksums"]}
+    assert set(hashes) == {"crc32c native (SSE4.2)", "crc32c native (table)", "zlib.crc32", "memory read (limit)"}
+    assert all(row["GBps"] > 0.01 for row in hashes.values()) and hashes["zlib.crc32"]["vs_zlib"] == 1.0
     assert (tmp_path / "results" / "bench_io.md").exists()
     assert sorted(p.name for d in dirs for p in d.iterdir()) == []  # every scratch file removed

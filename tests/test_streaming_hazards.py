@@ -16,7 +16,7 @@ from torch import nn
 
 import nvoffload
 from nvoffload.io import TensorStore
-from nvoffload.memory import MemoryBudgetError, MemoryManager
+from nvoffload.memory import MemoryManager
 from nvoffload.models import GPT, GPTConfig
 from nvoffload.streaming import ParameterStreamer
 

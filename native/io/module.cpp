@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "../common/gil.h"
+#include "crc32c.h"
 #include "engine.h"
 
 namespace py = pybind11;
@@ -83,4 +84,12 @@ PYBIND11_MODULE(_aio, m) {
       py::arg("fd"), py::arg("offset"), py::arg("nbytes"), py::arg("path"));
   m.def("close_file", [](int fd) { ::close(fd); }, py::arg("fd"));
   m.def("inject_direct_refusal", &nvo::inject_direct_refusal);
+  m.def(
+      "crc32c",
+      [](uintptr_t ptr, size_t nbytes, uint32_t crc, bool hardware) {
+        const void* data = reinterpret_cast<const void*>(ptr);
+        return hardware ? nvo::crc32c(data, nbytes, crc) : nvo::crc32c_software(data, nbytes, crc);
+      },
+      py::arg("ptr"), py::arg("nbytes"), py::arg("crc") = 0, py::arg("hardware") = true,
+      py::call_guard<nvo_py::ReleaseGil>());
 }

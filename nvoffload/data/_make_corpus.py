@@ -1,4 +1,4 @@
-import ast, os, sys, textwrap
+import ast, os, sys
 root = os.path.dirname(os.__file__)
 mods = ["argparse","collections/__init__","csv","datetime","decimal" ,"difflib","email/message","fractions","functools","heapq","inspect","json/__init__","logging/__init__","pathlib","pickle","queue","random","shutil","statistics","string","subprocess","tarfile","textwrap","threading","typing","unittest/case","urllib/parse","zipfile/__init__" if os.path.isdir(os.path.join(root,"zipfile")) else "zipfile","asyncio/tasks","asyncio/events","contextlib","dataclasses","enum","abc","bisect","calendar","configparser","copy","fnmatch","gettext","glob","hashlib","ipaddress","locale","operator","optparse","os","pprint","shlex","smtplib","socket","tempfile","timeit","tokenize","trace","uuid","weakref","imaplib","ftplib","http/client","http/cookiejar","xml/dom/minidom","base64","codecs","doctest","pdb","pydoc","sched","selectors","signal","struct","sysconfig","traceback","turtle","warnings","wave","zipimport"]
 out = []

@@ -34,7 +34,12 @@ class ChecksumError(StoreIOError):
 
     def __init__(self, path: str, offset: int, tensor: str, expected: int, actual: int):
         super().__init__(errno_codes.EIO, "checksum verification", path, offset, tensor)
-        self.strerror = f"checksum mismatch for tensor {tensor!r} at offset {offset} of {path}: expected crc32 {expected:#010x}, read {actual:#010x}"
+        self.strerror = (
+            f"checksum mismatch for tensor {tensor!r} at offset {offset} of {path}: expected crc32c {expected:#010x},"
+            f" read {actual:#010x}. The bytes changed after they were written (the drive, the file system or"
+            " memory): the state that held them cannot be trusted. Resume from the last training checkpoint"
+            " (nvoffload.load_training_checkpoint, or nvoffload finetune --resume)"
+        )
         self.args = (self.errno, self.strerror)
 
     def __str__(self) -> str:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-import zlib
 from collections.abc import Callable
 
 import torch
@@ -34,6 +33,7 @@ import torch
 from nvoffload._workers import Worker
 from nvoffload.device import ComputeDevice, Event, compute_device
 from nvoffload.io.buffers import byte_view
+from nvoffload.io.checksum import crc32c
 from nvoffload.io.config import ALIGNMENT_BYTES
 from nvoffload.transfer.future import WAIT_LIMIT_S, Future
 from nvoffload.transfer.slab import HostSlab
@@ -160,7 +160,7 @@ class Stager:
                     writes.append((buf, copied := stream.copy(buf, piece, after)))
                     wait_for_device(copied, f"copy of {what} from the GPU")
                     if checksum:
-                        crc = zlib.crc32(buf.numpy(), crc)
+                        crc = crc32c(buf, crc)
                     writes[-1] = (buf, io(buf, at))
                 while writes:
                     self._retire(writes)
@@ -192,7 +192,7 @@ class Stager:
                     copies.append((buf, read := io(buf, at)))
                     read.result()
                     if checksum:
-                        crc = zlib.crc32(buf.numpy(), crc)
+                        crc = crc32c(buf, crc)
                     copies[-1] = (buf, stream.copy(piece, buf, after))
                 while copies:
                     self._land(copies, what)

@@ -9,6 +9,8 @@ worker, so host memory stays within the budget (plus the tensors returned).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from nvoffload.optim._chunk_io import ChunkIO
@@ -16,9 +18,18 @@ from nvoffload.optim._layout import LOW_PRECISION, Record, Slot
 from nvoffload.optim._pipeline import Pipeline
 from nvoffload.optim._updates import Update
 
+Sink = Callable[[torch.Tensor, slice, torch.Tensor], None]  # (placeholder, elements, fp32 values)
+Source = Callable[[torch.Tensor, slice, torch.Tensor], None]  # (state tensor or placeholder, elements, out)
+
 
 class StateCodec:
-    """Reads and writes the state of ``records`` (the optimizer's list, shared) as a torch state dict."""
+    """Reads and writes the state of ``records`` (the optimizer's list, shared) as a torch state dict.
+
+    Besides whole state dicts, it streams: :meth:`layout` gives the state dict with a meta tensor (dtype and
+    shape, no data) in place of every per-element tensor, :meth:`stream` hands their values out chunk by
+    chunk, and :meth:`load_state_dict` with a ``source`` fills them chunk by chunk, so that a checkpoint
+    larger than memory passes through one slot.
+    """
 
     def __init__(self, records: list[Record], io: ChunkIO, update: Update, pipeline: Pipeline):
         self._records = records
@@ -27,13 +38,33 @@ class StateCodec:
         self._pipeline = pipeline
 
     def state_dict(self, param_groups: list[dict]) -> dict:
+        layout = self.layout(param_groups)
+        full: dict[int, torch.Tensor] = {}  # id(placeholder) -> the tensor gathered
+
+        def gather(placeholder: torch.Tensor, elements: slice, values: torch.Tensor) -> None:
+            if id(placeholder) not in full:
+                full[id(placeholder)] = torch.empty(placeholder.shape, dtype=torch.float32)
+            full[id(placeholder)].view(-1)[elements] = values
+
+        self.stream(layout, gather)
+        for st in layout["state"].values():
+            for key, value in st.items():
+                if isinstance(value, torch.Tensor) and value.is_meta:
+                    st[key] = full[id(value)]
+        return layout
+
+    def layout(self, param_groups: list[dict]) -> dict:
+        """The state dict with a meta tensor (fp32, the parameter's shape) for each per-element tensor; no I/O."""
         self._pipeline.wait_idle()
         state = {}
-        with self._pipeline.lend() as slot:
-            for rec in self._records:
-                if rec.step == 0 or any(c.gen is None for c in rec.chunks):
-                    continue
-                state[rec.index] = self._gather(rec, slot)
+        for rec in self._records:
+            if rec.step == 0 or any(c.gen is None for c in rec.chunks):
+                continue
+            st = self._update.scalar_state(rec)
+            for key in self._row_keys(rec):
+                if key is not None:
+                    st[key] = torch.empty(rec.param.shape, dtype=torch.float32, device="meta")
+            state[rec.index] = st
         groups = []
         for g in param_groups:
             entry = {k: v for k, v in g.items() if k != "params"}
@@ -41,23 +72,36 @@ class StateCodec:
             groups.append(entry)
         return {"state": state, "param_groups": groups}
 
-    def _gather(self, rec: Record, slot: Slot) -> dict:
-        nrows = self._io.layout.rows(rec)
-        full = torch.empty(nrows, rec.param.numel(), dtype=torch.float32)
-        for c in rec.chunks:
-            self._io.read(c, c.gen, slot).result()
-            full[:, c.elements] = self._io.layout.chunk_rows(c, slot)
-        shape = rec.param.shape
-        st = self._update.scalar_state(rec)
-        for i, key in enumerate(self._update.row_keys(rec, nrows)):
-            st[key] = full[1 + i].view(shape).clone()
-        if rec.param.dtype in LOW_PRECISION:
-            st["master_param"] = full[0].view(shape).clone()
-        return st
+    def stream(self, layout: dict, sink: Sink) -> None:
+        """Call ``sink(placeholder, elements, values)`` for every meta tensor of ``layout`` (from :meth:`layout`,
+        no step since), chunk by chunk in order of elements; ``values`` (fp32) is valid during the call only."""
+        self._pipeline.wait_idle()
+        with self._pipeline.lend() as slot:
+            for rec in self._records:
+                st = layout["state"].get(rec.index)
+                if st is None:
+                    continue
+                keys = self._row_keys(rec)
+                for c in rec.chunks:
+                    self._io.read(c, c.gen, slot).result()
+                    rows = self._io.layout.chunk_rows(c, slot)
+                    for i, key in enumerate(keys):
+                        if key is not None:
+                            sink(st[key], c.elements, rows[i])
 
-    def load_state_dict(self, state_dict: dict, param_groups: list[dict]) -> None:
+    def _row_keys(self, rec: Record) -> list[str | None]:
+        """The state dict key of each row of ``rec``'s chunks (None: the master row of an fp32 parameter, whose
+        weights are the model's)."""
+        nrows = self._io.layout.rows(rec)
+        master = "master_param" if rec.param.dtype in LOW_PRECISION else None
+        return [master, *self._update.row_keys(rec, nrows)]
+
+    def load_state_dict(self, state_dict: dict, param_groups: list[dict], source: Source | None = None) -> None:
         """Load ``state_dict`` into the store; the groups' hyperparameters are taken from it (as torch does).
-        Parameters without a ``master_param`` entry use the model's current weights as master weights."""
+        Parameters without a ``master_param`` entry use the model's current weights as master weights.
+        ``source(tensor, elements, out)`` fills ``out`` (fp32) with ``elements`` of a state tensor, flat
+        (default: copied from the tensor itself; for meta tensors, read from wherever they stand for)."""
+        source = source if source is not None else _copy_elements
         self._pipeline.wait_idle()
         groups = state_dict["param_groups"]
         if len(groups) != len(param_groups):
@@ -78,9 +122,9 @@ class StateCodec:
             g.update((k, v) for k, v in saved.items() if k != "params")
         with self._pipeline.lend() as slot:
             for idx, rec in by_index.items():
-                self._scatter(rec, state_dict["state"].get(idx), slot)
+                self._scatter(rec, state_dict["state"].get(idx), slot, source)
 
-    def _scatter(self, rec: Record, st: dict | None, slot: Slot) -> None:
+    def _scatter(self, rec: Record, st: dict | None, slot: Slot, source: Source) -> None:
         for c in rec.chunks:
             self._io.discard(c)
         rec.step = 0
@@ -97,10 +141,14 @@ class StateCodec:
             rows = self._io.layout.chunk_rows(c, slot)
             rows.zero_()
             for i, t in enumerate(tensors, start=1):
-                rows[i].copy_(t.detach().reshape(-1)[c.elements])
+                source(t, c.elements, rows[i])
             if master is not None:
-                rows[0].copy_(master.detach().reshape(-1)[c.elements])
+                source(master, c.elements, rows[0])
             else:  # the model's current weights are the master
                 with self._io.model_weights(rec, modify=False) as weights:
                     weights.read(c.elements, rows[0], slot)
             self._io.write_first(c, rows, dict(scalars))
+
+
+def _copy_elements(tensor: torch.Tensor, elements: slice, out: torch.Tensor) -> None:
+    out.copy_(tensor.detach().reshape(-1)[elements])

@@ -156,6 +156,11 @@ class StepProtocol:
         return any(rec.spec is not None for rec in self._records)
 
     @property
+    def step_in_progress(self) -> bool:
+        """Whether a backward pass ran since the last ``finish`` (updates queued, or gradients kept)."""
+        return any(rec.fires for rec in self._records)
+
+    @property
     def _unscale(self) -> float:
         return 1.0 if self.loss_scale is None else 1.0 / self.loss_scale.scale
 

@@ -91,6 +91,7 @@ import functools
 import itertools
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -138,7 +139,8 @@ class OffloadOptimizerConfig:
             during backward and ``step()`` redoes it when the norm is too large).
         overlap: update each parameter as soon as its gradient is final
             (speculatively, see the module docs); False runs everything in ``step()``.
-        checksum: ask the store to checksum every chunk.
+        checksum: ask the store it opens to checksum every chunk (CRC-32C, on by default; a
+            ``TensorStore`` passed as ``swap_dir`` keeps its own setting).
         retain_host_memory: call :func:`nvoffload.memory.retain_freed_host_memory`
             (process-wide: freed host memory is reused, not handed back to the
             operating system, which keeps the I/O fast between steps).
@@ -160,7 +162,7 @@ class OffloadOptimizerConfig:
     prefetch_chunks: int = 2
     max_grad_norm: float | None = None
     overlap: bool = True
-    checksum: bool = False
+    checksum: bool = True
     retain_host_memory: bool = True
     release_grads: bool = False
     gradient_accumulation_steps: int = 1
@@ -463,6 +465,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return self._protocol.updates_queued
 
     @property
+    def step_in_progress(self) -> bool:
+        """Whether backward ran since the last ``step()``: its updates are queued or its gradients kept for the
+        next micro-batch, and the state on NVMe is not yet the step's (nothing to checkpoint now)."""
+        return self._protocol.step_in_progress
+
+    @property
     def overlap_active(self) -> bool:
         """Whether the next step's updates run during backward: False with ``overlap=False`` or
         ``max_grad_norm`` (unless ``release_grads``), and for the step after one whose gradients or
@@ -484,16 +492,38 @@ class OffloadOptimizer(torch.optim.Optimizer):
             state["loss_scale"] = self._protocol.loss_scale.state_dict()
         return state
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def state_layout(self) -> dict:
+        """:meth:`state_dict` without reading the store: every per-element tensor is a meta tensor (its dtype
+        and shape). :meth:`stream_state` then gives their values, one chunk at a time."""
+        self._check_open()
+        state = self._codec.layout(self.param_groups)
+        if self._protocol.loss_scale is not None:
+            state["loss_scale"] = self._protocol.loss_scale.state_dict()
+        return state
+
+    def stream_state(self, layout: dict, sink: Callable[[torch.Tensor, slice, torch.Tensor], None]) -> None:
+        """Read the state chunk by chunk: ``sink(placeholder, elements, values)`` is called for each meta
+        tensor of ``layout`` (from :meth:`state_layout`, with no step since), for its flat ``elements`` in
+        increasing order; ``values`` (fp32, host memory) is valid during the call only. For checkpoints larger
+        than memory (:func:`nvoffload.save_training_checkpoint`)."""
+        self._check_open()
+        self._codec.stream(layout, sink)
+
+    def load_state_dict(
+        self, state_dict: dict, *, source: Callable[[torch.Tensor, slice, torch.Tensor], None] | None = None
+    ) -> None:
         """Load a state dict of this optimizer or of the wrapped optimizer's type, streaming it to the store.
 
         Hyperparameters of the groups are taken from ``state_dict`` (as torch
         does). Parameters without a ``master_param`` entry use the model's
         current weights as master weights; without a ``loss_scale`` entry the
-        loss scale stays as it is.
+        loss scale stays as it is. ``source(tensor, elements, out)``, when
+        given, fills the fp32 ``out`` with the flat ``elements`` of a state
+        tensor, one chunk at a time: ``state_dict`` may then hold meta tensors
+        (as :meth:`state_layout` gives) that ``source`` reads from elsewhere.
         """
         self._check_open()
-        self._codec.load_state_dict(state_dict, self.param_groups)
+        self._codec.load_state_dict(state_dict, self.param_groups, source)
         if self._protocol.loss_scale is not None and "loss_scale" in state_dict:
             self._protocol.loss_scale.load_state_dict(state_dict["loss_scale"])
         self._pipeline.set_plan(self._protocol.plan())

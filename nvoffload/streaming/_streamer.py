@@ -255,6 +255,12 @@ class ParameterStreamer:
         (:func:`nvoffload.pretrained.save_pretrained`); call it after ``optimizer.step()``."""
         return self._weights.current(tensor)
 
+    def writable_weights_of(self, tensor: torch.Tensor):
+        """A context manager yielding one of the model's parameters or buffers to overwrite in place: a streamed
+        parameter's host copy (its block written back to the store later), anything else itself. For loading
+        checkpoints one tensor at a time (:func:`nvoffload.load_training_checkpoint`); call it between steps."""
+        return self._weights.writable(tensor)
+
     def save_checkpoint(self, path, metadata: dict[str, str] | None = None) -> None:
         """Write the model's state (as ``state_dict()`` names it) to a safetensors file, one tensor in memory at a time.
 

@@ -79,6 +79,20 @@ class StreamedWeights:
         with self.held(tensor) as weights:
             yield weights
 
+    @contextlib.contextmanager
+    def writable(self, tensor: torch.Tensor):
+        """A parameter's or buffer's weights to overwrite in place (loading a checkpoint between steps): a
+        streamed parameter's host copy, marked changed (written back before it leaves the cache; a block
+        brought to the device ahead of use is let go first, so no device copy keeps the old weights), anything
+        else as it is."""
+        if not self.holds(tensor):
+            yield tensor.detach()
+            return
+        self._residency.stage(None)
+        block, j = self._where[tensor]
+        with self._cache.pinned(block, modified=True) as host:
+            yield block.view(host, j)
+
     def save_checkpoint(self, path, metadata: dict[str, str] | None) -> None:
         """The model's state, as ``state_dict()`` names it, to a safetensors file, one tensor in memory at a time."""
         tensors = state_tensors(self.model)

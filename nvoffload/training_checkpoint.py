@@ -1,0 +1,517 @@
+"""Training checkpoints: everything a run needs to go on, saved together and atomically, resumed bit for bit.
+
+>>> nvoffload.save_training_checkpoint("ckpt", step=step, model=model, optimizer=optimizer,
+...     scheduler=scheduler, extra={"data": loader_state})                          # doctest: +SKIP
+>>> done = nvoffload.load_training_checkpoint("ckpt", model=model, optimizer=optimizer,
+...     scheduler=scheduler)   # the latest complete one                            # doctest: +SKIP
+
+One checkpoint is a directory ``<directory>/checkpoint-<step>/`` holding:
+
+- ``model/``: the weights as a Hugging Face model directory
+  (:func:`nvoffload.pretrained.save_pretrained`: safetensors shards, and
+  ``config.json`` for a ``transformers`` model), read one tensor at a time
+  (a streamed model's from the streamer's host cache);
+- ``optimizer.safetensors`` (or ``optimizer-00001-of-0000N.safetensors``):
+  the optimizer's per-element state in fp32, named ``<parameter index>.<key>``
+  (``exp_avg``, ``exp_avg_sq``, ``master_param`` of 16-bit parameters, ...),
+  streamed from the NVMe store one chunk at a time (an
+  :class:`~nvoffload.optim.OffloadOptimizer`'s) or taken from its
+  ``state_dict()`` (any other torch optimizer);
+- ``trainer_state.pt``: the small rest: the optimizer's hyperparameters and
+  scalar state (and its loss scale), the LR scheduler's and ``GradScaler``'s
+  state dicts, the RNG states (torch's CPU and CUDA generators, Python's
+  ``random``, numpy's when imported) and the caller's ``extra`` (e.g. the
+  position in the data);
+- ``checkpoint.json``, the manifest, written last: the step, every file's
+  size, and the CRC-32C of every tensor and of ``trainer_state.pt``, verified
+  as the checkpoint is loaded.
+
+Atomic as a whole: everything is written into a hidden sibling directory,
+fsynced, and renamed to ``checkpoint-<step>`` only when complete, so a crash
+(or ``kill -9``) at any moment leaves the previous checkpoints intact and at
+most a hidden partial directory, which the next save removes. Only the last
+``keep_last`` complete checkpoints are kept. One run writes to a directory at a time.
+
+Nothing is gathered in memory beyond one tensor of the model (on its device)
+and one chunk of the optimizer state (in the optimizer's own host buffers).
+Resuming gives bit-identical training to a run that was never interrupted,
+also with another ``cpu_memory_bytes``, as long as the optimizer's chunks
+keep their size (``max_grad_norm`` sums per-chunk norms; chunks are whole
+parameters up to 16 MiB of fp32 unless the budget cuts them smaller).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from nvoffload._atomic_dir import fsync_path, new_sibling, put_in_place
+from nvoffload.checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    SafetensorsWriter,
+    open_checkpoint,
+)
+from nvoffload.io.checksum import crc32c
+from nvoffload.optim.offload import OffloadOptimizer
+from nvoffload.pretrained import save_pretrained, saved_tensors, shard_files
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "TrainingCheckpoint",
+    "check_checkpoint_directory",
+    "latest_training_checkpoint",
+    "load_training_checkpoint",
+    "save_training_checkpoint",
+]
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # per optimizer state file (the model's shards: save_pretrained's 50 GB)
+MANIFEST = "checkpoint.json"
+STATE_FILE = "trainer_state.pt"
+_FORMAT = "nvoffload-training-checkpoint"
+_VERSION = 1
+_NAME = re.compile(r"checkpoint-(\d+)")
+_TENSOR = "__safetensors__"  # in trainer_state.pt, {_TENSOR: name} stands for a tensor of the optimizer files
+
+
+@dataclass(frozen=True)
+class TrainingCheckpoint:
+    """A complete checkpoint: its directory, the step it was saved at and the caller's ``extra``."""
+
+    path: str
+    step: int
+    extra: dict = field(default_factory=dict)
+
+
+def check_checkpoint_directory(directory: str | os.PathLike) -> str:
+    """Create ``directory`` if needed and check that checkpoints can be written in it, before any training;
+    returns its absolute path. Raises OSError (naming the directory) when it cannot."""
+    root = os.path.abspath(os.fspath(directory))
+    try:
+        os.makedirs(root, exist_ok=True)
+        os.rmdir(new_sibling(os.path.join(root, "checkpoint"), "probe"))
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"cannot write training checkpoints in {root}: {exc.strerror}") from None
+    return root
+
+
+def latest_training_checkpoint(directory: str | os.PathLike) -> TrainingCheckpoint | None:
+    """The complete checkpoint of ``directory`` with the highest step (None when there is none)."""
+    found = _complete(os.fspath(directory))
+    if not found:
+        return None
+    step, path = found[-1]
+    return TrainingCheckpoint(path, step, {})
+
+
+def save_training_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler=None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+    extra: dict | None = None,
+    keep_last: int | None = 2,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> TrainingCheckpoint:
+    """Save ``<directory>/checkpoint-<step>`` atomically (see the module docs); call it after ``optimizer.step()``.
+
+    Args:
+        directory: where checkpoints go (created if needed).
+        step: the optimizer steps done (the name of the checkpoint; saving a step again replaces it).
+        model: the model, streamed by :func:`nvoffload.initialize` or not.
+        optimizer: an :class:`~nvoffload.optim.OffloadOptimizer` (its state streamed from NVMe) or any torch
+            optimizer.
+        scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``).
+        grad_scaler: a ``torch.amp.GradScaler``.
+        extra: saved with the checkpoint and given back by :func:`load_training_checkpoint`: tensors,
+            numbers, strings, lists, tuples and dicts (e.g. the data loader's position).
+        keep_last: how many complete checkpoints to keep (the oldest are removed once this one is in
+            place); None keeps all.
+        max_shard_bytes: the largest optimizer state file, in bytes.
+
+    Raises:
+        RuntimeError: updates of a step are still queued (save after ``step()``, not between micro-batches).
+        OSError: the directory cannot be written, or an I/O error (nothing is left behind, and the
+            checkpoints already there are untouched); the optimizer's errors while reading its state.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    _check_between_steps(optimizer, "save")
+    root = check_checkpoint_directory(directory)
+    _remove_partial(root)
+    target = os.path.join(root, f"checkpoint-{step}")
+    tmp = new_sibling(target, "tmp")
+    try:
+        tensors: dict[str, dict[str, int]] = {}  # file -> tensor -> CRC-32C
+        model_checksums: dict[str, dict[str, int]] = {}
+        save_pretrained(
+            model, os.path.join(tmp, "model"), read=_weights(optimizer, write=False), checksums=model_checksums
+        )  # fmt: skip
+        tensors.update({f"model/{name}": crcs for name, crcs in model_checksums.items()})
+        skeleton, files = _save_optimizer(optimizer, tmp, max_shard_bytes)
+        tensors.update(files)
+        state = {
+            "optimizer": skeleton,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
+            "rng": _rng_state(),
+            "extra": extra if extra is not None else {},
+        }
+        state_path = os.path.join(tmp, STATE_FILE)
+        torch.save(state, state_path)
+        fsync_path(state_path)
+        manifest = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "step": step,
+            "files": _sizes(tmp),
+            "tensors": tensors,
+            "trainer_state_crc32c": _file_crc32c(state_path),
+        }
+        _write_json(os.path.join(tmp, MANIFEST), manifest)
+        fsync_path(tmp)
+        put_in_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep_last is not None:
+        for _, old in _complete(root)[:-keep_last]:
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
+    return TrainingCheckpoint(target, step, extra if extra is not None else {})
+
+
+def load_training_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler=None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+    restore_rng: bool = True,
+) -> TrainingCheckpoint:
+    """Load a checkpoint into ``model``, ``optimizer``, ``scheduler`` and ``grad_scaler`` (and the RNGs).
+
+    ``path`` is one checkpoint (``checkpoint-<step>``) or a directory of them (the latest complete one is
+    loaded). The objects must be built as for the run that saved it (the same model, parameter groups and
+    kinds of scheduler and scaler); the budgets may differ. Every tensor's CRC-32C is checked as it is read.
+    Call it before training, or between steps.
+
+    Returns:
+        The checkpoint loaded: its path, step and ``extra``.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint at ``path``.
+        CheckpointError: a file is missing, truncated or corrupt (a checksum mismatch), or the checkpoint
+            does not fit the model or optimizer. The model and optimizer may then be partly loaded: load
+            another checkpoint (the one before) into them.
+    """
+    _check_between_steps(optimizer, "load")
+    ckpt_dir = _resolve(os.fspath(path))
+    manifest = _read_manifest(ckpt_dir)
+    state_path = os.path.join(ckpt_dir, STATE_FILE)
+    if _file_crc32c(state_path) != manifest["trainer_state_crc32c"]:
+        raise CheckpointError(state_path, "checksum mismatch: the file changed after it was written")
+    state = torch.load(state_path, weights_only=True)
+    checks = _Checks(ckpt_dir, manifest["tensors"])
+    _load_model(model, optimizer, os.path.join(ckpt_dir, "model"), checks)
+    _load_optimizer(optimizer, state["optimizer"], ckpt_dir, manifest["tensors"], checks)
+    checks.finish()
+    for what, obj in (("scheduler", scheduler), ("grad_scaler", grad_scaler)):
+        if obj is None:
+            continue
+        if state[what] is None:
+            raise CheckpointError(ckpt_dir, f"the checkpoint has no {what} state, but a {what} was given")
+        obj.load_state_dict(state[what])
+    if restore_rng:
+        _set_rng_state(state["rng"])
+    return TrainingCheckpoint(ckpt_dir, int(manifest["step"]), state["extra"])
+
+
+# -- the optimizer ---------------------------------------------------------------
+
+
+def _save_optimizer(
+    optimizer: torch.optim.Optimizer, tmp: str, max_shard_bytes: int
+) -> tuple[dict, dict[str, dict[str, int]]]:
+    """Write the optimizer's per-element state to safetensors files in ``tmp``; returns its state dict with each
+    such tensor replaced by ``{_TENSOR: name}``, and ``{file: {tensor: CRC-32C}}``."""
+    streamed = isinstance(optimizer, OffloadOptimizer)
+    state_dict = optimizer.state_layout() if streamed else optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}  # name -> tensor (meta: streamed)
+    skeleton = {**state_dict, "state": {}}  # new dicts: a torch optimizer's state_dict shares its live state's
+    for idx, st in state_dict["state"].items():
+        skeleton["state"][idx] = entry = dict(st)
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor) and value.numel() > 1:
+                name = f"{idx}.{key}"
+                tensors[name] = value
+                entry[key] = {_TENSOR: name}
+    shards = shard_files({n: t.numel() * t.element_size() for n, t in tensors.items()}, max_shard_bytes, "optimizer")
+    writers: dict[str, SafetensorsWriter] = {}
+    try:
+        for filename, names in shards.items():
+            info = {n: (tensors[n].dtype, tuple(tensors[n].shape)) for n in names}
+            writers[filename] = SafetensorsWriter(os.path.join(tmp, filename), info)
+        writer_of = {n: writers[f] for f, names in shards.items() for n in names}
+        if streamed:
+            name_of = {id(t): n for n, t in tensors.items()}
+
+            def sink(placeholder: torch.Tensor, elements: slice, values: torch.Tensor) -> None:
+                name = name_of[id(placeholder)]
+                writer_of[name].write_slice(name, elements.start, values)
+
+            optimizer.stream_state(state_dict, sink)
+        else:
+            for name, t in tensors.items():
+                writer_of[name].write(name, t)
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    return skeleton, {f: dict(w.checksums) for f, w in writers.items()}
+
+
+def _with_placeholders(skeleton: dict, tensors: Mapping[str, torch.Tensor]) -> dict:
+    """The state dict ``skeleton`` with its ``{_TENSOR: name}`` entries back as ``tensors[name]``."""
+    state = {
+        idx: {k: tensors[v[_TENSOR]] if isinstance(v, dict) and _TENSOR in v else v for k, v in st.items()}
+        for idx, st in skeleton["state"].items()
+    }
+    return {**skeleton, "state": state}
+
+
+def _load_optimizer(
+    optimizer: torch.optim.Optimizer, skeleton: dict, ckpt_dir: str, files: dict, checks: _Checks
+) -> None:
+    shards = [os.path.join(ckpt_dir, f) for f in files if f.startswith("optimizer")]
+    if not shards:
+        optimizer.load_state_dict(skeleton)
+        return
+    with CheckpointReader(shards) as reader:
+        streamed = isinstance(optimizer, OffloadOptimizer)
+        tensors = {}
+        for name in reader.keys():
+            info = reader.info(name)
+            if streamed:
+                tensors[name] = torch.empty(info.shape, dtype=info.dtype, device="meta")
+            else:
+                tensors[name] = checks.verified(reader.file_of(name), name, reader.read(name))
+        state_dict = _with_placeholders(skeleton, tensors)
+        if not streamed:
+            optimizer.load_state_dict(state_dict)
+            return
+        name_of = {id(t): n for n, t in tensors.items()}
+
+        def source(tensor: torch.Tensor, elements: slice, out: torch.Tensor) -> None:
+            name = name_of[id(tensor)]
+            reader.read_slice(name, elements.start, out)
+            checks.add(reader.file_of(name), name, out)
+
+        optimizer.load_state_dict(state_dict, source=source)
+
+
+# -- the model -------------------------------------------------------------------
+
+
+def _weights(optimizer: torch.optim.Optimizer, *, write: bool):
+    """How to reach the model's weights: through the streamer of ``optimizer``'s session, or the tensors."""
+    session = getattr(optimizer, "session", None)
+    if session is None:
+        return None
+    return session.streamer.writable_weights_of if write else session.streamer.weights_of
+
+
+def _load_model(model: nn.Module, optimizer: torch.optim.Optimizer, model_dir: str, checks: _Checks) -> None:
+    expected = saved_tensors(model)
+    writable = _weights(optimizer, write=True)
+    with open_checkpoint(model_dir) as reader:
+        missing = sorted(set(expected) - set(reader.keys()))
+        unexpected = sorted(set(reader.keys()) - set(expected))
+        if missing or unexpected:
+            raise CheckpointError(
+                model_dir, f"does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        for name, t in expected.items():
+            info = reader.info(name)
+            if info.dtype != t.dtype or info.shape != tuple(t.shape):
+                raise CheckpointError(
+                    model_dir, f"holds {info.dtype} {info.shape}, the model {t.dtype} {tuple(t.shape)}", name
+                )
+            weights = checks.verified(reader.file_of(name), name, reader.read(name))
+            with torch.no_grad():
+                if writable is None:
+                    t.detach().copy_(weights)
+                else:
+                    with writable(t) as target:
+                        target.copy_(weights)
+
+
+# -- integrity -------------------------------------------------------------------
+
+
+class _Checks:
+    """CRC-32C of the tensors read against the manifest's: tensors read whole, or in parts in order."""
+
+    def __init__(self, ckpt_dir: str, expected: dict[str, dict[str, int]]):
+        self._dir = ckpt_dir
+        self._expected = expected  # file (relative to the checkpoint) -> tensor -> CRC-32C
+        self._running: dict[tuple[str, str], int] = {}  # (file, tensor) -> CRC-32C of the parts read so far
+
+    def verified(self, path: str, name: str, data: torch.Tensor) -> torch.Tensor:
+        """``data``, all of tensor ``name`` of the file ``path``, once its checksum is found right."""
+        self._check((os.path.relpath(path, self._dir), name), crc32c(data.contiguous()))
+        return data
+
+    def add(self, path: str, name: str, part: torch.Tensor) -> None:
+        """The next part of tensor ``name`` of ``path``, checked at :meth:`finish`."""
+        key = (os.path.relpath(path, self._dir), name)
+        self._running[key] = crc32c(part.contiguous(), self._running.get(key, 0))
+
+    def finish(self) -> None:
+        for key, crc in self._running.items():
+            self._check(key, crc)
+        self._running.clear()
+
+    def _check(self, key: tuple[str, str], crc: int) -> None:
+        rel, name = key
+        expected = self._expected.get(rel, {}).get(name)
+        path = os.path.join(self._dir, rel)
+        if expected is None:
+            raise CheckpointError(path, "the manifest has no checksum for the tensor", name)
+        if crc != expected:
+            raise CheckpointError(
+                path, f"checksum mismatch (crc32c {crc:#010x}, the manifest says {expected:#010x}): the file"
+                " changed after it was written; load the checkpoint before this one", name,
+            )  # fmt: skip
+
+
+def _file_crc32c(path: str) -> int:
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(16 << 20):
+            crc = crc32c(torch.frombuffer(bytearray(chunk), dtype=torch.uint8), crc)
+    return crc
+
+
+# -- the directory ---------------------------------------------------------------
+
+
+def _complete(root: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of the complete checkpoints in ``root`` (those with a manifest), by step."""
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in entries:
+        match = _NAME.fullmatch(entry)
+        if match and os.path.isfile(os.path.join(root, entry, MANIFEST)):
+            found.append((int(match.group(1)), os.path.join(root, entry)))
+    return sorted(found)
+
+
+def _remove_partial(root: str) -> None:
+    """Remove what saves killed before their end left: hidden ``.checkpoint-<step>.<what>-<random>`` directories."""
+    for entry in os.listdir(root):
+        if entry.startswith(".checkpoint-") and os.path.isdir(os.path.join(root, entry)):
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+
+
+def _resolve(path: str) -> str:
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return os.path.abspath(path)
+    latest = latest_training_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(f"no complete training checkpoint at {path} (no {MANIFEST} in it or in a checkpoint-<step> in it)")
+    return latest.path
+
+
+def _read_manifest(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(path, f"cannot read the manifest: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
+        raise CheckpointError(path, f"not an nvoffload training checkpoint manifest (format {_FORMAT!r})")
+    if manifest.get("version") != _VERSION:
+        raise CheckpointError(path, f"version {manifest.get('version')!r}; this nvoffload reads version {_VERSION}")
+    for rel, size in manifest["files"].items():
+        file = os.path.join(ckpt_dir, rel)
+        actual = os.path.getsize(file) if os.path.isfile(file) else None
+        if actual != size:
+            raise CheckpointError(file, f"{'missing' if actual is None else f'{actual} bytes'}: the manifest says {size} bytes")
+    return manifest
+
+
+def _sizes(directory: str) -> dict[str, int]:
+    """Every file under ``directory`` (relative path -> bytes), fsynced."""
+    sizes = {}
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(parent, name)
+            fsync_path(path)
+            sizes[os.path.relpath(path, directory)] = os.path.getsize(path)
+        fsync_path(parent)
+    return dict(sorted(sizes.items()))
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(value, indent=1, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -- the rest of the run ---------------------------------------------------------
+
+
+def _check_between_steps(optimizer: torch.optim.Optimizer, what: str) -> None:
+    if isinstance(optimizer, OffloadOptimizer) and optimizer.step_in_progress:
+        raise RuntimeError(
+            f"cannot {what} a training checkpoint while a step's updates are queued: call it after optimizer.step()"
+            " (not between backward and step(), nor between micro-batches)"
+        )
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (kind, keys.tolist(), pos, has_gauss, gauss)
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np = sys.modules.get("numpy")
+    if "numpy" in state and np is not None:
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))

@@ -1,0 +1,221 @@
+"""Training checkpoints: a run saved, stopped and resumed (new objects, other budgets) ends bit-identical to a run
+never interrupted; the directory keeps complete checkpoints only; damage is refused, never loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from test_streaming import config
+
+import nvoffload
+from nvoffload.checkpoint import CheckpointError
+from nvoffload.models import GPT, GPTConfig
+from nvoffload.optim import NVMeAdamW
+from nvoffload.training_checkpoint import MANIFEST
+
+CFG = GPTConfig(seq_len=16, n_layer=4, n_head=2, d_model=32)
+STEPS, SAVE_AT = 6, 3
+
+
+def _batch():
+    x = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len))  # the global RNG: restored by the checkpoint
+    return x, x.roll(-1, dims=1)
+
+
+class Run:
+    """One training run in a mode: ``optimizer`` (the model on the CPU, its AdamW state on NVMe, clipped),
+    ``stream`` (all three tiers, clipped, two micro-batches per step, bf16) or ``torch`` (plain AdamW)."""
+
+    def __init__(self, mode: str, swap_dir, *, cpu_memory_bytes: int | None = None, seed: int = 0):
+        torch.manual_seed(seed)
+        os.makedirs(swap_dir, exist_ok=True)
+        self.mode = mode
+        self.accum = 2 if mode == "stream" else 1
+        if mode == "stream":
+            with torch.device("meta"):
+                self.model = GPT(CFG).to(torch.bfloat16)
+            kw = {"cpu_memory_bytes": cpu_memory_bytes} if cpu_memory_bytes else {}
+            self.model, self.opt = nvoffload.initialize(
+                self.model, torch.optim.AdamW(self.model.parameters(), lr=3e-3, weight_decay=0.1),
+                config(swap_dir, GPT(CFG), max_grad_norm=0.5, gradient_accumulation_steps=2, **kw),
+                param_init_fn=self.model.init_weights,
+            )  # fmt: skip
+        else:
+            self.model = GPT(CFG)
+            if mode == "optimizer":
+                self.opt = NVMeAdamW(
+                    self.model.parameters(), lr=3e-3, weight_decay=0.1, swap_dir=swap_dir, max_grad_norm=0.5,
+                    cpu_memory_bytes=cpu_memory_bytes or 8 << 20,
+                )  # fmt: skip
+            else:
+                self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3, weight_decay=0.1)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / 4))
+        self.step = 0
+        self.losses: list[float] = []
+
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            total = 0.0
+            for _ in range(self.accum):
+                loss = self.model(*_batch()) / self.accum
+                total += loss.item()
+                loss.backward()
+            self.opt.step()
+            self.sched.step()
+            self.opt.zero_grad()
+            self.step += 1
+            self.losses.append(total)
+
+    def save(self, directory, **kw):
+        return nvoffload.save_training_checkpoint(
+            directory, step=self.step, model=self.model, optimizer=self.opt, scheduler=self.sched,
+            extra={"losses": self.losses}, **kw,
+        )  # fmt: skip
+
+    def load(self, path):
+        done = nvoffload.load_training_checkpoint(path, model=self.model, optimizer=self.opt, scheduler=self.sched)
+        self.step, self.losses = done.step, list(done.extra["losses"])
+        return done
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.model.state_dict().items()}
+
+    def close(self) -> None:
+        if hasattr(self.opt, "close"):
+            self.opt.close()
+
+
+def _assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        elif isinstance(a[k], dict):
+            _assert_equal(a[k], b[k])
+        else:
+            assert a[k] == b[k], k
+
+
+def _state(run: Run) -> dict:
+    sd = run.opt.state_dict()
+    return {"state": sd["state"], "lr": [g["lr"] for g in sd["param_groups"]], "sched": run.sched.state_dict()}
+
+
+@pytest.mark.parametrize(
+    ("mode", "resume_budget"),
+    [("optimizer", None), ("optimizer", 3 << 20), ("stream", None), ("stream", "larger"), ("torch", None)],
+    ids=["optimizer", "optimizer-other-budget", "stream", "stream-other-budget", "torch"],
+)
+def test_resume_is_bit_identical(tmp_path, mode, resume_budget):
+    whole = Run(mode, tmp_path / "a")
+    whole.train(STEPS)
+    expected_weights, expected_state, expected_losses = whole.weights(), _state(whole), whole.losses
+    whole.close()
+
+    first = Run(mode, tmp_path / "b")
+    first.train(SAVE_AT)
+    saved = first.save(tmp_path / "ckpt")
+    first.train(1)  # what the killed run did after its last checkpoint is lost
+    first.close()
+    assert saved.step == SAVE_AT and os.path.basename(saved.path) == f"checkpoint-{SAVE_AT}"
+
+    if resume_budget == "larger":
+        resume_budget = 2 * config(tmp_path, GPT(CFG)).cpu_memory_bytes
+    torch.manual_seed(123)  # the checkpoint restores the RNG
+    resumed = Run(mode, tmp_path / "c", cpu_memory_bytes=resume_budget, seed=7)  # other initial weights
+    done = resumed.load(tmp_path / "ckpt")
+    assert done.step == SAVE_AT and done.path == saved.path
+    resumed.train(STEPS - SAVE_AT)
+    assert resumed.losses == expected_losses
+    _assert_equal(resumed.weights(), expected_weights)
+    _assert_equal(_state(resumed), expected_state)
+    resumed.close()
+
+
+def test_keeps_the_last_complete_checkpoints_and_removes_partial_ones(tmp_path):
+    run = Run("optimizer", tmp_path / "swap")
+    root = tmp_path / "ckpt"
+    (root / ".checkpoint-9.tmp-dead").mkdir(parents=True)  # a save killed before its end
+    (root / ".checkpoint-9.tmp-dead" / "optimizer.safetensors").write_bytes(b"partial")
+    for _ in range(4):
+        run.train(1)
+        run.save(root, keep_last=2)
+    assert sorted(os.listdir(root)) == ["checkpoint-3", "checkpoint-4"]
+    assert nvoffload.latest_training_checkpoint(root).step == 4
+    os.remove(root / "checkpoint-4" / MANIFEST)  # as if the manifest had never been written
+    assert nvoffload.latest_training_checkpoint(root).step == 3
+    files = sorted(os.listdir(root / "checkpoint-3"))
+    assert files == [MANIFEST, "model", "optimizer.safetensors", "trainer_state.pt"]
+    manifest = json.loads((root / "checkpoint-3" / MANIFEST).read_text())
+    assert manifest["step"] == 3 and set(manifest["tensors"]) == {"model/model.safetensors", "optimizer.safetensors"}
+    run.close()
+    assert nvoffload.latest_training_checkpoint(tmp_path / "nothing") is None
+    with pytest.raises(FileNotFoundError, match="no complete training checkpoint"):
+        nvoffload.load_training_checkpoint(tmp_path / "nothing", model=run.model, optimizer=run.opt)
+
+
+def test_optimizer_state_in_shards_streamed_chunk_by_chunk(tmp_path):
+    run = Run("optimizer", tmp_path / "swap", cpu_memory_bytes=3 << 20)  # several chunks per large parameter
+    run.train(2)
+    saved = run.save(tmp_path / "ckpt", max_shard_bytes=200_000)
+    shards = sorted(f for f in os.listdir(saved.path) if f.startswith("optimizer"))
+    assert len(shards) > 2 and shards[0] == f"optimizer-00001-of-{len(shards):05d}.safetensors"
+    expected = run.opt.state_dict()["state"]
+    from nvoffload.checkpoint import CheckpointReader
+
+    with CheckpointReader([os.path.join(saved.path, f) for f in shards]) as reader:
+        for idx, st in expected.items():
+            assert torch.equal(reader.read(f"{idx}.exp_avg"), st["exp_avg"])
+            assert torch.equal(reader.read(f"{idx}.exp_avg_sq"), st["exp_avg_sq"])
+    run.close()
+
+
+@pytest.mark.parametrize("where", ["model", "optimizer", "trainer_state"])
+def test_a_flipped_byte_is_refused(tmp_path, where):
+    run = Run("optimizer", tmp_path / "swap")
+    run.train(2)
+    saved = run.save(tmp_path / "ckpt")
+    path = {
+        "model": os.path.join(saved.path, "model", "model.safetensors"),
+        "optimizer": os.path.join(saved.path, "optimizer.safetensors"),
+        "trainer_state": os.path.join(saved.path, "trainer_state.pt"),
+    }[where]
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        run.load(tmp_path / "ckpt")
+    run.close()
+
+
+def test_a_truncated_file_is_refused(tmp_path):
+    run = Run("optimizer", tmp_path / "swap")
+    run.train(1)
+    saved = run.save(tmp_path / "ckpt")
+    path = os.path.join(saved.path, "optimizer.safetensors")
+    os.truncate(path, os.path.getsize(path) - 8)
+    with pytest.raises(CheckpointError, match="the manifest says"):
+        run.load(saved.path)
+    run.close()
+
+
+def test_refuses_between_backward_and_step_and_bad_arguments(tmp_path):
+    run = Run("stream", tmp_path / "swap")
+    run.model(*_batch()).backward()
+    with pytest.raises(RuntimeError, match="after optimizer.step"):
+        run.save(tmp_path / "ckpt")
+    run.opt.step()
+    run.opt.zero_grad()
+    for bad in ({"step": -1}, {"step": True}, {"keep_last": 0}):
+        with pytest.raises(ValueError):
+            nvoffload.save_training_checkpoint(tmp_path / "ckpt", model=run.model, optimizer=run.opt, **{"step": 1, **bad})
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError, match="cannot write training checkpoints"):
+        nvoffload.save_training_checkpoint(tmp_path / "file" / "ckpt", step=1, model=run.model, optimizer=run.opt)
+    assert not os.path.exists(tmp_path / "ckpt")
+    run.close()
