@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--activation-memory", dest="activation_memory_bytes", type=_size, default=None, help="with --offload-activations: host memory staging their transfers, at least twice the largest saved tensor (default: with --stream an eighth of --cpu-memory, else 512M)")
     ft.add_argument("--init-from", default=None, help="safetensors checkpoint (file, shard directory or index .json) of the preset's model to start from")
     ft.add_argument("--save-to", default=None, help="write the fine-tuned weights there: a safetensors file for a preset; for --model a Hugging Face directory (sharded safetensors, config.json, tokenizer), replaced atomically. Checked for writing before training")
+    ft.add_argument("--checkpoint-dir", default=None, help="write training checkpoints there (weights, optimizer state, scheduler, RNG, position in the data; atomic, the last --keep-last kept), after the last step and every --save-every steps. Checked for writing before training")
+    ft.add_argument("--save-every", type=int, default=None, metavar="N", help="with --checkpoint-dir: a checkpoint every N steps too")
+    ft.add_argument("--keep-last", type=int, default=d.keep_last, metavar="K", help="with --checkpoint-dir: keep the last K checkpoints (default %(default)s)")
+    ft.add_argument("--resume", action="store_true", help="go on from the latest complete checkpoint in --checkpoint-dir (from the start when there is none): the run ends bit-identical to one never stopped")
     ft.add_argument("--seed", type=int, default=d.seed)
     ft.add_argument("--no-progress", action="store_true", help="print one line per step, as it finishes, instead of a progress bar")
     return parser
@@ -108,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, KeyError, MemoryBudgetError, OSError, OffloadIOError, ImportError) as exc:
             print(f"nvoffload finetune: error: {_message(exc)}", file=sys.stderr)
             return 2
+        if not result.steps:
+            print(f"nothing to do: the checkpoint in {config.checkpoint_dir} is at step {config.steps} already")
+            return 0
         tail = result.losses[-10:]
         print(
             f"{result.num_parameters / 1e6:.2f}M parameters, {len(result.steps)} steps:"

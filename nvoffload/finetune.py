@@ -65,6 +65,12 @@ from nvoffload.pretrained import (
     save_pretrained,
 )
 from nvoffload.training import OffloadConfig, initialize
+from nvoffload.training_checkpoint import (
+    check_checkpoint_directory,
+    latest_training_checkpoint,
+    load_training_checkpoint,
+    save_training_checkpoint,
+)
 
 __all__ = ["FinetuneConfig", "FinetuneResult", "StepStats", "default_swap_root", "finetune"]
 
@@ -118,6 +124,14 @@ class FinetuneConfig:
             preset; for ``model_dir`` a Hugging Face directory (weights,
             ``config.json``, the tokenizer), replaced atomically. Checked for
             writing before the model is built.
+        checkpoint_dir: write training checkpoints there
+            (:func:`nvoffload.save_training_checkpoint`: weights, optimizer
+            state, scheduler, loss scaler, RNG and the position in the data),
+            every ``save_every`` steps and after the last; the last
+            ``keep_last`` are kept. Checked for writing before the model is built.
+        resume: go on from the latest complete checkpoint in ``checkpoint_dir``
+            (from the start when there is none yet): the run ends as if it had
+            never stopped, bit for bit.
     """
 
     preset: str = "small"
@@ -141,13 +155,21 @@ class FinetuneConfig:
     activation_memory_bytes: int | None = None
     init_from: str | None = None
     save_to: str | None = None
+    checkpoint_dir: str | None = None
+    save_every: int | None = None  # None: after the last step only
+    keep_last: int = 2
+    resume: bool = False
     seed: int = 0
 
     def __post_init__(self):
         GPTConfig.preset(self.preset)  # raises for an unknown preset
-        for name in ("steps", "batch_size", "grad_accum_steps", "cpu_memory_bytes", "device_memory_bytes"):
+        for name in ("steps", "batch_size", "grad_accum_steps", "cpu_memory_bytes", "device_memory_bytes", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.save_every is not None and self.save_every < 1:
+            raise ValueError(f"save_every must be >= 1, got {self.save_every}")
+        if (self.save_every is not None or self.resume) and self.checkpoint_dir is None:
+            raise ValueError("save_every and resume need a checkpoint_dir")
         if self.activation_memory_bytes is not None and self.activation_memory_bytes < 1:
             raise ValueError(f"activation_memory_bytes must be >= 1, got {self.activation_memory_bytes}")
         if self.seq_len is not None and self.seq_len < 1:
@@ -372,6 +394,8 @@ def finetune(
     torch.manual_seed(config.seed)
     dev = torch.device(config.device)
     _check_save_to(config)
+    if config.checkpoint_dir is not None:
+        check_checkpoint_directory(config.checkpoint_dir)
     hf = _HFModel(config) if config.model_dir is not None else None
     text = load_text(config.text_path)
     if hf is not None:
@@ -390,7 +414,9 @@ def finetune(
         try:
             release = claim(swap_dir)
         except SwapDirectoryInUse:
-            owned_dir = swap_dir = tempfile.mkdtemp(prefix="finetune-", dir=swap_dir)
+            owned_dir = swap_dir = tempfile.mkdtemp(prefix=_RUN_DIR_PREFIX, dir=swap_dir)
+        else:
+            _remove_abandoned_run_dirs(swap_dir)
     bar = None
     try:
         model, opt = _build(config, swap_dir, hf)
@@ -410,7 +436,17 @@ def finetune(
             scaler = None
             if config.dtype == "float16" and session is None:
                 scaler = torch.amp.GradScaler(dev.type)
-            for step in range(1, config.steps + 1):
+            state = {"model": model, "optimizer": opt, "scheduler": sched, "grad_scaler": scaler}
+            first = 1
+            if config.resume:
+                latest = latest_training_checkpoint(config.checkpoint_dir)
+                if latest is not None:
+                    done = load_training_checkpoint(latest.path, **state)
+                    data.load_state_dict(done.extra["data"])
+                    first = done.step + 1
+                    if bar is not None:
+                        bar.update(done.step)
+            for step in range(first, config.steps + 1):
                 if session is not None:
                     session.reset_stats()
                 else:
@@ -441,6 +477,13 @@ def finetune(
                     bar.update()
                 if on_step is not None:
                     on_step(stats)
+                if config.checkpoint_dir is not None and (
+                    step == config.steps or (config.save_every is not None and step % config.save_every == 0)
+                ):
+                    save_training_checkpoint(
+                        config.checkpoint_dir, step=step, extra={"data": data.state_dict()}, keep_last=config.keep_last,
+                        **state,
+                    )  # fmt: skip
             if config.save_to is not None:
                 _save(model, opt, config.save_to, hf)
     finally:
@@ -451,6 +494,25 @@ def finetune(
         if release is not None:
             release()
     return result
+
+
+_RUN_DIR_PREFIX = "finetune-"  # a run's own swap subdirectory while another run holds the cache directory
+_ABANDONED_AFTER_S = 60.0  # an unheld run directory younger than this may be about to be claimed by its run
+
+
+def _remove_abandoned_run_dirs(root: str) -> None:
+    """Remove the run subdirectories of ``root`` that killed runs left: those no live process holds."""
+    for entry in os.scandir(root):
+        if not (entry.name.startswith(_RUN_DIR_PREFIX) and entry.is_dir(follow_symlinks=False)):
+            continue
+        if time.time() - entry.stat().st_mtime < _ABANDONED_AFTER_S:
+            continue
+        try:
+            release = claim(entry.path)  # removes a dead run's lock and swap files, with a warning
+        except SwapDirectoryInUse:
+            continue
+        release()
+        shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _step_stats(step: int, loss: float, tokens: int, step_s: float, opt: OffloadOptimizer, dev: torch.device) -> StepStats:

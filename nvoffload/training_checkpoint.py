@@ -72,6 +72,7 @@ __all__ = [
     "latest_training_checkpoint",
     "load_training_checkpoint",
     "save_training_checkpoint",
+    "verify_training_checkpoint",
 ]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # per optimizer state file (the model's shards: save_pretrained's 50 GB)
@@ -242,6 +243,30 @@ def load_training_checkpoint(
     if restore_rng:
         _set_rng_state(state["rng"])
     return TrainingCheckpoint(ckpt_dir, int(manifest["step"]), state["extra"])
+
+
+def verify_training_checkpoint(path: str | os.PathLike) -> TrainingCheckpoint:
+    """Check a checkpoint (or the latest complete one of a directory) without loading it anywhere: the manifest,
+    every file's size and every tensor's CRC-32C, one tensor in memory at a time.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint at ``path``.
+        CheckpointError: what is missing, truncated or corrupt.
+    """
+    ckpt_dir = _resolve(os.fspath(path))
+    manifest = _read_manifest(ckpt_dir)
+    state_path = os.path.join(ckpt_dir, STATE_FILE)
+    if _file_crc32c(state_path) != manifest["trainer_state_crc32c"]:
+        raise CheckpointError(state_path, "checksum mismatch: the file changed after it was written")
+    checks = _Checks(ckpt_dir, manifest["tensors"])
+    for rel, crcs in manifest["tensors"].items():
+        with CheckpointReader([os.path.join(ckpt_dir, rel)]) as reader:
+            if set(reader.keys()) != set(crcs):
+                raise CheckpointError(os.path.join(ckpt_dir, rel), "holds other tensors than the manifest names")
+            for name in crcs:
+                checks.verified(reader.file_of(name), name, reader.read(name))
+    extra = torch.load(state_path, weights_only=True)["extra"]
+    return TrainingCheckpoint(ckpt_dir, int(manifest["step"]), extra)
 
 
 # -- the optimizer ---------------------------------------------------------------

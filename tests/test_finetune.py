@@ -54,6 +54,31 @@ def test_config_validation(tmp_path):
         FinetuneConfig(init_from=str(tmp_path / "absent.safetensors"))
     with pytest.raises(ValueError, match="save_to: the directory"):
         FinetuneConfig(save_to=str(tmp_path / "absent" / "out.safetensors"))
+    for bad in ({"resume": True}, {"save_every": 5}):
+        with pytest.raises(ValueError, match="need a checkpoint_dir"):
+            FinetuneConfig(**bad)
+    with pytest.raises(ValueError, match="save_every must be >= 1"):
+        FinetuneConfig(checkpoint_dir=str(tmp_path), save_every=0)
+
+
+def test_cli_checkpoints_resume_and_refuse_an_unwritable_directory(tmp_path, capsys):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    (tmp_path / "file").write_text("x")
+    base = ["finetune", "--preset", "tiny", "--batch-size", "2", "--swap-dir", str(swap), "--no-progress"]
+    rc = main([*base, "--steps", "2", "--checkpoint-dir", str(tmp_path / "file" / "ckpt")])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == "" and "cannot write training checkpoints in" in captured.err  # no step ran
+    ckpt = tmp_path / "ckpt"
+    assert main([*base, "--steps", "3", "--checkpoint-dir", str(ckpt), "--save-every", "1", "--keep-last", "1"]) == 0
+    assert os.listdir(ckpt) == ["checkpoint-3"]
+    capsys.readouterr()
+    assert main([*base, "--steps", "5", "--checkpoint-dir", str(ckpt), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("step 4:") and "step 5:" in out  # went on from step 3
+    assert sorted(os.listdir(ckpt)) == ["checkpoint-3", "checkpoint-5"]
+    assert main([*base, "--steps", "5", "--checkpoint-dir", str(ckpt), "--resume"]) == 0
+    assert "nothing to do: the checkpoint" in capsys.readouterr().out
 
 
 def test_finetune_loss_decreases_and_cleans_up(tmp_path, monkeypatch):

@@ -86,6 +86,14 @@ class TokenDataset:
         """Number of distinct window offsets."""
         return self.tokens.numel() - self.seq_len
 
+    def state_dict(self) -> dict:
+        """The position in the data: the state of the generator drawing the windows."""
+        return {"generator": self._generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on drawing from where :meth:`state_dict` was taken."""
+        self._generator.set_state(state["generator"])
+
     def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)``, each ``(batch_size, seq_len)`` int64; targets are inputs shifted by one."""
         if batch_size < 1:
