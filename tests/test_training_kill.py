@@ -15,7 +15,10 @@ import time
 import torch
 
 from nvoffload.checkpoint import load_file
-from nvoffload.training_checkpoint import latest_training_checkpoint, verify_training_checkpoint
+from nvoffload.training_checkpoint import (
+    latest_training_checkpoint,
+    verify_training_checkpoint,
+)
 
 STEPS = 30
 KILLS = 10

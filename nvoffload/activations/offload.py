@@ -39,7 +39,7 @@ class _Record:
     __slots__ = (
         "handle", "name", "key", "nbytes", "numel", "size", "stride", "dtype", "device", "version",
         "offset", "dense", "state", "original", "original_key", "write", "load", "loaded_key", "live", "pending",
-        "error", "written", "host", "host_reader", "kept", "avoided_in",
+        "error", "written", "host", "host_reader", "kept", "avoided_in", "shareable",
     )  # fmt: skip
 
     def __init__(self, handle: int, name: str, key: tuple, tensor: torch.Tensor, dense: bool):
@@ -69,6 +69,7 @@ class _Record:
         self.host_reader = None  # the future of the last copy out of ``host``
         self.kept = False  # read-ahead reached it while its write was in flight: the original stays for backward
         self.avoided_in = 0  # the backward pass that last used the original instead of reading it back
+        self.shareable = True  # a later save of the same tensor may use this record (no read has failed since)
 
     def describe(self) -> str:
         return f"saved activation #{self.handle} ({self.name}: {list(self.size)} {self.dtype}, {self.nbytes} bytes)"
@@ -416,6 +417,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             storage = StorageWeakRef(t.untyped_storage())
             key = (storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
             record, view = self._by_key.get(key), None
+            if record is not None and not record.shareable:
+                record = None
             if record is None and (record := self._container_of(t, key)) is not None:
                 view = (tuple(t.shape), t.stride(), t.storage_offset())
             if record is not None:
@@ -447,7 +450,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         first = t.storage_offset()
         last = first + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
         for record in self._by_extent.get(_extent_key(key), ()):
-            if record.error is None and record.offset <= first and last < record.offset + record.numel:
+            if record.shareable and record.error is None and record.offset <= first and last < record.offset + record.numel:
                 return record
         return None
 
@@ -605,7 +608,11 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 try:
                     self._tier.engine.wait(record.load.future)  # compute reads the device tensor after its copy
                 except Exception as e:
-                    raise RuntimeError(f"reading {record.describe()} back failed: {e}") from e
+                    record.error = RuntimeError(f"reading {record.describe()} back failed: {e}")
+                    record.error.__cause__ = e
+                    for other in self._records.values():  # what is on disk may be damaged: a tensor saved
+                        other.shareable = False  # again (a reused input) is written anew, not shared with these
+                    raise record.error from e
                 flat = record.load.device
                 size, stride, offset = ticket.view or (record.size, record.stride, record.offset)
                 result = flat.as_strided(size, stride, flat.storage_offset() + offset - record.offset)
