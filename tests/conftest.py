@@ -1,4 +1,5 @@
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -29,3 +30,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
         if "gds" in item.keywords and not HAS_KVIKIO:
             item.add_marker(skip_gds)
+
+
+def flip_stored_byte(store, name: str, at: int = 100) -> None:
+    """Flip one bit of the bytes stored under ``name``, on disk."""
+    extent = store._records[name].extents[0]
+    fd = os.open(extent.swap.file.path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, extent.offset + at)
+        os.pwrite(fd, bytes([byte[0] ^ 0x04]), extent.offset + at)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

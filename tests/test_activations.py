@@ -683,27 +683,23 @@ def test_docstring_examples_run(module):
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_a_failed_write_fails_that_backward_only_and_close_releases_everything(tmp_path):
-    """An EIO while a saved tensor is written: that backward raises naming the tensor, the next trains exactly,
-    and close() releases everything (it raised KeyError on every call for the tensor the failed write left
-    no space for, and kept the swap file)."""
+def _offloaded_linear_stack(tmp_path):
+    """A store, an offload writing every saved tensor at once (nothing kept or read ahead), four Linear layers,
+    an input and the reference gradients."""
     from nvoffload.io import TensorStore
 
     store = TensorStore(tmp_path)
-    offload = offload_activations(store, min_bytes=1024, keep_recent_bytes=0, max_pending_write_bytes=0)
+    offload = offload_activations(store, min_bytes=1024, keep_recent_bytes=0, max_pending_write_bytes=0, prefetch_bytes=0)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
     x = torch.randn(64, 256)
-    want = torch.autograd.grad(model(x).sum(), list(model.parameters()))
-    store.inject_fault("eio", after_ops=2)
-    with offload:
-        y = model(x).sum()
-    with pytest.raises(RuntimeError, match=r"writing saved activation .* failed: \[Errno 5\]"):
-        y.backward()
-    del y
+    return store, offload, model, x, torch.autograd.grad(model(x).sum(), list(model.parameters()))
+
+
+def _next_iteration_is_exact_and_close_releases(tmp_path, store, offload, model, x, want):
     model.zero_grad()
     with offload:
-        y = model(x).sum()
+        y = model(x).sum()  # the same input tensor again
     y.backward()
     for p, g in zip(model.parameters(), want):
         assert torch.equal(p.grad, g)
@@ -712,3 +708,37 @@ def test_a_failed_write_fails_that_backward_only_and_close_releases_everything(t
     assert store.used_bytes == 0
     store.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_a_failed_write_fails_that_backward_only_and_close_releases_everything(tmp_path):
+    """An EIO while a saved tensor is written: that backward raises naming the tensor, the next trains exactly,
+    and close() releases everything (it raised KeyError on every call for the tensor the failed write left
+    no space for, and kept the swap file)."""
+    store, offload, model, x, want = _offloaded_linear_stack(tmp_path)
+    store.inject_fault("eio", after_ops=2)
+    with offload:
+        y = model(x).sum()
+    with pytest.raises(RuntimeError, match=r"writing saved activation .* failed: \[Errno 5\]"):
+        y.backward()
+    del y
+    _next_iteration_is_exact_and_close_releases(tmp_path, store, offload, model, x, want)
+
+
+def test_a_flipped_byte_fails_that_backward_only_and_the_input_is_written_anew(tmp_path):
+    """A byte flipped on disk under every saved tensor (checksums are on by default): that backward raises naming
+    the tensor and file; the next iteration, with the same input tensor (which forward would otherwise share with
+    the damaged record), trains exactly."""
+    from conftest import flip_stored_byte
+
+    store, offload, model, x, want = _offloaded_linear_stack(tmp_path)
+    with offload:
+        y = model(x).sum()
+    for write in list(store._pending_puts.values()):
+        write.result()
+    for name in list(store._records):
+        flip_stored_byte(store, name)
+    with pytest.raises(RuntimeError, match=r"reading saved activation .* back failed: checksum mismatch") as info:
+        y.backward()
+    assert store.swap_files[0] in str(info.value)  # info keeps the failed graph, and its records, alive
+    del y
+    _next_iteration_is_exact_and_close_releases(tmp_path, store, offload, model, x, want)
