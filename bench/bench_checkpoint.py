@@ -1,0 +1,224 @@
+"""Training checkpoints: ``save_training_checkpoint`` / ``load_training_checkpoint`` beside ``torch.save`` /
+``torch.load`` of the same state, and the drive's write bandwidth (fio), in one run.
+
+The model's weights stay in memory and its AdamW state (fp32 moments) lies on NVMe, as ``NVMeAdamW`` keeps it.
+Each case saves, then loads, the same training state to the same directory:
+
+- ``nvoffload``: :func:`nvoffload.save_training_checkpoint` (the weights one tensor at a time, the
+  optimizer state streamed from the store chunk by chunk into safetensors shards, every tensor
+  CRC-32C'd, fsynced, atomic) and :func:`nvoffload.load_training_checkpoint` (checked as it loads);
+- ``torch.save``: what a script written for ``torch.optim`` does: ``torch.save({"model": ...,
+  "optimizer": optimizer.state_dict()})`` (the NVMe state gathered in memory first), fsynced, then
+  ``torch.load`` and ``load_state_dict``;
+- ``fio``: sequential writes and reads of the same bytes with O_DIRECT (the limit; skipped when fio is not
+  installed).
+
+It reports GB/s of checkpoint bytes and the process's resident memory above its level before the save
+(sampled every 5 ms: the plot is that timeline). Runs are interleaved ``--repeats`` times; the median is shown.
+
+    python bench/bench_checkpoint.py                  # GPT-2 124M: ~1.5 GB per checkpoint
+    python bench/bench_checkpoint.py --quick          # the tiny preset: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_io import fio_bandwidth  # noqa: E402
+from report import RESULTS_DIR, save_report  # noqa: E402
+
+import nvoffload  # noqa: E402
+from nvoffload.models import GPT, GPTConfig  # noqa: E402
+from nvoffload.optim import NVMeAdamW  # noqa: E402
+
+GB = 1e9
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssTimeline:
+    """The resident memory above its level at the start, every ``period_s``, in a thread."""
+
+    def __init__(self, period_s: float = 0.005):
+        self.period_s = period_s
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+
+    def __enter__(self) -> RssTimeline:
+        self._base, self._start = _rss_bytes(), time.perf_counter()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter() - self._start, _rss_bytes() - self._base))
+            self._stop.wait(self.period_s)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((b for _, b in self.samples), default=0)
+
+
+def _fsync_tree(path: Path) -> None:
+    for parent, _, names in os.walk(path):
+        for name in names:
+            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def _drop_cache(path: Path) -> None:
+    for parent, _, names in os.walk(path):
+        for name in names:
+            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(os.path.getsize(os.path.join(p, n)) for p, _, names in os.walk(path) for n in names)
+
+
+def nvoffload_case(model, opt, directory: Path):
+    def save():
+        nvoffload.save_training_checkpoint(directory, step=1, model=model, optimizer=opt, keep_last=1)
+
+    def load():
+        nvoffload.load_training_checkpoint(directory, model=model, optimizer=opt)
+
+    return save, load
+
+
+def torch_case(model, opt, directory: Path):
+    path = directory / "checkpoint.pt"
+
+    def save():
+        directory.mkdir(exist_ok=True)
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+        _fsync_tree(directory)
+
+    def load():
+        state = torch.load(path, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+
+    return save, load
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="gpt2-124m", help="the GPT preset (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where the swap file and checkpoints go (default: under /tmp)")
+    p.add_argument("--quick", action="store_true", help="the tiny preset, one repeat: the smoke run")
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.repeats = "tiny", 1
+    return args
+
+
+def main(argv=None) -> Path:
+    args = parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="bench_checkpoint_", dir=args.dir or "/tmp"))
+    try:
+        (root / "swap").mkdir()
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.preset(args.preset))
+        opt = NVMeAdamW(model.parameters(), lr=1e-4, swap_dir=str(root / "swap"), cpu_memory_bytes=256 << 20)
+        x = torch.randint(0, model.config.vocab_size, (1, 32))
+        model(x, x).backward()  # one step: the optimizer has state to save
+        opt.step()
+        opt.zero_grad()
+        cases = {"nvoffload": nvoffload_case, "torch.save": torch_case}
+        runs: dict[str, list[dict]] = {name: [] for name in cases}
+        timelines: dict[str, list[tuple[float, int]]] = {}
+        nbytes = 0
+        for _ in range(args.repeats):
+            for name, case in cases.items():
+                directory = root / name
+                save, load = case(model, opt, directory)
+                with RssTimeline() as saving:
+                    start = time.perf_counter()
+                    save()
+                    save_s = time.perf_counter() - start
+                nbytes = _tree_bytes(directory)
+                _drop_cache(directory)
+                with RssTimeline() as loading:
+                    start = time.perf_counter()
+                    load()
+                    load_s = time.perf_counter() - start
+                runs[name].append(
+                    {"bytes": nbytes, "save_s": save_s, "load_s": load_s, "save_rss": saving.peak_bytes,
+                     "load_rss": loading.peak_bytes}
+                )  # fmt: skip
+                timelines[name] = saving.samples + [(t + save_s, b) for t, b in loading.samples]
+                shutil.rmtree(directory)
+        opt.close()
+        fio = None
+        if shutil.which("fio"):
+            fio = (fio_bandwidth([root], nbytes, "write"), fio_bandwidth([root], nbytes, "read"))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    rows = []
+    for name, results in runs.items():
+        size = statistics.median(r["bytes"] for r in results)
+        save_s = statistics.median(r["save_s"] for r in results)
+        load_s = statistics.median(r["load_s"] for r in results)
+        rows.append(
+            {"case": name, "GB": size / GB, "save_s": save_s, "save_GBps": size / save_s / GB,
+             "load_s": load_s, "load_GBps": size / load_s / GB,
+             "save_peak_rss_GB": max(r["save_rss"] for r in results) / GB,
+             "load_peak_rss_GB": max(r["load_rss"] for r in results) / GB}
+        )  # fmt: skip
+    if fio is not None:
+        rows.append({"case": "fio (limit)", "GB": nbytes / GB, "save_s": nbytes / fio[0], "save_GBps": fio[0] / GB,
+                     "load_s": nbytes / fio[1], "load_GBps": fio[1] / GB, "save_peak_rss_GB": 0.0,
+                     "load_peak_rss_GB": 0.0})  # fmt: skip
+    for row in rows:
+        row["save_vs_fio"] = row["save_GBps"] / rows[-1]["save_GBps"] if fio is not None else float("nan")
+
+    def plot(plt):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for name, samples in timelines.items():
+            ax.plot([t for t, _ in samples], [b / GB for _, b in samples], label=name)
+        ax.set_xlabel("seconds (save, then load)")
+        ax.set_ylabel("resident memory above start (GB)")
+        ax.set_title(f"training checkpoint of {args.preset}: memory while saving and loading (last repeat)")
+        ax.legend()
+        fig.tight_layout()
+        return fig
+
+    notes = (
+        f"{args.preset}: weights in memory, AdamW state on NVMe (NVMeAdamW). Median of {args.repeats} interleaved"
+        " runs; page cache of the checkpoint dropped (fadvise) before each load. nvoffload's includes the CRC-32C"
+        " of every tensor (written and checked) and the fsyncs; torch.save's includes an fsync."
+    )
+    return save_report(
+        "bench_checkpoint", rows, settings={"preset": args.preset, "repeats": args.repeats}, plot_column="save_GBps",
+        notes=notes, results_dir=args.results_dir, extra={"timelines": timelines}, plot=plot,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

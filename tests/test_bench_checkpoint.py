@@ -1,0 +1,24 @@
+"""Smoke run of bench/bench_checkpoint.py: both cases save and load, with sane figures, and clean up."""
+
+import importlib
+import json
+import os
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def test_bench_checkpoint_quick(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench = importlib.import_module("bench_checkpoint")
+    (tmp_path / "work").mkdir()
+    path = bench.main(["--quick", "--dir", str(tmp_path / "work"), "--results-dir", str(tmp_path / "results")])
+    record = json.loads(Path(path).read_text())
+    rows = {row["case"]: row for row in record["rows"]}
+    assert {"nvoffload", "torch.save"} <= set(rows)
+    for name in ("nvoffload", "torch.save"):
+        row = rows[name]
+        assert 0 < row["GB"] < 0.1 and row["save_GBps"] > 0 and row["load_GBps"] > 0, row
+    assert set(record["timelines"]) == {"nvoffload", "torch.save"}
+    assert (tmp_path / "results" / "bench_checkpoint.png").exists()
+    assert os.listdir(tmp_path / "work") == []  # swap file, checkpoints and fio's file removed
