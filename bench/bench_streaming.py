@@ -18,7 +18,10 @@ and ``accum+clip-unbitten`` (max_grad_norm so large it never clips: what
 keeping the gradients costs when the speculative updates stand).
 
     python bench/bench_streaming.py [--quick] [--preset gpt2-1.3b] [--cpu-memory-gib 4] [--device-memory-gib 2]
-        [--recipe plain --recipe clip+accum ...]
+        [--recipe plain --recipe clip+accum ...] [--trace]
+
+``--trace`` records the first recipe's last step (:mod:`nvoffload.trace`) and draws its timeline: every
+block's compute, the waits for weights, each copy, NVMe read and write and Adam chunk on its own row.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import save_report  # noqa: E402
+from report import plot_trace, save_report  # noqa: E402
 
 import nvoffload  # noqa: E402
+from nvoffload import trace  # noqa: E402
 from nvoffload.models import GPT, GPTConfig  # noqa: E402
+from nvoffload.trace import Trace  # noqa: E402
 
 GiB = 1 << 30
 # name: (max_grad_norm, gradient_accumulation_steps)
@@ -65,6 +70,7 @@ def parse_args(argv):
         help="keep freed host memory in the process (faster steps, higher peak RSS): OffloadConfig.retain_host_memory",
     )
     p.add_argument("--recipe", action="append", choices=sorted(RECIPES), help="default: plain (repeat for several)")
+    p.add_argument("--trace", action="store_true", help="trace the first recipe's last step: <name>_trace.json (Perfetto) and its timeline <name>_trace.png")
     p.add_argument("--name", default="bench_streaming")
     p.add_argument("--results-dir", type=Path, default=None, help="default: bench/results")
     args = p.parse_args(argv)
@@ -74,8 +80,9 @@ def parse_args(argv):
     return args
 
 
-def run_recipe(args, cfg: GPTConfig, recipe: str) -> tuple[list[dict], float]:
-    """Train ``args.steps`` steps with ``recipe`` on a fresh model built on the meta device; rows and init time."""
+def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple[list[dict], float, Trace | None]:
+    """Train ``args.steps`` steps with ``recipe`` on a fresh model built on the meta device; rows, init time, and
+    with ``traced`` the trace of the last step."""
     max_grad_norm, accum = RECIPES[recipe]
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -95,7 +102,10 @@ def run_recipe(args, cfg: GPTConfig, recipe: str) -> tuple[list[dict], float]:
         )  # fmt: skip
         init_s = time.perf_counter() - t0
         session = opt.session
+        recorded = None
         for step in range(args.steps):
+            if traced and step == args.steps - 1:
+                trace.start()
             session.reset_stats()
             t0 = time.perf_counter()
             for micro in range(accum):
@@ -105,6 +115,8 @@ def run_recipe(args, cfg: GPTConfig, recipe: str) -> tuple[list[dict], float]:
             opt.step()
             opt.zero_grad()
             t2 = time.perf_counter()
+            if traced and step == args.steps - 1:
+                recorded = trace.stop()
             read, written = session.io_bytes()
             tiers = session.memory_stats()
             io_wait, grad_wait = session.streamer.io_wait_s, session.streamer.grad_wait_s
@@ -129,7 +141,7 @@ def run_recipe(args, cfg: GPTConfig, recipe: str) -> tuple[list[dict], float]:
             })  # fmt: skip
             print(rows[-1], flush=True)
         session.close()
-    return rows, init_s
+    return rows, init_s, recorded
 
 
 def main(argv=None) -> Path:
@@ -140,9 +152,10 @@ def main(argv=None) -> Path:
     # fp32 parameters and gradients, fp32 master weights (the parameters themselves) and two moments
     state_bytes = n_params * (4 + 4 + 12)
     host_budget, device_budget = int(args.cpu_memory_gib * GiB), int(args.device_memory_gib * GiB)
-    rows, init_s = [], 0.0
-    for recipe in args.recipe:
-        recipe_rows, init_s = run_recipe(args, cfg, recipe)
+    rows, init_s, recorded = [], 0.0, None
+    for i, recipe in enumerate(args.recipe):
+        recipe_rows, init_s, traced = run_recipe(args, cfg, recipe, traced=args.trace and i == 0)
+        recorded = recorded or traced
         rows += recipe_rows
     budget = host_budget + device_budget
     settings = {
@@ -162,7 +175,23 @@ def main(argv=None) -> Path:
         + (" Recipes run one after another in this process: peak RSS is the process's so far." if len(rows) > args.steps else "")
     )
     where = {} if args.results_dir is None else {"results_dir": args.results_dir}
-    return save_report(args.name, rows, settings=settings, plot_column="step_s", notes=notes, **where)
+    path = save_report(args.name, rows, settings=settings, plot_column="step_s", notes=notes, **where)
+    if recorded is not None:
+        save_trace(recorded, path.parent / f"{args.name}_trace", f"{args.preset}: one streamed step ({args.recipe[0]})")
+    return path
+
+
+def save_trace(recorded: Trace, stem: Path, title: str) -> None:
+    """The trace as ``<stem>.json`` (open it in https://ui.perfetto.dev) and its timeline as ``<stem>.png``."""
+    recorded.write(stem.with_suffix(".json"))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plot_trace(plt, recorded.spans(), title)
+    fig.savefig(stem.with_suffix(".png"), dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -109,3 +109,25 @@ def save_report(
     fig.savefig(results_dir / f"{name}.png", dpi=100)
     plt.close(fig)
     return json_path
+
+
+def plot_trace(plt, spans, title: str):
+    """A timeline of a :class:`nvoffload.trace.Trace`'s ``spans()``: one row per track, a bar per span."""
+    from nvoffload.trace import TRACKS
+
+    tracks = [t for t in TRACKS if any(s[0] == t for s in spans)] + sorted({s[0] for s in spans} - set(TRACKS))
+    colors = {"compute": "tab:blue", "h2d": "tab:green", "d2h": "tab:olive", "nvme read": "tab:orange",
+              "nvme write": "tab:red", "adam": "tab:purple"}  # fmt: skip
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(tracks) + 1.5))
+    for row, track in enumerate(tracks):
+        bars = [(start, max(end - start, 1e-5)) for t, name, start, end, _ in spans if t == track]
+        waits = [(start, max(end - start, 1e-5)) for t, name, start, end, _ in spans if t == track and name.startswith("wait")]
+        ax.broken_barh([b for b in bars if b not in waits], (row - 0.35, 0.7), color=colors.get(track, "tab:gray"))
+        if waits:
+            ax.broken_barh(waits, (row - 0.35, 0.7), color="lightgray")
+    ax.set_yticks(range(len(tracks)), tracks)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (compute: blue, waits for weights: gray)")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig

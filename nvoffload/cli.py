@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--save-every", type=int, default=None, metavar="N", help="with --checkpoint-dir: a checkpoint every N steps too")
     ft.add_argument("--keep-last", type=int, default=d.keep_last, metavar="K", help="with --checkpoint-dir: keep the last K checkpoints (default %(default)s)")
     ft.add_argument("--resume", action="store_true", help="go on from the latest complete checkpoint in --checkpoint-dir (from the start when there is none): the run ends bit-identical to one never stopped")
+    ft.add_argument("--trace", dest="trace_path", default=None, metavar="FILE", help="write a trace of one step (the second) there: Chrome trace-event JSON, open it in https://ui.perfetto.dev (compute per block, every copy, NVMe read and write, Adam chunk)")
     ft.add_argument("--seed", type=int, default=d.seed)
     ft.add_argument("--no-progress", action="store_true", help="print one line per step, as it finishes, instead of a progress bar")
     return parser

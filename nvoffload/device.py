@@ -32,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from nvoffload import trace
 from nvoffload._workers import Worker
 
 __all__ = [
@@ -96,10 +97,11 @@ class Event(Protocol):
 
 
 class CopyStream(Protocol):
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None, what: str | None = None) -> Event:
         """Queue ``dst.copy_(src)`` behind ``after`` (and the stream's earlier copies); the event completes when it landed.
 
-        ``src`` must stay unmodified and ``dst`` unread until then.
+        ``src`` must stay unmodified and ``dst`` unread until then. With a :mod:`nvoffload.trace` active, the copy
+        is a span of its stream's track (``h2d`` or ``d2h``) named ``what``.
         """
         ...
 
@@ -148,8 +150,8 @@ def compute_device(device: torch.device | str | None = None) -> ComputeDevice:
 class _CudaEvent:
     __slots__ = ("raw",)
 
-    def __init__(self, stream):
-        self.raw = torch.cuda.Event()
+    def __init__(self, stream, *, timed: bool = False):
+        self.raw = torch.cuda.Event(enable_timing=timed)
         self.raw.record(stream)
 
     def query(self) -> bool:
@@ -169,16 +171,48 @@ class _CudaEvent:
         return None  # CUDA reports copy failures as sticky errors on the next call
 
 
-class _CudaCopyStream:
-    def __init__(self, device: torch.device):
-        self._stream = torch.cuda.Stream(device)
+class _CudaClock:
+    """Host times of CUDA events: one timed event recorded (and waited for) at a known host time, then each
+    event's time as that plus ``elapsed_time`` from it."""
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event:
+    def __init__(self, device: torch.device):
+        self._anchor = torch.cuda.Event(enable_timing=True)
+        self._anchor.record(torch.cuda.current_stream(device))
+        self._anchor.synchronize()
+        self._anchor_ns = time.monotonic_ns()
+
+    def span(self, start, end) -> tuple[int, int] | None:
+        """``(start_ns, end_ns)`` of two timed events, once complete (None when they never ran)."""
+        if not end.query():
+            end.synchronize()
+        try:
+            return tuple(self._anchor_ns + round(self._anchor.elapsed_time(e) * 1e6) for e in (start, end))
+        except RuntimeError:
+            return None
+
+
+class _CudaCopyStream:
+    def __init__(self, device: torch.device, track: str):
+        self._stream = torch.cuda.Stream(device)
+        self._device = device
+        self._track = track
+        self._clock: _CudaClock | None = None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None, what: str | None = None) -> Event:
         if after is not None:
             self._stream.wait_event(after.raw)
+        recording = trace.active()
         with torch.cuda.stream(self._stream):
+            if recording is not None:  # timed events around the copy, read when the trace is written
+                if self._clock is None:
+                    self._clock = _CudaClock(self._device)
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self._stream)
             dst.copy_(src, non_blocking=True)
-            event = _CudaEvent(self._stream)
+            event = _CudaEvent(self._stream, timed=recording is not None)
+        if recording is not None:
+            clock, end = self._clock, event.raw
+            recording.add_later(self._track, what or "copy", lambda: clock.span(start, end), bytes=src.numel() * src.element_size())
         for t in (dst, src):  # the caching allocator must not hand this memory out before the copy ends
             if t.is_cuda:
                 t.record_stream(self._stream)
@@ -192,7 +226,7 @@ class CudaDevice:
 
     def __init__(self, device: torch.device):
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-        self._streams = {d: _CudaCopyStream(self.device) for d in ("h2d", "d2h")}
+        self._streams = {d: _CudaCopyStream(self.device, d) for d in ("h2d", "d2h")}
 
     def record(self) -> Event:
         return _CudaEvent(torch.cuda.current_stream(self.device))
@@ -251,13 +285,13 @@ class _SimEvent:
 class _SimCopyStream:
     """One worker thread running queued copies in order, each no sooner than its issue time plus the delay."""
 
-    def __init__(self, name: str, delay_s: float, bytes_per_s: float, trace: list | None):
+    def __init__(self, name: str, delay_s: float, bytes_per_s: float, timeline: list | None):
         self._delay_s = delay_s
         self._bytes_per_s = bytes_per_s
-        self._worker = Worker(name, functools.partial(_run_sim_copy, name, trace))
+        self._worker = Worker(name, functools.partial(_run_sim_copy, name, timeline))
         self._stop = weakref.finalize(self, self._worker.stop)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None, what: str | None = None) -> Event:
         if dst.shape != src.shape:
             raise ValueError(f"copy of shape {tuple(src.shape)} into shape {tuple(dst.shape)}")
         event = _SimEvent()
@@ -266,18 +300,18 @@ class _SimCopyStream:
         # As on a GPU, autograd sees the write when the copy is issued (``dst.copy_`` bumps the version
         # counter then); the bytes land later through an alias that leaves the counter alone.
         torch.autograd.graph.increment_version(dst)
-        self._worker.submit((untracked(dst), src, after, time.monotonic() + self._delay_s, duration_s, event))
+        self._worker.submit((untracked(dst), src, after, time.monotonic() + self._delay_s, duration_s, event, what))
         return event
 
     def close(self) -> None:
         self._stop()
 
 
-def _run_sim_copy(name: str, trace: list | None, op: tuple) -> None:
+def _run_sim_copy(name: str, timeline: list | None, op: tuple) -> None:
     """One queued stand-in copy, on its stream's worker thread."""
     from nvoffload.transfer.future import WAIT_LIMIT_S
 
-    dst, src, after, not_before, duration_s, event = op
+    dst, src, after, not_before, duration_s, event, what = op
     error = None
     if after is not None and not after.synchronize(WAIT_LIMIT_S):
         error = TimeoutError(f"a stand-in copy waited {WAIT_LIMIT_S:g} s for the event it was queued behind")
@@ -292,8 +326,13 @@ def _run_sim_copy(name: str, trace: list | None, op: tuple) -> None:
                 dst.copy_(src)
         except BaseException as exc:  # noqa: BLE001 - reported through the event
             error = exc
-        if trace is not None:
-            trace.append((name, max(start_s, wake - duration_s), time.monotonic(), src.numel() * src.element_size()))
+        end_s, nbytes = time.monotonic(), src.numel() * src.element_size()
+        if timeline is not None:
+            timeline.append((name, max(start_s, wake - duration_s), end_s, nbytes))
+        recording = trace.active()
+        if recording is not None:
+            start_ns = round(max(start_s, wake - duration_s) * 1e9)
+            recording.add(name.removeprefix("nvoffload-sim-"), what or "copy", start_ns, round(end_s * 1e9), bytes=nbytes)
     del op, dst, src, after  # the event's waiters must not find the copy's tensors still held
     event._complete(error)
 

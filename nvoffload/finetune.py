@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from nvoffload import trace
 from nvoffload.activations import offload_activations
 from nvoffload.checkpoint import open_checkpoint, save_file
 from nvoffload.data import ByteTokenizer, TokenDataset, load_text
@@ -129,6 +130,9 @@ class FinetuneConfig:
             state, scheduler, loss scaler, RNG and the position in the data),
             every ``save_every`` steps and after the last; the last
             ``keep_last`` are kept. Checked for writing before the model is built.
+        trace_path: write a :mod:`nvoffload.trace` of one step (the second this run takes, or its only one)
+            there: Chrome trace-event JSON for Perfetto, a track each for compute per block, copies, NVMe
+            reads and writes and Adam chunks.
         resume: go on from the latest complete checkpoint in ``checkpoint_dir``
             (from the start when there is none yet): the run ends as if it had
             never stopped, bit for bit.
@@ -159,6 +163,7 @@ class FinetuneConfig:
     save_every: int | None = None  # None: after the last step only
     keep_last: int = 2
     resume: bool = False
+    trace_path: str | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -170,6 +175,8 @@ class FinetuneConfig:
             raise ValueError(f"save_every must be >= 1, got {self.save_every}")
         if (self.save_every is not None or self.resume) and self.checkpoint_dir is None:
             raise ValueError("save_every and resume need a checkpoint_dir")
+        if self.trace_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.trace_path))):
+            raise ValueError(f"trace_path: the directory of {self.trace_path} does not exist")
         if self.activation_memory_bytes is not None and self.activation_memory_bytes < 1:
             raise ValueError(f"activation_memory_bytes must be >= 1, got {self.activation_memory_bytes}")
         if self.seq_len is not None and self.seq_len < 1:
@@ -446,11 +453,15 @@ def finetune(
                     first = done.step + 1
                     if bar is not None:
                         bar.update(done.step)
+            traced = min(first + 1, config.steps) if config.trace_path is not None else None
             for step in range(first, config.steps + 1):
                 if session is not None:
                     session.reset_stats()
                 else:
                     opt.reset_io_stats()
+                if step == traced:
+                    cleanup.callback(trace.stop)  # an error in the step ends the trace too (stop() again: no-op)
+                    trace.start()
                 t0 = time.perf_counter()
                 total = 0.0
                 for _ in range(config.grad_accum_steps):
@@ -470,6 +481,8 @@ def finetune(
                     opt.step()
                 sched.step()
                 opt.zero_grad()
+                if step == traced:
+                    trace.stop(config.trace_path)
                 stats = _step_stats(step, total, tokens_per_step, time.perf_counter() - t0, opt, dev)
                 result.steps.append(stats)
                 if bar is not None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from nvoffload import trace
 from nvoffload.activations import offload_activations as _offload_activations
 from nvoffload.device import compute_device
 from nvoffload.io import TensorStore, swap_directories
@@ -67,6 +68,10 @@ class OffloadConfig:
             never written).
         checksum: checksum every tensor in the store (CRC-32C, on by default; see
             :class:`~nvoffload.io.TensorStore`).
+        trace_path: record a :mod:`nvoffload.trace` of everything the session does, from
+            :func:`initialize` to ``close()``, and write it there (Chrome trace-event JSON, for
+            Perfetto) at ``close()``. For a short run; :func:`nvoffload.trace.tracing` records a
+            chosen stretch of a long one.
         max_grad_norm: clip the global gradient norm to this, exactly as
             ``torch.nn.utils.clip_grad_norm_`` (None: no clipping). The updates
             still run during backward; when the norm turns out larger, ``step()``
@@ -100,6 +105,7 @@ class OffloadConfig:
     offload_activations: bool = False
     activation_memory_bytes: int | None = None
     checksum: bool = True
+    trace_path: str | None = None
     max_grad_norm: float | None = None
     gradient_accumulation_steps: int = 1
     loss_scaling: LossScaling | None = None
@@ -113,6 +119,8 @@ class OffloadConfig:
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int number of bytes, got {value!r}")
+        if self.trace_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.trace_path))):
+            raise ValueError(f"trace_path: the directory of {self.trace_path} does not exist")
         if not 0 < self.optimizer_memory_fraction < 1:
             raise ValueError(f"optimizer_memory_fraction must be in (0, 1), got {self.optimizer_memory_fraction}")
         if not isinstance(self.prefetch_blocks, int) or self.prefetch_blocks < 0:
@@ -197,6 +205,8 @@ class OffloadSession:
         )  # fmt: skip
 
     def close(self) -> None:
+        if self.config.trace_path is not None and not self.closed:
+            trace.stop(self.config.trace_path)
         self.closed = True
         for handle in self._handles:
             handle.remove()
@@ -314,6 +324,8 @@ def initialize(
             " (optimizer.close()), or build the model again"
         )
     _check_free_space(model, optimizer, config)
+    if config.trace_path is not None:
+        trace.start()  # before anything moves: the materialization is traced too
     if not config.retain_host_memory:
         release_freed_host_memory()
     memory = MemoryManager(device_memory_bytes=config.device_memory_bytes, cpu_memory_bytes=config.cpu_memory_bytes)
@@ -346,6 +358,8 @@ def initialize(
         resources.close()
         if store is not None:
             store.close()
+        if config.trace_path is not None:
+            trace.stop()
         raise
     offloaded.set_weight_home(streamer)
     activations = None

@@ -210,10 +210,15 @@ def test_scale_benchmark_smoke(tmp_path):
     """The scale benchmark, on the small preset with budgets smaller than its state: loss falls, budgets hold."""
     bench = Path(__file__).resolve().parent.parent / "bench" / "bench_streaming.py"
     done = subprocess.run(
-        [sys.executable, str(bench), "--quick", "--results-dir", str(tmp_path), "--swap-dir", str(tmp_path)],
+        [sys.executable, str(bench), "--quick", "--trace", "--results-dir", str(tmp_path), "--swap-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    from test_trace import check_trace_events
+
+    tracks = check_trace_events(tmp_path / "bench_streaming_trace.json")  # the last step's trace, and its timeline
+    assert {"compute", "nvme read", "nvme write", "adam"} <= set(tracks)
+    assert (tmp_path / "bench_streaming_trace.png").stat().st_size > 10_000
     report = json.loads((tmp_path / "bench_streaming.json").read_text())
     rows = report["rows"]
     assert rows[-1]["loss"] < rows[0]["loss"]

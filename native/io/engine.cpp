@@ -7,8 +7,34 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 
 namespace nvo {
+
+namespace {
+
+int64_t monotonic_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+}  // namespace
+
+void Ticket::start_block() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (started_ns_ == 0) started_ns_ = monotonic_ns();
+}
+
+int64_t Ticket::started_ns() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return started_ns_;
+}
+
+int64_t Ticket::finished_ns() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return finished_ns_;
+}
 
 void Ticket::finish_block(int err, const char* call, int64_t offset) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -17,7 +43,10 @@ void Ticket::finish_block(int err, const char* call, int64_t offset) {
     call_ = call;
     offset_ = offset;
   }
-  if (--remaining_ == 0) cv_.notify_all();
+  if (--remaining_ == 0) {
+    finished_ns_ = monotonic_ns();
+    cv_.notify_all();
+  }
 }
 
 bool Ticket::done() {
@@ -71,6 +100,7 @@ void ThreadPoolBackend::worker() {
     }
     not_full_.notify_one();
     const char* call = "";
+    b.ticket->start_block();
     int err = engine_->run_block(b, &call);
     b.ticket->finish_block(err, call, b.offset);
   }

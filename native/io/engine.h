@@ -24,6 +24,12 @@ class Ticket {
   bool done();
   // Waits up to timeout_s seconds (< 0: forever); true when done.
   bool wait(double timeout_s);
+  // Marks that a worker started one of its blocks (the first call sets the start time).
+  void start_block();
+  // CLOCK_MONOTONIC nanoseconds (Python's time.monotonic_ns) when the first block started and the last ended;
+  // 0 until then.
+  int64_t started_ns();
+  int64_t finished_ns();
   // errno of the first failed block (0 if none), the call and file offset that failed.
   int error() const { return err_; }
   const char* failed_call() const { return call_; }
@@ -36,6 +42,8 @@ class Ticket {
   int err_ = 0;
   const char* call_ = "";
   int64_t offset_ = -1;
+  int64_t started_ns_ = 0;
+  int64_t finished_ns_ = 0;
 };
 
 // One transfer of `nbytes` at `offset`. Only the first `valid` bytes are backed by

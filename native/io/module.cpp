@@ -38,6 +38,8 @@ PYBIND11_MODULE(_aio, m) {
   py::class_<Ticket, std::shared_ptr<Ticket>>(m, "Ticket")
       .def("done", &Ticket::done, py::call_guard<nvo_py::ReleaseGil>())
       .def("wait", &Ticket::wait, py::arg("timeout_s") = -1.0, py::call_guard<nvo_py::ReleaseGil>())
+      .def("started_ns", &Ticket::started_ns)
+      .def("finished_ns", &Ticket::finished_ns)
       .def("error", [](Ticket& t) -> py::object {
         if (t.error() == 0) return py::none();
         return py::make_tuple(t.error(), std::string(t.failed_call()), t.failed_offset());

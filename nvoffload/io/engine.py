@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from nvoffload import trace
 from nvoffload.io import _aio
 from nvoffload.io.config import ALIGNMENT_BYTES, DirectIO, IOConfig
 from nvoffload.io.errors import StoreIOError
@@ -28,12 +29,15 @@ class OpenFile:
 
 
 class NativePart:
-    """One native request as a part of a :class:`~nvoffload.transfer.Future`: its ticket, and where it went."""
+    """One native request as a part of a :class:`~nvoffload.transfer.Future`: its ticket, and where it went.
 
-    __slots__ = ("ticket", "path", "offset")
+    With a :mod:`nvoffload.trace` active, the request becomes a span of ``nvme read`` or ``nvme write`` once
+    its future collects it (the native ticket keeps when its first block started and its last ended)."""
 
-    def __init__(self, ticket: Any, path: str, offset: int):
-        self.ticket, self.path, self.offset = ticket, path, offset
+    __slots__ = ("ticket", "path", "offset", "write", "nbytes")
+
+    def __init__(self, ticket: Any, path: str, offset: int, *, write: bool, nbytes: int):
+        self.ticket, self.path, self.offset, self.write, self.nbytes = ticket, path, offset, write, nbytes
 
     def done(self) -> bool:
         return self.ticket.done()
@@ -42,6 +46,12 @@ class NativePart:
         return self.ticket.wait(timeout_s)
 
     def error(self, what: str | None) -> StoreIOError | None:
+        recording = trace.active()
+        if recording is not None and hasattr(self.ticket, "finished_ns") and self.ticket.finished_ns():
+            recording.add(
+                "nvme write" if self.write else "nvme read", what or os.path.basename(self.path),
+                self.ticket.started_ns(), self.ticket.finished_ns(), bytes=self.nbytes,
+            )  # fmt: skip
         failure = self.ticket.error()
         if failure is None:
             return None
@@ -146,7 +156,7 @@ class IOEngine:
                 f"(got {nbytes} bytes at offset {offset})"
             )
         ticket = native.submit(file.fd, buffer.data_ptr(), nbytes, valid, offset, write)
-        return NativePart(ticket, file.path, offset)
+        return NativePart(ticket, file.path, offset, write=write, nbytes=nbytes)
 
     def inject_fault(self, fault: str, after_ops: int = 0) -> None:
         """Testing hook: one block operation fails, after ``after_ops`` others it applies to.

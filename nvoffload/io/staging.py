@@ -157,7 +157,7 @@ class Stager:
                         self._retire(writes)
                     piece = data[at : at + self.piece_bytes]
                     buf = self._slab.allocate(piece.numel(), what)
-                    writes.append((buf, copied := stream.copy(buf, piece, after)))
+                    writes.append((buf, copied := stream.copy(buf, piece, after, what)))
                     wait_for_device(copied, f"copy of {what} from the GPU")
                     if checksum:
                         crc = crc32c(buf, crc)
@@ -193,11 +193,11 @@ class Stager:
                     read.result()
                     if checksum:
                         crc = crc32c(buf, crc)
-                    copies[-1] = (buf, stream.copy(piece, buf, after))
+                    copies[-1] = (buf, stream.copy(piece, buf, after, what))
                 while copies:
                     self._land(copies, what)
                 if contiguous is not dst:
-                    wait_for_device(stream.copy(dst, contiguous, after), f"copy of {what} into its destination")
+                    wait_for_device(stream.copy(dst, contiguous, after, what), f"copy of {what} into its destination")
             finally:
                 self._abandon(copies)
             return crc if checksum else None

@@ -543,7 +543,8 @@ class TensorStore:
                 if buffer.is_cuda:
                     if e.swap.gds is None:
                         e.swap.gds = GDSFile(e.swap.file.path)
-                    parts.append(NativePart(e.swap.gds.submit(piece, offset, write=write), e.swap.file.path, offset))
+                    ticket = e.swap.gds.submit(piece, offset, write=write)
+                    parts.append(NativePart(ticket, e.swap.file.path, offset, write=write, nbytes=piece.numel()))
                 else:
                     nbytes = hi - lo if hi < start + e.data_bytes else e.offset + e.nbytes - offset
                     parts.append(self._engine.submit(e.swap.file, piece, offset, write=write, nbytes=nbytes))

@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
 import torch
 
+from nvoffload import trace
 from nvoffload.optim._chunk_io import ChunkIO
 from nvoffload.optim._layout import LOW_PRECISION, Chunk, Slot
 from nvoffload.optim._updates import Request, Update
@@ -317,7 +319,13 @@ class Pipeline:
                     out = weights.host_view(chunk.elements)
                     out = slot.out(dtype, chunk.numel) if out is None else out
                 chunk.applied = True  # from here on the model may hold new values
-                upload = weights.write(chunk.elements, self._update(req, rows, grad, out), slot, after=req.ready)
+                started_ns = time.monotonic_ns()
+                updated = self._update(req, rows, grad, out)
+                recording = trace.active()
+                if recording is not None:
+                    name = f"parameter {chunk.record.index} chunk {chunk.index}"
+                    recording.add("adam", name, started_ns, time.monotonic_ns(), elements=chunk.numel)
+                upload = weights.write(chunk.elements, updated, slot, after=req.ready)
             wfut = io.write(chunk, gen, rows)
             if kept is not None:
                 wfut = Future.all_of([wfut, kept])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from nvoffload import device as _device
+from nvoffload import trace
 from nvoffload.io import TensorStore
 from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.streaming._backward import BackwardPasses
@@ -154,6 +156,7 @@ class ParameterStreamer:
         self._weights = StreamedWeights(model, self._blocks, self._cache, self._residency)
         self._passes = BackwardPasses(self._residency)
         self._closed = False
+        self._computing: dict[Block, int] = {}  # with a trace: when each block's forward or backward began
         weakref.finalize(self, self._residency.close)  # a streamer dropped without close() closes its parameters
         self._install_hooks()
 
@@ -183,19 +186,37 @@ class ParameterStreamer:
                 module.register_load_state_dict_post_hook(_hook(self, ParameterStreamer._after_load, owned))
 
     def _before_forward(self, block: Block, module, args) -> None:
+        waited_ns = time.monotonic_ns()
         self._passes.release_unfinished()
         self._residency.hold(block, "forward")
         ahead = self._blocks[block.pos + 1 : block.pos + 2 + self.prefetch_blocks]
         self._cache.prefetch(ahead)
         self._residency.stage(ahead[0] if ahead else None)
+        self._compute_began(block, waited_ns)
+
+    def _compute_began(self, block: Block, waited_ns: int) -> None:
+        """With a trace: the wait for ``block``'s weights (since ``waited_ns``) as a span; its compute starts now."""
+        recording = trace.active()
+        if recording is not None:
+            now = time.monotonic_ns()
+            recording.add("compute", f"wait {block.index}", waited_ns, now)
+            self._computing[block] = now
+
+    def _compute_ended(self, block: Block, what: str) -> None:
+        recording = trace.active()
+        started = self._computing.pop(block, None)
+        if recording is not None and started is not None:
+            recording.add("compute", f"{what} {block.index}", started, time.monotonic_ns())
 
     def _after_forward(self, block: Block, module, args, output) -> None:
+        self._compute_ended(block, "forward")
         if self._residency.holds(block, "forward"):  # none when the pre-hook raised
             # The last block is the first backward needs: it stays on the device, unless no backward is coming.
             stay = block.pos == len(self._blocks) - 1 and torch.is_grad_enabled() and bool(block.trainable)
             self._residency.unhold(block, "forward", stay=stay)
 
     def _before_backward(self, block: Block, module, grad_output) -> None:
+        waited_ns = time.monotonic_ns()
         grads = self._grad_headroom(block)
         self._passes.enter(block, headroom_bytes=grads)
         ahead = self._blocks[max(block.pos - 1 - self.prefetch_blocks, 0) : block.pos][::-1]
@@ -203,12 +224,14 @@ class ParameterStreamer:
         # the next block arrives now; its gradients and this block's are made while both are on the device
         nxt = ahead[0] if ahead else None
         self._residency.stage(nxt, headroom_bytes=grads + (self._grad_headroom(nxt) if nxt else 0))
+        self._compute_began(block, waited_ns)
 
     def _grad_headroom(self, block: Block) -> int:
         """Device bytes of the gradients ``block``'s backward makes (the first block's: the resident ones' too)."""
         return block.grad_bytes + (resident_bytes(self._resident, grads=True) if block.pos == 0 else 0)
 
     def _after_backward_call(self, block: Block, module, grad_input, grad_output) -> None:
+        self._compute_ended(block, "backward")
         self._passes.inputs_done(block)
 
     def _grad_ready(self, block: Block, param: nn.Parameter) -> None:

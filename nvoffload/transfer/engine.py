@@ -162,7 +162,7 @@ class TransferEngine:
         self._check_open(what)
         if after is None:
             after = self.device.record()
-        event = self.device.copy_stream(direction).copy(dst, src, after)
+        event = self.device.copy_stream(direction).copy(dst, src, after, what)
         return Future(
             [_EventPart(event)], lambda error: dst, what=what, keepalive=src, event=event if direction == "h2d" else None
         )
