@@ -9,6 +9,7 @@ directory; ``--model DIR`` fine-tunes a Hugging Face model directory instead.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -73,7 +74,46 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--trace", dest="trace_path", default=None, metavar="FILE", help="write a trace of one step (the second) there: Chrome trace-event JSON, open it in https://ui.perfetto.dev (compute per block, every copy, NVMe read and write, Adam chunk)")
     ft.add_argument("--seed", type=int, default=d.seed)
     ft.add_argument("--no-progress", action="store_true", help="print one line per step, as it finishes, instead of a progress bar")
+    ft.add_argument("--plan", choices=["auto"], default=None, help="auto: let the planner choose --stream and --offload-activations for the budgets (from --profile); a request that cannot fit is refused with the reason")
+    ft.add_argument("--profile", default=None, help="with --plan: a profile from 'nvoffload calibrate' or a built-in name (default: this host's calibrated profile)")
+
+    cal = sub.add_parser("calibrate", help="measure this machine's engines (NVMe, CPU Adam, copies, compute) into a profile for 'plan'")
+    cal.add_argument("--swap-dir", dest="swap_dirs", action="append", default=None, help="a swap directory to measure (repeat for several; default: a fresh one under the cache directory)")
+    cal.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    cal.add_argument("--quick", action="store_true", help="smaller sizes: seconds instead of a minute, rougher figures")
+    cal.add_argument("--out", default=None, help="where to write the profile (default: <cache>/profiles/<host>.json)")
+
+    pl = sub.add_parser("plan", help="predict a finetune step: where everything lives, step time, tokens/s, the bottleneck")
+    which = pl.add_mutually_exclusive_group()
+    which.add_argument("--preset", default=d.preset, choices=sorted(PRESETS), help="built-in GPT size (default %(default)s)")
+    which.add_argument("--model", dest="model_dir", default=None, metavar="DIR", help="a Hugging Face model directory or its config.json")
+    which.add_argument("--sizes", default=None, metavar="L,D,H,F,V", help="layers, d_model, heads, MLP width, vocabulary (a Llama-shaped model with 'gated': L,D,H,F,V,gated)")
+    for flags, kw in _SHARED_OPTIONS:
+        pl.add_argument(*flags, **kw)
+    pl.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None, help="stream the parameters (default: the planner decides)")
+    pl.add_argument("--offload-activations", action=argparse.BooleanOptionalAction, default=None, help="offload activations (default: the planner decides)")
+    pl.add_argument("--swap-dirs", type=int, default=1, help="swap directories (drives) used (default 1)")
+    pl.add_argument("--profile", default=None, help="a profile from 'nvoffload calibrate' or a built-in name: " + ", ".join(sorted(_builtin_profiles())))
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
+
+
+def _builtin_profiles() -> list[str]:
+    from nvoffload.planner.profile import BUILTIN_PROFILES
+
+    return list(BUILTIN_PROFILES)
+
+
+# options plan shares with finetune (same names, same meanings)
+_SHARED_OPTIONS = [
+    (("--batch-size",), {"type": int, "default": 8, "help": "sequences per micro-batch"}),
+    (("--seq-len",), {"type": int, "default": None, "help": "tokens per sequence (default: the model's context, 128 for --model)"}),
+    (("--grad-accum",), {"dest": "grad_accum_steps", "type": int, "default": 1, "help": "micro-batches per optimizer step"}),
+    (("--dtype",), {"default": "float32", "choices": ["float32", "bfloat16", "float16"]}),
+    (("--cpu-memory",), {"dest": "cpu_memory_bytes", "type": _size, "default": 64 << 20}),
+    (("--device-memory",), {"dest": "device_memory_bytes", "type": _size, "default": 1 << 30}),
+    (("--max-grad-norm",), {"type": float, "default": None}),
+]
 
 
 def _message(exc: BaseException) -> str:
@@ -87,16 +127,105 @@ def _message(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
+def _error(command: str, exc: BaseException) -> int:
+    print(f"nvoffload {command}: error: {_message(exc)}", file=sys.stderr)
+    return 2
+
+
+def _plan_request(args):
+    """The :class:`~nvoffload.planner.PlanRequest` of ``nvoffload plan``'s (or ``finetune``'s) options."""
+    from nvoffload.planner import ModelShape, PlanRequest
+
+    if getattr(args, "sizes", None):
+        fields = args.sizes.split(",")
+        if len(fields) not in (5, 6) or (len(fields) == 6 and fields[5] != "gated"):
+            raise ValueError(f"--sizes: expected L,D,H,F,V[,gated], got {args.sizes!r}")
+        layers, d, heads, ffn, vocab = (int(x) for x in fields[:5])
+        gated = len(fields) == 6
+        shape = ModelShape("sizes", layers, d, heads, ffn, vocab, args.seq_len or 4096, gated_mlp=gated,
+                           tied_embeddings=not gated, learned_positions=not gated)  # fmt: skip
+    elif args.model_dir is not None:
+        shape = ModelShape.from_hf_config(args.model_dir)
+    else:
+        shape = ModelShape.from_preset(args.preset)
+    seq = args.seq_len or (min(128, shape.max_seq_len) if args.model_dir else shape.max_seq_len)
+    return PlanRequest(
+        shape, batch_size=args.batch_size, seq_len=seq, grad_accum_steps=args.grad_accum_steps, dtype=args.dtype,
+        cpu_memory_bytes=args.cpu_memory_bytes, device_memory_bytes=args.device_memory_bytes,
+        swap_dirs=getattr(args, "swap_dirs_count", 1), stream=args.stream, offload_activations=args.offload_activations,
+        max_grad_norm=args.max_grad_norm is not None,
+    )  # fmt: skip
+
+
+def _profile(name: str | None):
+    from nvoffload.planner.calibrate import default_profile_path
+    from nvoffload.planner.profile import load_profile
+
+    path = name or default_profile_path()
+    if name is None and not os.path.exists(path):
+        raise FileNotFoundError(f"no calibrated profile for this host ({path}): run 'nvoffload calibrate', or give --profile")
+    return load_profile(path)
+
+
+def _print_plan(result) -> None:
+    r, gib = result.request, 1 << 30
+    print(f"{r.model.name}: {r.model.params / 1e9:.3g}B parameters, {r.batch_size} x {r.seq_len} tokens x {r.grad_accum_steps} micro-batches, {r.dtype}")
+    print(f"profile: {result.profile}")
+    for what, where in result.placement.items():
+        print(f"  {what:16} {where}")
+    if result.stream:
+        print(f"  blocks cached    {result.cached_blocks} of {r.model.n_layer} in host memory")
+    print(f"step {result.step_s:.3g} s   {result.tokens_per_s:,.0f} tokens/s   {result.tflops:.3g} TFLOP/s   bottleneck: {result.bottleneck}")
+    print("  engines: " + ", ".join(f"{k} {v:.3g} s" for k, v in result.engine_s.items()))
+    print("  memory:  " + ", ".join(f"{k} {v / gib:.3g} GiB" for k, v in result.memory_bytes.items()))
+    print(f"  NVMe per step: {result.nvme_read_bytes / gib:.3g} GiB read, {result.nvme_written_bytes / gib:.3g} GiB written")
+    if not result.fits:
+        print("does not fit:")
+        for reason in result.reasons:
+            print(f"  - {reason}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nvoffload`` command; returns the exit status (2 for a bad configuration, file or
-    swap directory, with a one-line message on stderr)."""
+    swap directory, with a one-line message on stderr; ``plan`` also for a request that cannot fit)."""
     args = build_parser().parse_args(argv)
+    if args.command == "calibrate":
+        return _calibrate(args)
+    if args.command == "plan":
+        import json
+
+        from nvoffload.planner import plan
+
+        args.swap_dirs_count = args.swap_dirs
+        try:
+            result = plan(_plan_request(args), _profile(args.profile))
+        except (ValueError, OSError) as exc:
+            return _error("plan", exc)
+        if args.json:
+            print(json.dumps(result.to_dict(), indent=1))
+        else:
+            _print_plan(result)
+        return 0 if result.fits else 2
     if args.command == "finetune":
         from nvoffload.finetune import FinetuneConfig, _postfix, finetune
         from nvoffload.memory import MemoryBudgetError
         from nvoffload.optim.offload import OffloadIOError
 
-        fields = {k: v for k, v in vars(args).items() if k not in ("command", "no_progress")}
+        fields = {k: v for k, v in vars(args).items() if k not in ("command", "no_progress", "plan", "profile")}
+        if args.plan == "auto":
+            from nvoffload.planner import plan
+
+            try:
+                args.stream, args.offload_activations, args.sizes = None, None, None
+                chosen = plan(_plan_request(args), _profile(args.profile))
+            except (ValueError, OSError) as exc:
+                return _error("finetune", exc)
+            if not chosen.fits:
+                return _error("finetune", ValueError("the plan does not fit: " + "; ".join(chosen.reasons)))
+            fields.update(stream=chosen.stream, offload_activations=chosen.offload_activations,
+                          activation_memory_bytes=chosen.activation_memory_bytes)  # fmt: skip
+            print(f"plan: stream {chosen.stream}, offload activations {chosen.offload_activations};"
+                  f" predicted {chosen.step_s:.3g} s a step, {chosen.tokens_per_s:,.0f} tokens/s ({chosen.bottleneck} bound)")  # fmt: skip
         try:
             config = FinetuneConfig(**fields)
         except ValueError as exc:
@@ -121,4 +250,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{result.num_parameters / 1e6:.2f}M parameters, {len(result.steps)} steps:"
             f" loss {result.losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)})"
         )
+    return 0
+
+
+def _calibrate(args) -> int:
+    import shutil
+    import tempfile
+
+    from nvoffload.finetune import default_swap_root
+    from nvoffload.planner.calibrate import calibrate, default_profile_path
+
+    scratch = None
+    try:
+        dirs = args.swap_dirs
+        if not dirs:
+            os.makedirs(default_swap_root(), exist_ok=True)
+            scratch = tempfile.mkdtemp(prefix="calibrate-", dir=default_swap_root())
+            dirs = [scratch]
+        profile = calibrate(dirs, device=args.device, quick=args.quick)
+        out = args.out or default_profile_path()
+        profile.save(out)
+    except (ValueError, OSError) as exc:
+        return _error("calibrate", exc)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    print(f"profile written to {out}")
     return 0

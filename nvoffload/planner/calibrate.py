@@ -1,0 +1,202 @@
+"""``nvoffload calibrate``: measure this machine's engines through nvoffload's own code into a
+:class:`~nvoffload.planner.profile.MachineProfile`.
+
+- each swap directory's (and all of them together) write and read GB/s: a :class:`~nvoffload.io.TensorStore`
+  (O_DIRECT, checksums on as by default) putting, then getting, 16 MiB tensors all in flight;
+- the CPU Adam kernel's parameters/s with fp32 and bf16 gradients (:func:`nvoffload.optim.kernels.adam_step`
+  on 4 Mi-element chunks, as the optimizer's);
+- host<->device copy GB/s through a :class:`~nvoffload.transfer.TransferEngine` (page-locked with CUDA);
+- a transformer block's forward and backward (:class:`nvoffload.models.gpt.Block`) at three widths, and a
+  large matmul, in TFLOP/s: fp32 on the CPU, bf16 on a GPU;
+- the free host and device memory; the GPU's name by NVML (``nvidia-ml-py``) where present.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from nvoffload.planner.cost import block_flops
+from nvoffload.planner.profile import Drive, MachineProfile
+
+__all__ = ["calibrate", "default_profile_path"]
+
+_MiB = 1 << 20
+
+
+def default_profile_path() -> str:
+    """``<cache>/profiles/<host name>.json`` under nvoffload's cache directory."""
+    from nvoffload.finetune import default_swap_root
+
+    return os.path.join(default_swap_root(), "profiles", f"{socket.gethostname()}.json")
+
+
+def calibrate(
+    swap_dirs: Sequence[str], *, device: str | None = None, quick: bool = False, log: Callable[[str], None] = print
+) -> MachineProfile:
+    """Measure this machine (see the module docs); ``quick`` uses smaller sizes (seconds, rougher figures)."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"calibrate measures a CUDA GPU or the CPU, not {dev}")
+    if not swap_dirs:
+        raise ValueError("give at least one swap directory")
+    per_dir = (64 if quick else 1024) * _MiB
+    drives = []
+    for d in swap_dirs:
+        drives.append(_store_bandwidth([d], per_dir))
+        log(f"swap directory {d}: write {drives[-1].write_gbps:.2f} GB/s, read {drives[-1].read_gbps:.2f} GB/s")
+    together = _store_bandwidth(list(swap_dirs), per_dir * len(swap_dirs)) if len(swap_dirs) > 1 else drives[0]
+    adam = {name: _adam_rate(dtype, quick) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    log(f"CPU Adam: {adam['float32'] / 1e6:.0f} M params/s (fp32 gradients), {adam['bfloat16'] / 1e6:.0f} M (bf16)")
+    h2d, d2h = _copy_bandwidth(dev, quick)
+    log(f"host<->device copies: h2d {h2d:.2f} GB/s, d2h {d2h:.2f} GB/s")
+    widths = (256, 512, 1024) if dev.type == "cpu" else (1024, 2048, 4096)
+    blocks = tuple((w, *_block_tflops(dev, w, quick)) for w in (widths[:2] if quick else widths))
+    matmul = _matmul_tflops(dev, quick)
+    log("block forward+backward, matrices / attention: " + ", ".join(f"d_model {w}: {m:.3f} / {a:.3f} TFLOP/s" for w, m, a in blocks) + f"; matmul {matmul:.3f}")
+    host_free = _host_available_bytes()
+    if dev.type == "cuda":
+        device_free, name = torch.cuda.mem_get_info(dev)[0], _gpu_name(dev)
+    else:
+        device_free, name = host_free, platform.processor() or platform.machine()
+    return MachineProfile(
+        name=f"{socket.gethostname()} ({name}, {len(swap_dirs)} swap directories)", device=dev.type,
+        device_name=name, device_memory_bytes=int(device_free), host_memory_bytes=int(host_free), block_tflops=blocks,
+        matmul_tflops=matmul, h2d_gbps=h2d, d2h_gbps=d2h, drives=tuple(drives), drives_together=together,
+        adam_params_per_s=adam, cpu_cores=os.cpu_count() or 1,
+        source=f"measured by nvoffload calibrate{' --quick' if quick else ''} on {socket.gethostname()},"
+        f" {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, swap directories {', '.join(map(str, swap_dirs))}",
+    )  # fmt: skip
+
+
+def _store_bandwidth(dirs: list[str], nbytes: int) -> Drive:
+    from nvoffload.io import TensorStore, aligned_empty
+
+    size = 16 * _MiB
+    buffers = [aligned_empty(size) for _ in range(max(1, nbytes // size))]
+    for b in buffers:
+        b.fill_(7)
+    with TensorStore(dirs if len(dirs) > 1 else dirs[0], capacity_bytes=len(buffers) * size) as store:
+        start = time.perf_counter()
+        for f in [store.put(f"calibrate{i}", b) for i, b in enumerate(buffers)]:
+            f.result()
+        write_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for f in [store.get(f"calibrate{i}", out=b) for i, b in enumerate(buffers)]:
+            f.result()
+        read_s = time.perf_counter() - start
+    total = len(buffers) * size
+    return Drive(read_gbps=total / read_s / 1e9, write_gbps=total / write_s / 1e9)
+
+
+def _adam_rate(grad_dtype: torch.dtype, quick: bool) -> float:
+    from nvoffload.optim.kernels import adam_step
+
+    n = 4 * _MiB
+    p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+    g = torch.randn(n).to(grad_dtype)
+    out = torch.empty(n, dtype=torch.bfloat16) if grad_dtype != torch.float32 else None
+
+    def once(step=[0]):  # noqa: B006 - a counter across calls
+        step[0] += 1
+        adam_step(p, g, m, v, step=step[0], lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, param_out=out)
+
+    return n / _median_seconds(once, 3 if quick else 10)
+
+
+def _copy_bandwidth(dev: torch.device, quick: bool) -> tuple[float, float]:
+    from nvoffload.transfer import TransferEngine
+
+    nbytes = (32 if quick else 256) * _MiB
+    with TransferEngine(nbytes + 4096, dev.type if dev.type == "cpu" else str(dev), what="calibrate copies") as engine:
+        host = engine.slab.allocate(nbytes, "calibrate copies")
+        host.fill_(1)
+        on_device = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        h2d = nbytes / _median_seconds(lambda: engine.to_device(on_device, host).result(), 3) / 1e9
+        d2h = nbytes / _median_seconds(lambda: engine.to_host(host, on_device).result(), 3) / 1e9
+        engine.slab.free(host)
+    return h2d, d2h
+
+
+def _block_tflops(dev: torch.device, d_model: int, quick: bool) -> tuple[float, float]:
+    """A block's matrices and attention TFLOP/s: its forward and backward timed on the same tokens in short and
+    long sequences, which differ in attention only; the two times give the two rates."""
+    from nvoffload.models.gpt import Block, GPTConfig
+
+    tokens = 512 if quick else 1024
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    shapes = [(tokens // 128, 128), (tokens // 512, 512)]  # (batch, seq)
+    seconds = []
+    for batch, seq in shapes:
+        cfg = GPTConfig(seq_len=seq, n_layer=1, n_head=max(1, d_model // 64), d_model=d_model)
+        block = Block(cfg).to(device=dev, dtype=dtype)
+        x = torch.randn(batch, seq, d_model, device=dev, dtype=dtype, requires_grad=True)
+
+        def once(block=block, x=x):
+            block(x).sum().backward()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        seconds.append(_median_seconds(once, 2 if quick else 4))
+    (m0, a0), (m1, a1) = (block_flops(d_model, cfg.mlp_ratio, b, s) for b, s in shapes)
+    # seconds[i] = m_i / matrix_rate + a_i / attention_rate, with m0 == m1
+    attention_s = max(seconds[1] - seconds[0], 1e-9) / (a1 - a0)
+    matrix_s = max(seconds[0] - a0 * attention_s, 1e-9) / m0
+    return 1 / matrix_s / 1e12, 1 / attention_s / 1e12
+
+
+def _matmul_tflops(dev: torch.device, quick: bool) -> float:
+    n = (1024 if quick else 2048) if dev.type == "cpu" else 8192
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+
+    def once():
+        torch.mm(a, b)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    return 2 * n**3 / _median_seconds(once, 3) / 1e12
+
+
+def _median_seconds(run: Callable[[], object], repeats: int) -> float:
+    """The median of ``repeats`` timed runs after one warm-up run."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _gpu_name(dev: torch.device) -> str:
+    """The GPU's name by NVML where ``nvidia-ml-py`` is installed (the ``[gpu]`` extra), else torch's."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(dev.index or 0)
+            name = pynvml.nvmlDeviceGetName(handle)
+            return name.decode() if isinstance(name, bytes) else name
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - NVML missing or failing: torch knows the name too
+        return torch.cuda.get_device_name(dev)

@@ -1,0 +1,303 @@
+"""The planner's model of a training step: what nvoffload moves and computes, and how long each engine takes.
+
+A step of ``G`` micro-batches of ``B`` sequences of ``S`` tokens does, per engine:
+
+- **compute** (the device): ``6 * P * B * S`` FLOPs for the matrices (forward and backward) plus
+  ``12 * L * B * S**2 * d`` for attention, per micro-batch, at the profile's block throughput for the width;
+- **CPU Adam**: every parameter once, at the kernel's rate for the gradients' dtype;
+- **NVMe**: the optimizer state (fp32 master and two moments: 12 bytes a parameter) read and written once a
+  step; with accumulation and released gradients, the fp32 gradient kept between micro-batches; with
+  streaming, every block the host cache cannot hold read in forward and again in backward and every block
+  written back once it changed; with activation offload, every saved activation written and read once;
+- **copies** (PCIe): streamed blocks to the device, gradients from it, activations both ways.
+
+The step has two phases that cannot overlap: forward (compute, and the reads of the blocks it needs) and
+backward with the optimizer (compute, the Adam updates that run as gradients are final, and their I/O);
+within a phase the engines overlap, so a phase lasts as long as its busiest engine, except that on the CPU
+standing in for a GPU, compute and Adam share the host's cores and add up. With ``max_grad_norm`` and the
+model on the device (gradients held), the updates wait for ``step()``: a third phase.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from nvoffload.planner.profile import MachineProfile
+
+__all__ = ["ModelShape", "Plan", "PlanRequest", "block_flops", "plan"]
+
+_OPTIMIZER_BYTES = 12  # fp32 master weights and two moments, per parameter, per generation
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_HOST_OVERHEAD_BYTES = 1 << 30  # the interpreter, torch and the I/O threads' buffers, besides the budgets
+
+
+def block_flops(d_model: int, mlp_ratio: float, batch: int, seq: int, *, ffn: int | None = None, gated: bool = False) -> tuple[float, float]:
+    """FLOPs of one transformer block's forward and backward on ``batch`` sequences of ``seq`` tokens: its
+    matrices' (6 per parameter per token) and its attention's (12 * seq * d_model per token)."""
+    f = ffn if ffn is not None else int(mlp_ratio * d_model)
+    matrices = 4 * d_model * d_model + (3 if gated else 2) * d_model * f
+    return 6 * matrices * batch * seq, 12 * batch * seq * seq * d_model
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's sizes, as the planner needs them."""
+
+    name: str
+    n_layer: int
+    d_model: int
+    n_head: int
+    ffn: int
+    vocab_size: int
+    max_seq_len: int
+    tied_embeddings: bool = True
+    gated_mlp: bool = False  # three MLP matrices and RMS norms, no biases (Llama), else two, LayerNorms, biases (GPT)
+    kv_heads: int | None = None
+    learned_positions: bool = True  # a position embedding of max_seq_len rows (GPT-2), else rotary
+
+    @property
+    def block_params(self) -> int:
+        d, f = self.d_model, self.ffn
+        kv = d * (self.kv_heads or self.n_head) // self.n_head
+        matrices = d * d + 2 * d * kv + d * d + (3 if self.gated_mlp else 2) * d * f
+        if self.gated_mlp:
+            return matrices + 2 * d  # two RMS norms
+        return matrices + 4 * d + (d + 2 * kv + d + f + d)  # two LayerNorms; the biases
+
+    @property
+    def resident_params(self) -> int:
+        """Outside the blocks: embeddings (and an untied head), the final norm."""
+        d = self.d_model
+        positions = self.max_seq_len * d if self.learned_positions else 0
+        return self.vocab_size * d * (1 if self.tied_embeddings else 2) + positions + (d if self.gated_mlp else 2 * d)
+
+    @property
+    def params(self) -> int:
+        return self.n_layer * self.block_params + self.resident_params
+
+    def flops(self, batch: int, seq: int) -> tuple[float, float]:
+        """Forward and backward FLOPs of one micro-batch: the matrices' (the LM head's included) and attention's."""
+        matrices, attention = block_flops(self.d_model, 0, batch, seq, ffn=self.ffn, gated=self.gated_mlp)
+        head = 6 * self.vocab_size * self.d_model * batch * seq
+        return self.n_layer * matrices + head, self.n_layer * attention
+
+    def activation_bytes(self, batch: int, seq: int, dtype_bytes: int) -> int:
+        """Bytes autograd saves for backward in one micro-batch (measured on nvoffload's GPT block: 7 d + 2 f
+        elements per token per block; gated MLPs save a third f)."""
+        per_token = 7 * self.d_model + (3 if self.gated_mlp else 2) * self.ffn
+        return self.n_layer * batch * seq * per_token * dtype_bytes
+
+    @classmethod
+    def from_preset(cls, name: str) -> ModelShape:
+        from nvoffload.models import GPTConfig
+
+        c = GPTConfig.preset(name)
+        return cls(name, c.n_layer, c.d_model, c.n_head, c.mlp_ratio * c.d_model, c.vocab_size, c.seq_len)
+
+    @classmethod
+    def from_hf_config(cls, path: str | os.PathLike) -> ModelShape:
+        """From a Hugging Face ``config.json`` (a file or its directory): GPT-2, GPT-NeoX, OPT, Llama-style."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path, encoding="utf-8") as f:
+            c = json.load(f)
+        c = c.get("text_config", c)
+
+        def get(*names, default=None):
+            return next((c[n] for n in names if c.get(n) is not None), default)
+
+        d = get("hidden_size", "n_embd", "d_model")
+        layers = get("num_hidden_layers", "n_layer", "num_layers")
+        heads = get("num_attention_heads", "n_head")
+        if None in (d, layers, heads) or get("vocab_size") is None:
+            raise ValueError(f"{path}: not a decoder-only transformer configuration the planner knows")
+        gated = c.get("model_type") in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3") or "gate_proj" in json.dumps(c)
+        ffn = get("intermediate_size", "n_inner", "ffn_dim", default=4 * d)
+        return cls(
+            name=c.get("_name_or_path") or c.get("model_type", "model"), n_layer=layers, d_model=d, n_head=heads,
+            ffn=ffn, vocab_size=get("vocab_size"), max_seq_len=get("max_position_embeddings", "n_positions", default=2048),
+            tied_embeddings=bool(c.get("tie_word_embeddings", True)), gated_mlp=gated, kv_heads=get("num_key_value_heads"),
+            learned_positions=c.get("model_type") in ("gpt2", "opt", "gpt_bigcode", "biogpt"),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What ``nvoffload finetune`` would be asked for (None for ``stream`` and ``offload_activations``: the
+    planner chooses)."""
+
+    model: ModelShape
+    batch_size: int
+    seq_len: int
+    grad_accum_steps: int = 1
+    dtype: str = "bfloat16"
+    cpu_memory_bytes: int = 64 << 20
+    device_memory_bytes: int = 1 << 30
+    swap_dirs: int = 1
+    stream: bool | None = None
+    offload_activations: bool | None = None
+    max_grad_norm: bool = False
+    optimizer_memory_fraction: float = 0.5
+
+    def __post_init__(self):
+        for name in ("batch_size", "seq_len", "grad_accum_steps", "cpu_memory_bytes", "device_memory_bytes", "swap_dirs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.dtype not in _DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer: where everything lives, the predicted step, and whether it fits."""
+
+    request: PlanRequest
+    stream: bool
+    offload_activations: bool
+    fits: bool
+    reasons: list[str]  # why it does not fit, and what would make it fit
+    placement: dict[str, str]
+    cached_blocks: int
+    activation_memory_bytes: int | None  # activation offload's host memory (None: not offloaded)
+    step_s: float
+    tokens_per_s: float
+    tflops: float  # achieved, counting 6 FLOPs per parameter per token plus attention
+    bottleneck: str
+    engine_s: dict[str, float]  # each engine's busy time in the step
+    phases_s: dict[str, float]
+    memory_bytes: dict[str, int]  # device, host, nvme
+    nvme_read_bytes: int
+    nvme_written_bytes: int
+    profile: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["request"]["model"] = asdict(self.request.model)
+        return d
+
+    def offload_config(self, swap_dirs, **overrides):
+        """The :class:`nvoffload.OffloadConfig` this plan chose (with ``stream``; the model on the device
+        otherwise needs only an :class:`~nvoffload.optim.NVMeAdamW`)."""
+        from nvoffload.training import OffloadConfig
+
+        r = self.request
+        return OffloadConfig(
+            swap_dirs=list(swap_dirs), cpu_memory_bytes=r.cpu_memory_bytes, device_memory_bytes=r.device_memory_bytes,
+            offload_activations=self.offload_activations, activation_memory_bytes=self.activation_memory_bytes,
+            gradient_accumulation_steps=r.grad_accum_steps,
+            optimizer_memory_fraction=r.optimizer_memory_fraction, **overrides,
+        )  # fmt: skip
+
+
+def plan(request: PlanRequest, profile: MachineProfile) -> Plan:
+    """Predict a step of ``request`` on ``profile``'s machine; with ``stream`` or ``offload_activations`` None,
+    choose: stream when the weights, gradients and activations do not fit the device budget, offload
+    activations when the device budget cannot hold them beside the rest."""
+    r, m = request, request.model
+    dtype_bytes = _DTYPE_BYTES[r.dtype]
+    weights = m.params * dtype_bytes
+    activations = m.activation_bytes(r.batch_size, r.seq_len, dtype_bytes)
+    if r.stream is None:
+        stream = 2 * weights + activations > r.device_memory_bytes
+    else:
+        stream = r.stream
+    block_bytes = m.block_params * dtype_bytes
+    resident = m.resident_params * dtype_bytes
+    device_needs = (2 * resident + 3 * block_bytes) if stream else 2 * weights
+    if r.offload_activations is None:
+        offload = device_needs + activations > r.device_memory_bytes
+    else:
+        offload = r.offload_activations
+    # Activation offload's host memory, which also bounds what it keeps on the device (up to half of it in
+    # writes in flight, half in reads ahead, a third in the latest tensors): what the device has left, at
+    # most an eighth of the host budget, at least twice the largest saved tensor.
+    largest_saved = r.batch_size * r.seq_len * max(m.ffn, m.d_model) * dtype_bytes
+    activation_host = 0
+    if offload:
+        room = int(0.75 * max(0, r.device_memory_bytes - device_needs))
+        activation_host = max(2 * largest_saved, min(r.cpu_memory_bytes // 8, room))
+    kept_activations = min(activations, activation_host * 4 // 3) if offload else activations
+
+    reasons: list[str] = []
+    optimizer_host = int(r.cpu_memory_bytes * r.optimizer_memory_fraction)
+    stream_host = r.cpu_memory_bytes - optimizer_host - (activation_host if stream else 0)
+    aligned_block = -(-block_bytes // 4096) * 4096
+    cached = min(m.n_layer, stream_host // aligned_block) if stream else m.n_layer
+    if r.seq_len > m.max_seq_len:
+        reasons.append(f"seq_len {r.seq_len} exceeds the model's context of {m.max_seq_len}")
+    if stream and stream_host < 3 * aligned_block:  # one block computing, one arriving, one read ahead
+        need = int((3 * aligned_block + activation_host) / (1 - r.optimizer_memory_fraction)) + 1
+        reasons.append(
+            f"the host budget left for parameter blocks ({stream_host} bytes) holds fewer than three blocks of"
+            f" {block_bytes} bytes: raise cpu_memory_bytes to at least {need}"
+        )
+    device_used = device_needs + kept_activations
+    if device_used > r.device_memory_bytes:
+        ways = [w for w, off in (("stream the parameters", stream), ("offload activations", offload)) if not off]
+        ways += [f"give device_memory_bytes={device_used}", "take a smaller batch or sequence"]
+        reasons.append(
+            f"the device needs {device_used} bytes ({'streamed blocks and resident parameters' if stream else 'weights and gradients'}"
+            f" {device_needs}, activations {kept_activations}), more than device_memory_bytes={r.device_memory_bytes}:"
+            f" {', or '.join(ways)}"
+        )
+    state = m.params * _OPTIMIZER_BYTES
+    kept_grads = m.params * 4 if (stream and r.grad_accum_steps > 1) else 0
+    nvme_used = (weights if stream else 0) + 2 * state + kept_grads + (activations if offload else 0)
+    drives = profile.nvme(r.swap_dirs)
+    host_used = r.cpu_memory_bytes + _HOST_OVERHEAD_BYTES + (0 if profile.device == "cuda" else device_used)
+    if host_used > profile.host_memory_bytes:
+        reasons.append(f"host memory: {host_used} bytes needed, {profile.host_memory_bytes} free: lower cpu_memory_bytes")
+
+    # -- bytes moved per step
+    g = r.grad_accum_steps
+    evicted = m.n_layer - cached
+    weight_reads = 2 * evicted * block_bytes * g if stream else 0
+    weight_writes = m.n_layer * block_bytes if (stream and evicted > 0) else 0
+    act_io = g * activations if offload else 0
+    kept_io = (g - 1) * kept_grads
+    read = state + weight_reads + act_io + kept_io
+    written = state + weight_writes + act_io + kept_io
+    h2d = (g * 2 * m.n_layer * block_bytes if stream else weights) + act_io
+    d2h = g * m.params * dtype_bytes + act_io
+
+    # -- engine times
+    matrices, attention = m.flops(r.batch_size, r.seq_len)
+    flops = g * (matrices + attention)
+    matrix_rate, attention_rate = profile.block_flops_per_s(m.d_model)
+    compute = g * (matrices / matrix_rate + attention / attention_rate)
+    adam = m.params / profile.adam_params_per_s["float32" if r.dtype == "float32" else "bfloat16"]
+    nvme_read_s, nvme_write_s = read / (drives.read_gbps * 1e9), written / (drives.write_gbps * 1e9)
+    copies = h2d / (profile.h2d_gbps * 1e9) + d2h / (profile.d2h_gbps * 1e9)
+    checksums = (read + written) / 15e9  # CRC-32C on the host (bench/results/bench_io.md)
+    on_cpu = profile.device == "cpu"
+    fwd_reads = (evicted * block_bytes * g if stream else 0) / (drives.read_gbps * 1e9)
+    forward = max(compute / 3 + (copies / 2 if on_cpu else 0), fwd_reads)
+    held = r.max_grad_norm and not stream  # gradients held for clipping: the updates run in step()
+    nvme_rest = nvme_read_s + nvme_write_s - fwd_reads
+    cpu_backward = (2 * compute / 3 if on_cpu else 0) + (0 if held else adam + checksums) + (copies / 2 if on_cpu else 0)
+    backward = max(2 * compute / 3, cpu_backward, 0 if held else nvme_rest, 0 if on_cpu else copies)
+    step_call = max(adam + checksums, nvme_rest) if held else 0.0
+    step = forward + backward + step_call
+    engines = {"compute": compute, "cpu adam": adam, "nvme": nvme_read_s + nvme_write_s, "copies": copies}
+    busiest = max(engines, key=engines.get)
+    if on_cpu and compute + adam > max(engines.values()):
+        busiest = "compute" if compute >= adam else "cpu adam"
+    placement = {
+        "parameters": "NVMe, streamed block by block through host memory" if stream else "device",
+        "optimizer state": "NVMe (fp32 master and moments), updated by the CPU",
+        "activations": "NVMe (offloaded)" if offload else "device",
+        "gradients": "consumed during backward" if stream or not held else "device until step()",
+    }
+    tokens = g * r.batch_size * r.seq_len
+    return Plan(
+        request=r, stream=stream, offload_activations=offload, fits=not reasons, reasons=reasons, placement=placement,
+        cached_blocks=cached, activation_memory_bytes=activation_host or None, step_s=step, tokens_per_s=tokens / step, tflops=flops / step / 1e12, bottleneck=busiest,
+        engine_s=engines, phases_s={"forward": forward, "backward": backward, "step": step_call},
+        memory_bytes={"device": int(device_used), "host": int(host_used), "nvme": int(nvme_used)},
+        nvme_read_bytes=int(read), nvme_written_bytes=int(written), profile=profile.name,
+    )  # fmt: skip

@@ -1,0 +1,204 @@
+"""What a machine's engines can do: a :class:`MachineProfile`, measured (:mod:`nvoffload.planner.calibrate`) or
+built in for common GPU servers, saved as JSON.
+
+Every rate is one engine alone, as nvoffload drives it: the device's throughput on a transformer block's
+forward and backward (by model width), host<->device copies, each swap directory's reads and writes (and all
+of them at once), and the CPU Adam kernel. The planner (:mod:`nvoffload.planner.cost`) combines them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["BUILTIN_PROFILES", "Drive", "MachineProfile", "builtin_profile", "load_profile"]
+
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class Drive:
+    """Sequential bandwidth of one swap directory (or of several at once), GB/s (1e9 bytes)."""
+
+    read_gbps: float
+    write_gbps: float
+
+    def __post_init__(self):
+        for name in ("read_gbps", "write_gbps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+                raise ValueError(f"Drive.{name} must be a positive number of GB/s, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """One machine, as the planner sees it.
+
+    Attributes:
+        name: what it is (e.g. ``"1x H100 SXM + 4x Gen4 NVMe"``, or the host measured).
+        device: ``"cuda"`` or ``"cpu"`` (the CPU standing in for the GPU: compute shares the host's cores
+            with the Adam kernel and the I/O threads).
+        device_name: the GPU's name (or the CPU's).
+        device_memory_bytes, host_memory_bytes: free memory of each tier.
+        block_tflops: ``((d_model, matrices TFLOP/s, attention TFLOP/s), ...)``: the throughput of one
+            transformer block's forward and backward at that width, split in two (from two sequence
+            lengths): its matrices (6 FLOPs per parameter per token, with the block's norms and activations
+            counted in their time) and its attention (12 * seq * d_model FLOPs per token); widths between
+            are interpolated, beyond are clamped.
+        matmul_tflops: a large matmul's throughput in the training dtype (the device's dense peak, as
+            reached); for reference.
+        h2d_gbps, d2h_gbps: copies between page-locked host memory and the device.
+        drives: each swap directory alone.
+        drives_together: all of ``drives`` at once (striped, as the store writes).
+        adam_params_per_s: the CPU Adam kernel's updates per second with fp32 and with bf16 gradients
+            (``{"float32": ..., "bfloat16": ...}``), all cores.
+        cpu_cores: the host's cores.
+        source: how the figures were obtained (measured where and when, or the public sources).
+    """
+
+    name: str
+    device: str
+    device_name: str
+    device_memory_bytes: int
+    host_memory_bytes: int
+    block_tflops: tuple[tuple[int, float, float], ...]
+    matmul_tflops: float
+    h2d_gbps: float
+    d2h_gbps: float
+    drives: tuple[Drive, ...]
+    drives_together: Drive
+    adam_params_per_s: dict[str, float] = field(default_factory=dict)
+    cpu_cores: int = 1
+    source: str = ""
+
+    def __post_init__(self):
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"MachineProfile.device must be 'cuda' or 'cpu', got {self.device!r}")
+        for name in ("device_memory_bytes", "host_memory_bytes", "cpu_cores"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MachineProfile.{name} must be a positive int, got {value!r}")
+        for name in ("matmul_tflops", "h2d_gbps", "d2h_gbps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"MachineProfile.{name} must be positive, got {value!r}")
+        object.__setattr__(self, "block_tflops", tuple(sorted((int(w), float(m), float(a)) for w, m, a in self.block_tflops)))
+        if not self.block_tflops or any(min(m, a) <= 0 for _, m, a in self.block_tflops):
+            raise ValueError("MachineProfile.block_tflops needs at least one (d_model, matrices, attention TFLOP/s)")
+        object.__setattr__(self, "drives", tuple(d if isinstance(d, Drive) else Drive(**d) for d in self.drives))
+        if not self.drives:
+            raise ValueError("MachineProfile.drives needs at least one drive")
+        if not isinstance(self.drives_together, Drive):
+            object.__setattr__(self, "drives_together", Drive(**self.drives_together))
+        if set(self.adam_params_per_s) != {"float32", "bfloat16"} or min(self.adam_params_per_s.values()) <= 0:
+            raise ValueError(f"MachineProfile.adam_params_per_s needs positive float32 and bfloat16 rates, got {self.adam_params_per_s}")
+
+    def block_flops_per_s(self, d_model: int) -> tuple[float, float]:
+        """FLOP/s of a block's matrices and of its attention at width ``d_model`` (log-linear between the
+        measured widths, clamped beyond)."""
+        points = self.block_tflops
+        if d_model <= points[0][0]:
+            return points[0][1] * 1e12, points[0][2] * 1e12
+        if d_model >= points[-1][0]:
+            return points[-1][1] * 1e12, points[-1][2] * 1e12
+        for (w0, m0, a0), (w1, m1, a1) in zip(points, points[1:]):
+            if w0 <= d_model <= w1:
+                f = math.log(d_model / w0) / math.log(w1 / w0)
+                return tuple(math.exp(math.log(x0) + f * (math.log(x1) - math.log(x0))) * 1e12 for x0, x1 in ((m0, m1), (a0, a1)))
+        raise AssertionError("unreachable")
+
+    def nvme(self, directories: int) -> Drive:
+        """The bandwidth of the first ``directories`` swap directories at once."""
+        if directories >= len(self.drives):
+            return self.drives_together
+        share = directories / len(self.drives)
+        return Drive(self.drives_together.read_gbps * share, self.drives_together.write_gbps * share)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1) + "\n"
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the profile as JSON (atomically)."""
+        path = os.fspath(path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+        os.replace(tmp, path)
+
+
+def load_profile(name_or_path: str) -> MachineProfile:
+    """A built-in profile by name (see :data:`BUILTIN_PROFILES`), or a JSON file that ``calibrate`` wrote."""
+    if name_or_path in BUILTIN_PROFILES:
+        return BUILTIN_PROFILES[name_or_path]
+    try:
+        with open(name_or_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"no profile {name_or_path!r}: give a JSON file from 'nvoffload calibrate' or one of"
+            f" {', '.join(sorted(BUILTIN_PROFILES))}"
+        ) from None
+    except ValueError as exc:
+        raise ValueError(f"{name_or_path} is not a profile: {exc}") from None
+    try:
+        return MachineProfile(**raw)
+    except TypeError as exc:
+        raise ValueError(f"{name_or_path} is not a profile: {exc}") from None
+
+
+# -- built-in profiles --------------------------------------------------------------
+#
+# GPUs: dense (non-sparse) BF16 tensor throughput with FP32 accumulation, from the vendors' datasheets:
+#   H100 SXM5 989 TFLOPS, H100 PCIe 756, H200 SXM 989 (NVIDIA H100 and H200 datasheets, 2023-2024);
+#   A100 80GB 312 (NVIDIA A100 datasheet); RTX 4090 165.2 (NVIDIA Ada Lovelace architecture whitepaper,
+#   "Peak FP16/BF16 Tensor TFLOPS with FP32 Accumulate").
+# Achieved on a transformer block's forward and backward: 55% of that on its matrices (MFU of large-model
+#   training as Megatron-LM reports it on H100/A100, ~50-60%), 45% at width 1024, where kernels are smaller;
+#   40% (30%) on attention (FlashAttention-2's forward+backward reaches 35-50% of the H100's peak).
+# Host<->device: PCIe Gen5 x16 ~55 GB/s and Gen4 x16 ~25 GB/s measured with page-locked memory (64 and
+#   32 GB/s nominal; NVIDIA's bandwidthTest typically reaches 85%).
+# NVMe: a PCIe Gen4 x4 drive 7.0 GB/s read, 6.5 GB/s write sequential (Samsung 990 PRO datasheet: 7.45 /
+#   6.9); Gen5 x4 14.0 / 12.0 (Crucial T705: 14.5 / 12.7); several drives striped add up (separate lanes).
+# CPU Adam: memory-bound at ~28 bytes per parameter (fp32 master and moments read and written, a 16-bit
+#   gradient and weight), at half of a server's STREAM bandwidth (~300 GB/s for 2x 8-12 channel DDR5;
+#   ~80 GB/s for a 2-channel DDR5 desktop): an estimate, calibrate to replace it.
+
+_GPU = {  # name: (device memory bytes, BF16 dense TFLOPS, host<->device GB/s)
+    "H100-SXM": (80 * 10**9, 989.0, 55.0),
+    "H100-PCIe": (80 * 10**9, 756.0, 55.0),
+    "H200": (141 * 10**9, 989.0, 55.0),
+    "A100-80GB": (80 * 10**9, 312.0, 25.0),
+    "RTX-4090": (24 * 10**9, 165.2, 25.0),
+}
+_DRIVE = {"gen4": Drive(7.0, 6.5), "gen5": Drive(14.0, 12.0)}
+
+
+def builtin_profile(gpu: str, host_memory_gb: int, drives: int, drive: str = "gen4", *, desktop: bool = False) -> MachineProfile:
+    """A profile from the public figures above: ``gpu`` (``H100-SXM``, ``H100-PCIe``, ``H200``, ``A100-80GB``,
+    ``RTX-4090``), host memory in GB, ``drives`` NVMe drives of kind ``drive`` (``gen4``, ``gen5``)."""
+    if gpu not in _GPU or drive not in _DRIVE:
+        raise ValueError(f"unknown GPU {gpu!r} or drive {drive!r}: choose from {sorted(_GPU)} and {sorted(_DRIVE)}")
+    memory, tflops, pcie = _GPU[gpu]
+    one = _DRIVE[drive]
+    adam = (80e9 if desktop else 300e9) / 2 / 28  # params/s, see above
+    return MachineProfile(
+        name=f"1x {gpu} + {host_memory_gb} GB RAM + {drives}x {drive} NVMe",
+        device="cuda", device_name=gpu, device_memory_bytes=memory, host_memory_bytes=host_memory_gb * 10**9,
+        block_tflops=((1024, 0.45 * tflops, 0.3 * tflops), (8192, 0.55 * tflops, 0.4 * tflops)), matmul_tflops=0.8 * tflops,
+        h2d_gbps=pcie, d2h_gbps=pcie, drives=tuple([one] * drives),
+        drives_together=Drive(one.read_gbps * drives, one.write_gbps * drives),
+        adam_params_per_s={"float32": adam, "bfloat16": adam}, cpu_cores=16 if desktop else 64,
+        source="built in: vendors' datasheets and published utilization (nvoffload/planner/profile.py)",
+    )  # fmt: skip
+
+
+BUILTIN_PROFILES: dict[str, MachineProfile] = {
+    "h100-sxm-512g-4xgen4": builtin_profile("H100-SXM", 512, 4, "gen4"),
+    "h100-pcie-512g-4xgen4": builtin_profile("H100-PCIe", 512, 4, "gen4"),
+    "h200-1t-4xgen5": builtin_profile("H200", 1024, 4, "gen5"),
+    "a100-80g-512g-4xgen4": builtin_profile("A100-80GB", 512, 4, "gen4"),
+    "rtx4090-256g-2xgen4": builtin_profile("RTX-4090", 256, 2, "gen4", desktop=True),
+}

@@ -1,0 +1,20 @@
+"""Smoke run of bench/bench_plan.py: calibrate, plan and measure each configuration, report the ratios."""
+
+import importlib
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def test_bench_plan_quick(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench = importlib.import_module("bench_plan")
+    path = bench.main(["--quick", "--swap-dir", str(tmp_path), "--results-dir", str(tmp_path / "results")])
+    record = json.loads(Path(path).read_text())
+    assert [r["case"] for r in record["rows"]] == ["optimizer only", "streaming"]
+    for row in record["rows"]:
+        assert row["predicted_s"] > 0 and row["measured_s"] > 0
+        assert row["ratio"] == row["predicted_s"] / row["measured_s"]
+    assert "worst_ratio" in record and json.loads(record["profile"])["device"] == "cpu"
+    assert list(tmp_path.iterdir()) == [tmp_path / "results"]  # the swap files are gone
