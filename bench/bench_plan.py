@@ -109,7 +109,7 @@ def main(argv=None) -> Path:
             request = PlanRequest(
                 shape, batch_size=case.batch, seq_len=cfg.seq_len, dtype="float32",
                 cpu_memory_bytes=case.cpu_memory_bytes, device_memory_bytes=device_memory_bytes,
-                stream=case.stream, offload_activations=case.offload_activations,
+                stream=case.stream, activations="offload" if case.offload_activations else "keep",
             )  # fmt: skip
             predicted = plan(request, profile)
             measured = measure(case, cfg, swap, 2 if args.quick else args.steps, device_memory_bytes)

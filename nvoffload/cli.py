@@ -86,14 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="predict a finetune step: where everything lives, step time, tokens/s, the bottleneck")
     which = pl.add_mutually_exclusive_group()
     which.add_argument("--preset", default=d.preset, choices=sorted(PRESETS), help="built-in GPT size (default %(default)s)")
-    which.add_argument("--model", dest="model_dir", default=None, metavar="DIR", help="a Hugging Face model directory or its config.json")
+    which.add_argument("--model", dest="model_dir", default=None, metavar="DIR", help="a Hugging Face model directory or its config.json, or a public architecture: llama2-70b, llama3-8b, gpt3-13b, gpt3-100b, gpt3-175b")
     which.add_argument("--sizes", default=None, metavar="L,D,H,F,V", help="layers, d_model, heads, MLP width, vocabulary (a Llama-shaped model with 'gated': L,D,H,F,V,gated)")
     for flags, kw in _SHARED_OPTIONS:
         pl.add_argument(*flags, **kw)
     pl.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None, help="stream the parameters (default: the planner decides)")
-    pl.add_argument("--offload-activations", action=argparse.BooleanOptionalAction, default=None, help="offload activations (default: the planner decides)")
+    pl.add_argument("--offload-activations", action=argparse.BooleanOptionalAction, default=None, help="offload activations (default: the planner decides between keeping, offloading and recomputing them)")
+    pl.add_argument("--recompute", action="store_true", help="recompute activations in backward (activation checkpointing of every block)")
     pl.add_argument("--swap-dirs", type=int, default=1, help="swap directories (drives) used (default 1)")
     pl.add_argument("--profile", default=None, help="a profile from 'nvoffload calibrate' or a built-in name: " + ", ".join(sorted(_builtin_profiles())))
+    pl.add_argument("--no-checksum", dest="checksum", action="store_false", help="plan for checksum=False (the store's CRC-32C off)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -145,15 +147,19 @@ def _plan_request(args):
         shape = ModelShape("sizes", layers, d, heads, ffn, vocab, args.seq_len or 4096, gated_mlp=gated,
                            tied_embeddings=not gated, learned_positions=not gated)  # fmt: skip
     elif args.model_dir is not None:
-        shape = ModelShape.from_hf_config(args.model_dir)
+        from nvoffload.planner.cost import NAMED_SHAPES
+
+        shape = NAMED_SHAPES.get(args.model_dir) or ModelShape.from_hf_config(args.model_dir)
     else:
         shape = ModelShape.from_preset(args.preset)
     seq = args.seq_len or (min(128, shape.max_seq_len) if args.model_dir else shape.max_seq_len)
     return PlanRequest(
         shape, batch_size=args.batch_size, seq_len=seq, grad_accum_steps=args.grad_accum_steps, dtype=args.dtype,
         cpu_memory_bytes=args.cpu_memory_bytes, device_memory_bytes=args.device_memory_bytes,
-        swap_dirs=getattr(args, "swap_dirs_count", 1), stream=args.stream, offload_activations=args.offload_activations,
-        max_grad_norm=args.max_grad_norm is not None,
+        swap_dirs=getattr(args, "swap_dirs_count", 1), stream=args.stream, max_grad_norm=args.max_grad_norm is not None,
+        checksum=getattr(args, "checksum", True),
+        activations="recompute" if getattr(args, "recompute", False) else
+        None if args.offload_activations is None else ("offload" if args.offload_activations else "keep"),
     )  # fmt: skip
 
 
@@ -217,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             try:
                 args.stream, args.offload_activations, args.sizes = None, None, None
-                chosen = plan(_plan_request(args), _profile(args.profile))
+                chosen = plan(_plan_request(args), _profile(args.profile), recompute=False)  # finetune cannot
             except (ValueError, OSError) as exc:
                 return _error("finetune", exc)
             if not chosen.fits:

@@ -97,6 +97,14 @@ class ModelShape:
         return cls(name, c.n_layer, c.d_model, c.n_head, c.mlp_ratio * c.d_model, c.vocab_size, c.seq_len)
 
     @classmethod
+    def named(cls, name: str) -> ModelShape:
+        """A public architecture by name (see :data:`NAMED_SHAPES`)."""
+        try:
+            return NAMED_SHAPES[name]
+        except KeyError:
+            raise ValueError(f"unknown model shape {name!r}; choose one of {sorted(NAMED_SHAPES)}") from None
+
+    @classmethod
     def from_hf_config(cls, path: str | os.PathLike) -> ModelShape:
         """From a Hugging Face ``config.json`` (a file or its directory): GPT-2, GPT-NeoX, OPT, Llama-style."""
         path = os.fspath(path)
@@ -124,10 +132,23 @@ class ModelShape:
         )  # fmt: skip
 
 
+# Public architectures, from their configurations (Llama: the config.json files Meta published; GPT-3: Brown et
+# al. 2020, table 2.1, and a 100B model of the same shape, 80 layers of width 10240).
+NAMED_SHAPES = {
+    "llama2-70b": ModelShape("llama2-70b", 80, 8192, 64, 28672, 32000, 4096, tied_embeddings=False, gated_mlp=True,
+                             kv_heads=8, learned_positions=False),
+    "llama3-8b": ModelShape("llama3-8b", 32, 4096, 32, 14336, 128256, 8192, tied_embeddings=False, gated_mlp=True,
+                            kv_heads=8, learned_positions=False),
+    "gpt3-13b": ModelShape("gpt3-13b", 40, 5120, 40, 20480, 50257, 2048),
+    "gpt3-100b": ModelShape("gpt3-100b", 80, 10240, 80, 40960, 50257, 2048),
+    "gpt3-175b": ModelShape("gpt3-175b", 96, 12288, 96, 49152, 50257, 2048),
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class PlanRequest:
-    """What ``nvoffload finetune`` would be asked for (None for ``stream`` and ``offload_activations``: the
-    planner chooses)."""
+    """What ``nvoffload finetune`` would be asked for (None for ``stream`` and ``activations``: the planner
+    chooses)."""
 
     model: ModelShape
     batch_size: int
@@ -138,8 +159,9 @@ class PlanRequest:
     device_memory_bytes: int = 1 << 30
     swap_dirs: int = 1
     stream: bool | None = None
-    offload_activations: bool | None = None
+    activations: str | None = None  # "keep" (on the device), "offload", "recompute"; None: the planner chooses
     max_grad_norm: bool = False
+    checksum: bool = True  # the store's CRC-32C (the default), computed on the thread that moves the bytes
     optimizer_memory_fraction: float = 0.5
 
     def __post_init__(self):
@@ -149,6 +171,8 @@ class PlanRequest:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.dtype not in _DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.activations not in (None, "keep", "offload", "recompute"):
+            raise ValueError(f"activations must be keep, offload, recompute or None, got {self.activations!r}")
 
 
 @dataclass(frozen=True)
@@ -157,7 +181,7 @@ class Plan:
 
     request: PlanRequest
     stream: bool
-    offload_activations: bool
+    activations: str  # "keep", "offload" or "recompute"
     fits: bool
     reasons: list[str]  # why it does not fit, and what would make it fit
     placement: dict[str, str]
@@ -174,6 +198,10 @@ class Plan:
     nvme_written_bytes: int
     profile: str = ""
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def offload_activations(self) -> bool:
+        return self.activations == "offload"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -194,25 +222,33 @@ class Plan:
         )  # fmt: skip
 
 
-def plan(request: PlanRequest, profile: MachineProfile) -> Plan:
-    """Predict a step of ``request`` on ``profile``'s machine; with ``stream`` or ``offload_activations`` None,
-    choose: stream when the weights, gradients and activations do not fit the device budget, offload
-    activations when the device budget cannot hold them beside the rest."""
-    r, m = request, request.model
+def plan(request: PlanRequest, profile: MachineProfile, *, recompute: bool = True) -> Plan:
+    """Predict a step of ``request`` on ``profile``'s machine. With ``stream`` or ``activations`` None, every
+    choice (the model on the device or streamed; activations kept, offloaded, or, with ``recompute``,
+    recomputed in backward from each block's input) is planned and the fastest that fits is returned (when
+    none fits: the most frugal, whose reasons say what would make it fit)."""
+    streams = [request.stream] if request.stream is not None else [False, True]
+    if request.activations is not None:
+        kinds = [request.activations]
+    else:
+        kinds = ["keep", "offload"] + (["recompute"] if recompute else [])
+    plans = [_plan(request, profile, stream, kind) for stream in streams for kind in kinds]
+    fitting = [p for p in plans if p.fits]
+    if fitting:
+        return min(fitting, key=lambda p: p.step_s)
+    return plans[-1] if streams[-1] else plans[len(kinds) - 1]
+
+
+def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> Plan:
+    """One choice: ``stream`` or not, activations ``kind`` ("keep", "offload" or "recompute")."""
+    m = r.model
     dtype_bytes = _DTYPE_BYTES[r.dtype]
     weights = m.params * dtype_bytes
     activations = m.activation_bytes(r.batch_size, r.seq_len, dtype_bytes)
-    if r.stream is None:
-        stream = 2 * weights + activations > r.device_memory_bytes
-    else:
-        stream = r.stream
     block_bytes = m.block_params * dtype_bytes
     resident = m.resident_params * dtype_bytes
     device_needs = (2 * resident + 3 * block_bytes) if stream else 2 * weights
-    if r.offload_activations is None:
-        offload = device_needs + activations > r.device_memory_bytes
-    else:
-        offload = r.offload_activations
+    offload = kind == "offload"
     # Activation offload's host memory, which also bounds what it keeps on the device (up to half of it in
     # writes in flight, half in reads ahead, a third in the latest tensors): what the device has left, at
     # most an eighth of the host budget, at least twice the largest saved tensor.
@@ -221,7 +257,10 @@ def plan(request: PlanRequest, profile: MachineProfile) -> Plan:
     if offload:
         room = int(0.75 * max(0, r.device_memory_bytes - device_needs))
         activation_host = max(2 * largest_saved, min(r.cpu_memory_bytes // 8, room))
-    kept_activations = min(activations, activation_host * 4 // 3) if offload else activations
+    if kind == "recompute":  # each block's input, and one block's activations while it is recomputed
+        kept_activations = m.n_layer * r.batch_size * r.seq_len * m.d_model * dtype_bytes + activations // m.n_layer
+    else:
+        kept_activations = min(activations, activation_host * 4 // 3) if offload else activations
 
     reasons: list[str] = []
     optimizer_host = int(r.cpu_memory_bytes * r.optimizer_memory_fraction)
@@ -238,7 +277,7 @@ def plan(request: PlanRequest, profile: MachineProfile) -> Plan:
         )
     device_used = device_needs + kept_activations
     if device_used > r.device_memory_bytes:
-        ways = [w for w, off in (("stream the parameters", stream), ("offload activations", offload)) if not off]
+        ways = [w for w, done in (("stream the parameters", stream), ("offload or recompute activations", kind != "keep")) if not done]
         ways += [f"give device_memory_bytes={device_used}", "take a smaller batch or sequence"]
         reasons.append(
             f"the device needs {device_used} bytes ({'streamed blocks and resident parameters' if stream else 'weights and gradients'}"
@@ -269,11 +308,11 @@ def plan(request: PlanRequest, profile: MachineProfile) -> Plan:
     matrices, attention = m.flops(r.batch_size, r.seq_len)
     flops = g * (matrices + attention)
     matrix_rate, attention_rate = profile.block_flops_per_s(m.d_model)
-    compute = g * (matrices / matrix_rate + attention / attention_rate)
+    compute = g * (matrices / matrix_rate + attention / attention_rate) * (4 / 3 if kind == "recompute" else 1)
     adam = m.params / profile.adam_params_per_s["float32" if r.dtype == "float32" else "bfloat16"]
     nvme_read_s, nvme_write_s = read / (drives.read_gbps * 1e9), written / (drives.write_gbps * 1e9)
     copies = h2d / (profile.h2d_gbps * 1e9) + d2h / (profile.d2h_gbps * 1e9)
-    checksums = (read + written) / 15e9  # CRC-32C on the host (bench/results/bench_io.md)
+    checksums = (read + written) / 15e9 if r.checksum else 0.0  # CRC-32C, one thread (bench/results/bench_io.md)
     on_cpu = profile.device == "cpu"
     fwd_reads = (evicted * block_bytes * g if stream else 0) / (drives.read_gbps * 1e9)
     forward = max(compute / 3 + (copies / 2 if on_cpu else 0), fwd_reads)
@@ -283,19 +322,21 @@ def plan(request: PlanRequest, profile: MachineProfile) -> Plan:
     backward = max(2 * compute / 3, cpu_backward, 0 if held else nvme_rest, 0 if on_cpu else copies)
     step_call = max(adam + checksums, nvme_rest) if held else 0.0
     step = forward + backward + step_call
-    engines = {"compute": compute, "cpu adam": adam, "nvme": nvme_read_s + nvme_write_s, "copies": copies}
+    engines = {"compute": compute, "cpu adam": adam, "checksums": checksums, "nvme": nvme_read_s + nvme_write_s, "copies": copies}
     busiest = max(engines, key=engines.get)
-    if on_cpu and compute + adam > max(engines.values()):
-        busiest = "compute" if compute >= adam else "cpu adam"
+    if held or not on_cpu and adam + checksums > max(engines.values()):  # one CPU thread runs both in turn
+        busiest = "cpu adam" if adam >= checksums else "checksums"
+    if on_cpu and compute + adam + checksums > max(engines.values()):  # compute shares the host's cores
+        busiest = max(("compute", compute), ("cpu adam", adam), ("checksums", checksums), key=lambda kv: kv[1])[0]
     placement = {
         "parameters": "NVMe, streamed block by block through host memory" if stream else "device",
         "optimizer state": "NVMe (fp32 master and moments), updated by the CPU",
-        "activations": "NVMe (offloaded)" if offload else "device",
+        "activations": {"keep": "device", "offload": "NVMe (offloaded)", "recompute": "recomputed in backward (each block's input kept)"}[kind],
         "gradients": "consumed during backward" if stream or not held else "device until step()",
     }
     tokens = g * r.batch_size * r.seq_len
     return Plan(
-        request=r, stream=stream, offload_activations=offload, fits=not reasons, reasons=reasons, placement=placement,
+        request=r, stream=stream, activations=kind, fits=not reasons, reasons=reasons, placement=placement,
         cached_blocks=cached, activation_memory_bytes=activation_host or None, step_s=step, tokens_per_s=tokens / step, tflops=flops / step / 1e12, bottleneck=busiest,
         engine_s=engines, phases_s={"forward": forward, "backward": backward, "step": step_call},
         memory_bytes={"device": int(device_used), "host": int(host_used), "nvme": int(nvme_used)},
