@@ -710,15 +710,21 @@ def _next_iteration_is_exact_and_close_releases(tmp_path, store, offload, model,
     assert not list(tmp_path.iterdir())
 
 
-def test_a_failed_write_fails_that_backward_only_and_close_releases_everything(tmp_path):
-    """An EIO while a saved tensor is written: that backward raises naming the tensor, the next trains exactly,
-    and close() releases everything (it raised KeyError on every call for the tensor the failed write left
-    no space for, and kept the swap file)."""
+@pytest.mark.parametrize(
+    "fault, message",
+    [("eio", r"writing saved activation .* failed: \[Errno 5\]"), ("enospc", r"writing saved activation .* failed: \[Errno 28\]"),
+     ("short_read", r"reading saved activation .* back failed: .*short")],
+    ids=["eio-write", "enospc-write", "short-read"],
+)  # fmt: skip
+def test_a_failed_write_or_read_fails_that_backward_only_and_close_releases_everything(tmp_path, fault, message):
+    """An EIO or a full disk while a saved tensor is written, or a short read as it comes back: that backward
+    raises naming the tensor, the next trains exactly, and close() releases everything (it raised KeyError on
+    every call for the tensor a failed write left no space for, and kept the swap file)."""
     store, offload, model, x, want = _offloaded_linear_stack(tmp_path)
-    store.inject_fault("eio", after_ops=2)
+    store.inject_fault(fault, after_ops=2 if fault != "short_read" else 0)  # short reads strike reads only
     with offload:
         y = model(x).sum()
-    with pytest.raises(RuntimeError, match=r"writing saved activation .* failed: \[Errno 5\]"):
+    with pytest.raises(RuntimeError, match=message):
         y.backward()
     del y
     _next_iteration_is_exact_and_close_releases(tmp_path, store, offload, model, x, want)
