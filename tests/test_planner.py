@@ -38,7 +38,8 @@ def test_calibrate_measures_every_engine(profile_path):
     assert profile.drives[0].read_gbps > 0.01 and profile.drives[0].write_gbps > 0.01
     assert all(rate > 1e6 for rate in profile.adam_params_per_s.values())
     assert profile.h2d_gbps > 0.1 and profile.d2h_gbps > 0.1 and profile.matmul_tflops > 0
-    assert [w for w, _, _ in profile.block_tflops] == [256, 512]
+    assert [w for w, _, _, _ in profile.block_tflops] == [256, 512]
+    assert all(m > 0 and a > 0 and o >= 0 for _, m, a, o in profile.block_tflops)
     assert MachineProfile(**json.loads(profile_path.read_text())) == profile  # the JSON round-trips
     assert "measured by nvoffload calibrate --quick" in profile.source
 

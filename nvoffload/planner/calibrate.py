@@ -59,7 +59,7 @@ def calibrate(
     widths = (256, 512, 1024) if dev.type == "cpu" else (1024, 2048, 4096)
     blocks = tuple((w, *_block_tflops(dev, w, quick)) for w in (widths[:2] if quick else widths))
     matmul = _matmul_tflops(dev, quick)
-    log("block forward+backward, matrices / attention: " + ", ".join(f"d_model {w}: {m:.3f} / {a:.3f} TFLOP/s" for w, m, a in blocks) + f"; matmul {matmul:.3f}")
+    log("block forward+backward, matrices / attention TFLOP/s, fixed ms: " + ", ".join(f"d_model {w}: {m:.3f} / {a:.3f}, {o * 1e3:.1f}" for w, m, a, o in blocks) + f"; matmul {matmul:.3f}")
     host_free = _host_available_bytes()
     if dev.type == "cuda":
         device_free, name = torch.cuda.mem_get_info(dev)[0], _gpu_name(dev)
@@ -124,14 +124,15 @@ def _copy_bandwidth(dev: torch.device, quick: bool) -> tuple[float, float]:
     return h2d, d2h
 
 
-def _block_tflops(dev: torch.device, d_model: int, quick: bool) -> tuple[float, float]:
-    """A block's matrices and attention TFLOP/s: its forward and backward timed on the same tokens in short and
-    long sequences, which differ in attention only; the two times give the two rates."""
+def _block_tflops(dev: torch.device, d_model: int, quick: bool) -> tuple[float, float, float]:
+    """A block's matrices and attention TFLOP/s and fixed seconds per pass, from its forward and backward timed
+    on three shapes: short sequences, twice as many of them (the matrices' work doubles, the fixed time does
+    not) and long sequences of the same tokens (only attention grows)."""
     from nvoffload.models.gpt import Block, GPTConfig
 
     tokens = 512 if quick else 1024
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    shapes = [(tokens // 128, 128), (tokens // 512, 512)]  # (batch, seq)
+    shapes = [(tokens // 128, 128), (2 * tokens // 128, 128), (tokens // 512, 512)]  # (batch, seq)
     seconds = []
     for batch, seq in shapes:
         cfg = GPTConfig(seq_len=seq, n_layer=1, n_head=max(1, d_model // 64), d_model=d_model)
@@ -144,11 +145,16 @@ def _block_tflops(dev: torch.device, d_model: int, quick: bool) -> tuple[float, 
                 torch.cuda.synchronize(dev)
 
         seconds.append(_median_seconds(once, 2 if quick else 4))
-    (m0, a0), (m1, a1) = (block_flops(d_model, cfg.mlp_ratio, b, s) for b, s in shapes)
-    # seconds[i] = m_i / matrix_rate + a_i / attention_rate, with m0 == m1
-    attention_s = max(seconds[1] - seconds[0], 1e-9) / (a1 - a0)
-    matrix_s = max(seconds[0] - a0 * attention_s, 1e-9) / m0
-    return 1 / matrix_s / 1e12, 1 / attention_s / 1e12
+    (m0, a0), (m1, a1), (m2, a2) = (block_flops(d_model, cfg.mlp_ratio, b, s) for b, s in shapes)
+    # seconds[i] = overhead + m_i / matrix_rate + a_i / attention_rate; m1 = 2 m0, a1 = 2 a0, m2 = m0
+    # Noise can make the differences small or negative: the fixed time is at most half of the short pass,
+    # and attention runs no faster per FLOP than the matrices.
+    per_short = min(max(seconds[1] - seconds[0], seconds[0] / 2), seconds[0])  # m0 / matrix_rate + a0 / attention_rate
+    overhead = seconds[0] - per_short
+    attention_s = max(seconds[2] - seconds[0], 0.0) / (a2 - a0)
+    matrix_s = max(per_short - a0 * attention_s, per_short / 2) / m0
+    attention_s = max(attention_s, matrix_s)
+    return 1 / matrix_s / 1e12, 1 / attention_s / 1e12, overhead
 
 
 def _matmul_tflops(dev: torch.device, quick: bool) -> float:

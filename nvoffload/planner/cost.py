@@ -307,8 +307,9 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     # -- engine times
     matrices, attention = m.flops(r.batch_size, r.seq_len)
     flops = g * (matrices + attention)
-    matrix_rate, attention_rate = profile.block_flops_per_s(m.d_model)
-    compute = g * (matrices / matrix_rate + attention / attention_rate) * (4 / 3 if kind == "recompute" else 1)
+    matrix_rate, attention_rate, overhead = profile.block_rates(m.d_model)
+    per_micro_batch = matrices / matrix_rate + attention / attention_rate + m.n_layer * overhead
+    compute = g * per_micro_batch * (4 / 3 if kind == "recompute" else 1)
     adam = m.params / profile.adam_params_per_s["float32" if r.dtype == "float32" else "bfloat16"]
     nvme_read_s, nvme_write_s = read / (drives.read_gbps * 1e9), written / (drives.write_gbps * 1e9)
     copies = h2d / (profile.h2d_gbps * 1e9) + d2h / (profile.d2h_gbps * 1e9)

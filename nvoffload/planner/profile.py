@@ -42,11 +42,11 @@ class MachineProfile:
             with the Adam kernel and the I/O threads).
         device_name: the GPU's name (or the CPU's).
         device_memory_bytes, host_memory_bytes: free memory of each tier.
-        block_tflops: ``((d_model, matrices TFLOP/s, attention TFLOP/s), ...)``: the throughput of one
-            transformer block's forward and backward at that width, split in two (from two sequence
-            lengths): its matrices (6 FLOPs per parameter per token, with the block's norms and activations
-            counted in their time) and its attention (12 * seq * d_model FLOPs per token); widths between
-            are interpolated, beyond are clamped.
+        block_tflops: ``((d_model, matrices TFLOP/s, attention TFLOP/s, overhead s), ...)``: one transformer
+            block's forward and backward at that width, split in three (from three shapes): its matrices
+            (6 FLOPs per parameter per token, with the block's norms and activations counted in their time),
+            its attention (12 * seq * d_model FLOPs per token) and a fixed time per pass (launching its
+            operations, whatever the batch); widths between are interpolated, beyond are clamped.
         matmul_tflops: a large matmul's throughput in the training dtype (the device's dense peak, as
             reached); for reference.
         h2d_gbps, d2h_gbps: copies between page-locked host memory and the device.
@@ -63,7 +63,7 @@ class MachineProfile:
     device_name: str
     device_memory_bytes: int
     host_memory_bytes: int
-    block_tflops: tuple[tuple[int, float, float], ...]
+    block_tflops: tuple[tuple[int, float, float, float], ...]
     matmul_tflops: float
     h2d_gbps: float
     d2h_gbps: float
@@ -84,9 +84,9 @@ class MachineProfile:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"MachineProfile.{name} must be positive, got {value!r}")
-        object.__setattr__(self, "block_tflops", tuple(sorted((int(w), float(m), float(a)) for w, m, a in self.block_tflops)))
-        if not self.block_tflops or any(min(m, a) <= 0 for _, m, a in self.block_tflops):
-            raise ValueError("MachineProfile.block_tflops needs at least one (d_model, matrices, attention TFLOP/s)")
+        object.__setattr__(self, "block_tflops", tuple(sorted((int(w), float(m), float(a), float(o)) for w, m, a, o in self.block_tflops)))
+        if not self.block_tflops or any(min(m, a) <= 0 or o < 0 for _, m, a, o in self.block_tflops):
+            raise ValueError("MachineProfile.block_tflops needs at least one (d_model, matrices, attention TFLOP/s, overhead s)")
         object.__setattr__(self, "drives", tuple(d if isinstance(d, Drive) else Drive(**d) for d in self.drives))
         if not self.drives:
             raise ValueError("MachineProfile.drives needs at least one drive")
@@ -95,19 +95,20 @@ class MachineProfile:
         if set(self.adam_params_per_s) != {"float32", "bfloat16"} or min(self.adam_params_per_s.values()) <= 0:
             raise ValueError(f"MachineProfile.adam_params_per_s needs positive float32 and bfloat16 rates, got {self.adam_params_per_s}")
 
-    def block_flops_per_s(self, d_model: int) -> tuple[float, float]:
-        """FLOP/s of a block's matrices and of its attention at width ``d_model`` (log-linear between the
-        measured widths, clamped beyond)."""
+    def block_rates(self, d_model: int) -> tuple[float, float, float]:
+        """A block's matrices FLOP/s, attention FLOP/s and fixed seconds per pass at width ``d_model``
+        (log-linear between the measured widths, clamped beyond)."""
         points = self.block_tflops
         if d_model <= points[0][0]:
-            return points[0][1] * 1e12, points[0][2] * 1e12
-        if d_model >= points[-1][0]:
-            return points[-1][1] * 1e12, points[-1][2] * 1e12
-        for (w0, m0, a0), (w1, m1, a1) in zip(points, points[1:]):
-            if w0 <= d_model <= w1:
-                f = math.log(d_model / w0) / math.log(w1 / w0)
-                return tuple(math.exp(math.log(x0) + f * (math.log(x1) - math.log(x0))) * 1e12 for x0, x1 in ((m0, m1), (a0, a1)))
-        raise AssertionError("unreachable")
+            w, m, a, o = points[0]
+        elif d_model >= points[-1][0]:
+            w, m, a, o = points[-1]
+        else:
+            (w0, *low), (w1, *high) = next((p, q) for p, q in zip(points, points[1:]) if p[0] <= d_model <= q[0])
+            f = math.log(d_model / w0) / math.log(w1 / w0)
+            m, a, o = (math.exp(math.log(max(x0, 1e-12)) + f * (math.log(max(x1, 1e-12)) - math.log(max(x0, 1e-12))))
+                       for x0, x1 in zip(low, high))  # fmt: skip
+        return m * 1e12, a * 1e12, o
 
     def nvme(self, directories: int) -> Drive:
         """The bandwidth of the first ``directories`` swap directories at once."""
@@ -157,7 +158,8 @@ def load_profile(name_or_path: str) -> MachineProfile:
 #   "Peak FP16/BF16 Tensor TFLOPS with FP32 Accumulate").
 # Achieved on a transformer block's forward and backward: 55% of that on its matrices (MFU of large-model
 #   training as Megatron-LM reports it on H100/A100, ~50-60%), 45% at width 1024, where kernels are smaller;
-#   40% (30%) on attention (FlashAttention-2's forward+backward reaches 35-50% of the H100's peak).
+#   40% (30%) on attention (FlashAttention-2's forward+backward reaches 35-50% of the H100's peak); 0.2 ms a
+#   block pass for launching its ~40 kernels forward and backward (~5 us each).
 # Host<->device: PCIe Gen5 x16 ~55 GB/s and Gen4 x16 ~25 GB/s measured with page-locked memory (64 and
 #   32 GB/s nominal; NVIDIA's bandwidthTest typically reaches 85%).
 # NVMe: a PCIe Gen4 x4 drive 7.0 GB/s read, 6.5 GB/s write sequential (Samsung 990 PRO datasheet: 7.45 /
@@ -187,7 +189,8 @@ def builtin_profile(gpu: str, host_memory_gb: int, drives: int, drive: str = "ge
     return MachineProfile(
         name=f"1x {gpu} + {host_memory_gb} GB RAM + {drives}x {drive} NVMe",
         device="cuda", device_name=gpu, device_memory_bytes=memory, host_memory_bytes=host_memory_gb * 10**9,
-        block_tflops=((1024, 0.45 * tflops, 0.3 * tflops), (8192, 0.55 * tflops, 0.4 * tflops)), matmul_tflops=0.8 * tflops,
+        block_tflops=((1024, 0.45 * tflops, 0.3 * tflops, 2e-4), (8192, 0.55 * tflops, 0.4 * tflops, 2e-4)),
+        matmul_tflops=0.8 * tflops,
         h2d_gbps=pcie, d2h_gbps=pcie, drives=tuple([one] * drives),
         drives_together=Drive(one.read_gbps * drives, one.write_gbps * drives),
         adam_params_per_s={"float32": adam, "bfloat16": adam}, cpu_cores=16 if desktop else 64,
