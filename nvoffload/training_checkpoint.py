@@ -194,8 +194,17 @@ def save_training_checkpoint(
     if keep_last is not None:
         for _, old in _complete(root)[:-keep_last]:
             if old != target:
-                shutil.rmtree(old, ignore_errors=True)
+                _remove(old)
     return TrainingCheckpoint(target, step, extra if extra is not None else {})
+
+
+def _remove(checkpoint: str) -> None:
+    """Remove a checkpoint as a whole: renamed to a hidden name first (atomic), then deleted, so that a crash
+    while deleting leaves a hidden directory the next save removes, never a half-deleted checkpoint."""
+    hidden = new_sibling(checkpoint, "old")
+    os.rename(checkpoint, hidden)  # onto the empty directory just made
+    fsync_path(os.path.dirname(checkpoint))
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def load_training_checkpoint(
@@ -455,7 +464,8 @@ def _complete(root: str) -> list[tuple[int, str]]:
 
 
 def _remove_partial(root: str) -> None:
-    """Remove what saves killed before their end left: hidden ``.checkpoint-<step>.<what>-<random>`` directories."""
+    """Remove what saves killed before their end left: hidden ``.checkpoint-<step>.<what>-<random>`` directories
+    (a checkpoint being written, or an old one being deleted)."""
     for entry in os.listdir(root):
         if entry.startswith(".checkpoint-") and os.path.isdir(os.path.join(root, entry)):
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)

@@ -140,10 +140,11 @@ def test_keeps_the_last_complete_checkpoints_and_removes_partial_ones(tmp_path):
     root = tmp_path / "ckpt"
     (root / ".checkpoint-9.tmp-dead").mkdir(parents=True)  # a save killed before its end
     (root / ".checkpoint-9.tmp-dead" / "optimizer.safetensors").write_bytes(b"partial")
+    (root / ".checkpoint-1.old-dead").mkdir()  # one killed while it was being deleted
     for _ in range(4):
         run.train(1)
         run.save(root, keep_last=2)
-    assert sorted(os.listdir(root)) == ["checkpoint-3", "checkpoint-4"]
+    assert sorted(os.listdir(root)) == ["checkpoint-3", "checkpoint-4"]  # nothing hidden left either
     assert nvoffload.latest_training_checkpoint(root).step == 4
     os.remove(root / "checkpoint-4" / MANIFEST)  # as if the manifest had never been written
     assert nvoffload.latest_training_checkpoint(root).step == 3
