@@ -233,11 +233,7 @@ def load_training_checkpoint(
             another checkpoint (the one before) into them.
     """
     _check_between_steps(optimizer, "load")
-    ckpt_dir = _resolve(os.fspath(path))
-    manifest = _read_manifest(ckpt_dir)
-    state_path = os.path.join(ckpt_dir, STATE_FILE)
-    if _file_crc32c(state_path) != manifest["trainer_state_crc32c"]:
-        raise CheckpointError(state_path, "checksum mismatch: the file changed after it was written")
+    ckpt_dir, manifest, state_path = _open(path)
     state = torch.load(state_path, weights_only=True)
     checks = _Checks(ckpt_dir, manifest["tensors"])
     _load_model(model, optimizer, os.path.join(ckpt_dir, "model"), checks)
@@ -262,11 +258,7 @@ def verify_training_checkpoint(path: str | os.PathLike) -> TrainingCheckpoint:
         FileNotFoundError: no complete checkpoint at ``path``.
         CheckpointError: what is missing, truncated or corrupt.
     """
-    ckpt_dir = _resolve(os.fspath(path))
-    manifest = _read_manifest(ckpt_dir)
-    state_path = os.path.join(ckpt_dir, STATE_FILE)
-    if _file_crc32c(state_path) != manifest["trainer_state_crc32c"]:
-        raise CheckpointError(state_path, "checksum mismatch: the file changed after it was written")
+    ckpt_dir, manifest, state_path = _open(path)
     checks = _Checks(ckpt_dir, manifest["tensors"])
     for rel, crcs in manifest["tensors"].items():
         with CheckpointReader([os.path.join(ckpt_dir, rel)]) as reader:
@@ -469,6 +461,16 @@ def _remove_partial(root: str) -> None:
     for entry in os.listdir(root):
         if entry.startswith(".checkpoint-") and os.path.isdir(os.path.join(root, entry)):
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+
+
+def _open(path: str | os.PathLike) -> tuple[str, dict, str]:
+    """The checkpoint at ``path`` (or the latest in it), its checked manifest and its verified state file."""
+    ckpt_dir = _resolve(os.fspath(path))
+    manifest = _read_manifest(ckpt_dir)
+    state_path = os.path.join(ckpt_dir, STATE_FILE)
+    if _file_crc32c(state_path) != manifest["trainer_state_crc32c"]:
+        raise CheckpointError(state_path, "checksum mismatch: the file changed after it was written")
+    return ckpt_dir, manifest, state_path
 
 
 def _resolve(path: str) -> str:
