@@ -27,6 +27,7 @@ from torch import nn
 from nvoffload import trace
 from nvoffload.activations import offload_activations as _offload_activations
 from nvoffload.device import compute_device
+from nvoffload.distributed import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, check_not_ddp
 from nvoffload.io import TensorStore, swap_directories
 from nvoffload.memory import MemoryBudgetError, MemoryManager, TierStats, release_freed_host_memory
 from nvoffload.optim import LossScaling, OffloadOptimizer, OffloadOptimizerConfig
@@ -94,6 +95,8 @@ class OffloadConfig:
             :func:`initialize` calls :func:`nvoffload.memory.release_freed_host_memory`
             instead (process-wide), so freed activations and gradients go back
             to the operating system at once (``bench/results/bench_memory.md``).
+        bucket_bytes, collective_timeout_s: over several ranks, the gradients' and weights' bucket size
+            and the longest wait for one collective (see :class:`~nvoffload.optim.OffloadOptimizerConfig`).
     """
 
     swap_dirs: Sequence[str | os.PathLike] = field(default_factory=list)
@@ -110,6 +113,8 @@ class OffloadConfig:
     gradient_accumulation_steps: int = 1
     loss_scaling: LossScaling | None = None
     retain_host_memory: bool = False
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    collective_timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self):
         object.__setattr__(self, "swap_dirs", tuple(swap_directories(self.swap_dirs)))
@@ -133,6 +138,7 @@ class OffloadConfig:
             cpu_memory_bytes=cpu_memory_bytes, release_grads=True, checksum=self.checksum,
             retain_host_memory=self.retain_host_memory, max_grad_norm=self.max_grad_norm,
             gradient_accumulation_steps=self.gradient_accumulation_steps, loss_scaling=self.loss_scaling,
+            bucket_bytes=self.bucket_bytes, collective_timeout_s=self.collective_timeout_s,
         )  # fmt: skip
 
     @property
@@ -278,6 +284,7 @@ def initialize(
     blocks: Sequence[nn.Module] | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     checkpoint=None,
+    process_group=None,
 ) -> tuple[nn.Module, OffloadOptimizer]:
     """Stream ``model``'s parameters and ``optimizer``'s state through the three tiers.
 
@@ -291,6 +298,10 @@ def initialize(
         config: the budgets; see :class:`OffloadConfig`.
         blocks: the modules to stream (default: the model's largest ``ModuleList``).
         param_init_fn, checkpoint: see :class:`~nvoffload.streaming.ParameterStreamer`.
+        process_group: the ranks to train with (default: ``torch.distributed``'s default group when it is
+            initialized with more than one rank): each rank streams the model from its own ``swap_dirs``
+            and keeps its share of the optimizer state (see :mod:`nvoffload.distributed`). The model must
+            not be wrapped in ``DistributedDataParallel``.
 
     Returns:
         ``(model, optimizer)``: the same model with hooks installed, and an
@@ -317,6 +328,7 @@ def initialize(
         raise TypeError(f"config must be an nvoffload.OffloadConfig, got {type(config).__name__}")
     if optimizer.state:
         raise ValueError("initialize() needs an optimizer without state; load its state afterwards")
+    check_not_ddp(model)
     previous = getattr(model, _SESSION_ATTR, lambda: None)()
     if previous is not None and not previous.closed:
         raise ValueError(
@@ -350,7 +362,7 @@ def initialize(
             group["params"] = [streamer.replaced.get(p, p) for p in group["params"]]
         offloaded = OffloadOptimizer(
             optimizer, swap_dir=store, transfer=optimizer_transfer,
-            config=config.optimizer_config(optimizer_bytes),
+            config=config.optimizer_config(optimizer_bytes), process_group=process_group,
         )  # fmt: skip
     except BaseException:
         if streamer is not None:

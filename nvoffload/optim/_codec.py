@@ -39,11 +39,13 @@ class StateCodec:
 
     def state_dict(self, param_groups: list[dict]) -> dict:
         layout = self.layout(param_groups)
-        full: dict[int, torch.Tensor] = {}  # id(placeholder) -> the tensor gathered
+        full: dict[int, torch.Tensor] = {}  # id(placeholder) -> the tensor gathered (zeros where another rank owns)
+        for st in layout["state"].values():
+            for value in st.values():
+                if isinstance(value, torch.Tensor) and value.is_meta:
+                    full[id(value)] = torch.zeros(value.shape, dtype=torch.float32)
 
         def gather(placeholder: torch.Tensor, elements: slice, values: torch.Tensor) -> None:
-            if id(placeholder) not in full:
-                full[id(placeholder)] = torch.empty(placeholder.shape, dtype=torch.float32)
             full[id(placeholder)].view(-1)[elements] = values
 
         self.stream(layout, gather)

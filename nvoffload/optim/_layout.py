@@ -14,6 +14,8 @@ step's micro-batches is kept as ``opt<N>.p<param>.c<chunk>.grad`` (see
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 _MIB = 1 << 20
@@ -114,6 +116,10 @@ class Slot:
         return self._out.view(dtype)[:numel]
 
 
+def _all_elements(index: int, numel: int) -> tuple[int, int]:
+    return 0, numel
+
+
 def _aligned(numel: int) -> int:
     return -(-numel // ALIGN_NUMEL) * ALIGN_NUMEL
 
@@ -131,10 +137,14 @@ class Layout:
         prefix: the store entry names' prefix, unique per optimizer.
         kept_grads: gradients are kept in the store between micro-batches and for a
             redone update (one more fp32 row per slot, and per element in the store).
+        owned: ``owned(index, numel)`` gives the elements ``(lo, hi)`` of parameter ``index`` whose state this
+            optimizer keeps (its rank's share, see :mod:`nvoffload.distributed`); default: all.
     """
 
-    def __init__(self, *, adam: bool, elementwise: bool, param_groups: list[dict], prefix: str, kept_grads: bool):
+    def __init__(self, *, adam: bool, elementwise: bool, param_groups: list[dict], prefix: str, kept_grads: bool,
+                 owned: Callable[[int, int], tuple[int, int]] | None = None):  # fmt: skip
         self.adam = adam
+        self.owned = owned if owned is not None else _all_elements
         self.kept_grads = kept_grads
         self.elementwise = elementwise
         self._groups = param_groups
@@ -187,14 +197,18 @@ class Layout:
         self.chunk_numel = numel
         return numel
 
+    def _owned_numels(self) -> list[int]:
+        params = [p for g in self._groups for p in g["params"]]
+        return [hi - lo for lo, hi in (self.owned(i, p.numel()) for i, p in enumerate(params))]
+
     def state_bytes(self) -> int:
-        """Store bytes of one generation of every parameter's state."""
+        """Store bytes of one generation of the state of every parameter's owned elements."""
         per_elem = self.rows() * 4
-        return sum(_aligned(p.numel()) * per_elem for g in self._groups for p in g["params"])
+        return sum(_aligned(n) * per_elem for n in self._owned_numels())
 
     def kept_grad_bytes(self) -> int:
         """Store bytes of the kept gradients (0 without ``kept_grads``)."""
-        return sum(_aligned(p.numel()) * 4 for g in self._groups for p in g["params"]) if self.kept_grads else 0
+        return sum(_aligned(n) * 4 for n in self._owned_numels()) if self.kept_grads else 0
 
     def new_slot(self, slab) -> Slot:
         """A slot allocated from ``slab`` (a :class:`~nvoffload.transfer.HostSlab`)."""
@@ -203,8 +217,9 @@ class Layout:
 
     def new_record(self, index: int, param: torch.Tensor, group: dict) -> Record:
         rec = Record(self.prefix, index, param, group)
-        n, step = param.numel(), self.chunk_numel
-        rec.chunks = [Chunk(rec, i, s, min(step, n - s)) for i, s in enumerate(range(0, n, step))]
+        lo, hi = self.owned(index, param.numel())
+        step = self.chunk_numel
+        rec.chunks = [Chunk(rec, i, s, min(step, hi - s)) for i, s in enumerate(range(lo, hi, step))]
         return rec
 
     def chunk_rows(self, chunk: Chunk, slot: Slot) -> torch.Tensor:

@@ -348,6 +348,8 @@ class Pipeline:
             kept = slot.kept_grad(chunk.numel)
             io.read_kept(chunk, kept).result()
             return kept, None
+        if req.comm is not None:
+            req.comm.wait()
         grad = io.grad_to_host(req.grad, slot, req.ready)
         if req.add_kept or req.keep:
             kept = slot.kept_grad(chunk.numel)

@@ -30,14 +30,24 @@ every last micro-batch keeps its gradient too), or, on an fp16 overflow,
 undoes them and skips the step. A parameter whose gradient came in fewer
 micro-batches (unused in the last one, or ``step()`` called early) is updated
 in ``step()`` from its kept gradient.
+
+Over several ranks (a :class:`~nvoffload.distributed.Sharding`), each rank's
+records hold the chunks of its share of the elements only. Held gradients are
+averaged over the ranks at the start of ``step()`` (so clipping and a
+``GradScaler`` see the global batch's; the updates then run in ``step()``);
+released gradients are reduced to their owners in buckets during backward,
+and the norm for clipping is summed over the ranks. The ranks agree on every
+error before committing, and after the commit every rank receives the owners'
+new weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -46,6 +56,9 @@ from nvoffload.optim._layout import Chunk, Record
 from nvoffload.optim._pipeline import Pipeline
 from nvoffload.optim._updates import Request
 from nvoffload.optim.loss_scale import DynamicLossScale
+
+if TYPE_CHECKING:
+    from nvoffload.distributed import Sharding
 
 
 class OffloadIOError(RuntimeError):
@@ -90,11 +103,12 @@ class StepProtocol:
         overlap, max_grad_norm, release_grads: as in :class:`OffloadOptimizerConfig`.
         accumulation_steps: with ``release_grads``, backward passes per ``step()``.
         loss_scale: with ``release_grads``, the dynamic fp16 loss scale (None: no scaling).
+        sharding: this rank's share and the collectives, over several ranks (None: one process).
     """
 
     def __init__(self, records: list[Record], io: ChunkIO, pipeline: Pipeline, *, overlap: bool,
                  max_grad_norm: float | None, release_grads: bool, accumulation_steps: int = 1,
-                 loss_scale: DynamicLossScale | None = None):  # fmt: skip
+                 loss_scale: DynamicLossScale | None = None, sharding: Sharding | None = None):  # fmt: skip
         self._records = records
         self._io = io
         self._pipeline = pipeline
@@ -102,10 +116,14 @@ class StepProtocol:
         self._release_grads = release_grads
         self._accumulation_steps = accumulation_steps
         self.loss_scale = loss_scale
+        self.sharding = sharding
+        self._averaged = False  # held gradients over several ranks: averaged since the last step()
+        self._stepped: set[Record] = set()  # records updated this step (those without chunks of this rank too)
         self.last_grad_norm: float | None = None  # released gradients: the global norm the last step() used
         self._order: list[Record] = []  # first iteration's gradient order
         self._order_learned = False
-        self._can_speculate = overlap and (max_grad_norm is None or release_grads)
+        # Held gradients over several ranks are final only once step() averaged them.
+        self._can_speculate = overlap and (max_grad_norm is None or release_grads) and (sharding is None or release_grads)
         self.speculate = self._can_speculate  # the hooks queue updates (else they only observe)
 
     # ------------------------------------------------------------------ the hook
@@ -147,8 +165,16 @@ class StepProtocol:
         if last:
             rec.spec = Spec(_RELEASED, None, hp, True)
         keep = not last or self._max_grad_norm is not None
-        self._submit(rec, grad, hp, self._unscale, add_kept=rec.fires > 1, keep=keep, update=last)
-        rec.param.grad = None  # the queued request holds it until the worker is done
+        kinds = {"add_kept": rec.fires > 1, "keep": keep, "update": last}
+        if self.sharding is None:
+            self._submit(rec, grad, hp, self._unscale, **kinds)
+        else:  # the worker reads the sum over the ranks once the bucket's reduction is done
+
+            def deliver(reduced: torch.Tensor, pending) -> None:
+                self._submit(rec, reduced, hp, self._unscale, comm=pending, **kinds)
+
+            self.sharding.gradients.add(rec.index, grad, deliver)
+        rec.param.grad = None  # the queued request (or the bucket) holds it until the worker is done
 
     @property
     def updates_queued(self) -> bool:
@@ -162,9 +188,16 @@ class StepProtocol:
 
     @property
     def _unscale(self) -> float:
-        return 1.0 if self.loss_scale is None else 1.0 / self.loss_scale.scale
+        """What the gradients measured and used are multiplied by: the loss scale undone, and with released
+        gradients over several ranks, their sum turned into the mean."""
+        unscale = 1.0 if self.loss_scale is None else 1.0 / self.loss_scale.scale
+        if self.sharding is not None and self._release_grads:
+            unscale *= self.sharding.mean
+        return unscale
 
     def _submit(self, rec: Record, grad: torch.Tensor, hp: dict, grad_scale: float, **kinds) -> None:
+        if kinds.get("update", True):
+            self._stepped.add(rec)
         flat = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
         ready = self._io.transfer.record()  # the gradient is final here, and backward no longer reads the weights
         for chunk in rec.chunks:
@@ -173,6 +206,7 @@ class StepProtocol:
     def _submit_kept(self, rec: Record, grad_scale: float) -> None:
         """Queue ``rec``'s update from its kept gradient, from the committed generation."""
         hp = _hparams(rec.group)
+        self._stepped.add(rec)
         for chunk in rec.chunks:
             if chunk.pending_gen is not None and chunk.pending_gen != chunk.gen:
                 self._io.delete(chunk, chunk.pending_gen)
@@ -184,6 +218,8 @@ class StepProtocol:
         """Wait for the updates queued during backward, redo those whose gradient or hyperparameters
         changed, run the rest, and commit; undo everything and raise on an error."""
         pipe = self._pipeline
+        if self.sharding is not None:
+            self.sharding.gradients.flush()  # normally the end of backward did
         pipe.wait_idle()
         records = self._step_order()
         try:
@@ -198,12 +234,18 @@ class StepProtocol:
                 rec.learned_fires = 1 if self._release_grads else rec.fires
                 rec.fires = 0
             pipe.take_error()
+            self._stepped.clear()
+            self._averaged = False
         self._order_learned = True
         pipe.set_plan(self.plan())
 
     def _finish_held(self, records: list[Record], found_inf, grad_scale) -> None:
         """``finish`` with the gradients in ``.grad``: skip on an overflow, else clip, redo what changed, commit."""
-        if found_inf is not None and float(found_inf) > 0:
+        overflow = found_inf is not None and float(found_inf) > 0
+        if self.sharding is not None:
+            self.average_grads()
+            overflow = self.sharding.ranks.any(overflow, "the overflow check") if found_inf is not None else False
+        if overflow:
             self._restore_all(records)  # an overflow skips the step
             return
         unscale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
@@ -222,12 +264,37 @@ class StepProtocol:
         # shows that they no longer are (the hooks still observe them).
         self.speculate = self._can_speculate and clean
         self._commit(records)
+        self._gather_weights()
+
+    def average_grads(self) -> None:
+        """Over several ranks, held gradients: make every ``.grad`` the mean over the ranks (once per step)."""
+        if self._averaged:
+            return
+        self._pipeline.wait_idle()
+        self.sharding.gradients.average([r.param for r in self._records])
+        self._averaged = True
+
+    def _gather_weights(self) -> None:
+        """Over several ranks: every rank receives the new weights of the elements the others own."""
+        if self.sharding is None:
+            return
+        trained = [r for r in self._records if r.param.requires_grad]
+        record_of = {id(r.param): r for r in trained}
+
+        @contextlib.contextmanager
+        def weights(param: torch.Tensor, modify: bool):
+            with self._io.model_weights(record_of[id(param)], modify=modify) as w:
+                yield w.flat
+
+        self.sharding.gather_weights([(r.index, r.param) for r in trained], weights)
 
     def abandon(self) -> None:
         """Undo the updates queued since the last ``step()`` and forget their gradients (a refused step)."""
         self._pipeline.wait_idle()
         self._restore_all(self._step_order())
         self._pipeline.take_error()
+        self._stepped.clear()
+        self._averaged = False
         for rec in self._records:
             rec.spec, rec.fires = None, 0
 
@@ -264,10 +331,18 @@ class StepProtocol:
         if self.loss_scale is not None:
             self.loss_scale.update(found_inf=False)
         self._commit(records)
+        self._gather_weights()
 
     def _raise_error(self, records: list[Record]) -> None:
-        """After an update failed: restore every parameter and raise its error."""
+        """After an update failed (over several ranks: on any rank): restore every parameter and raise its error."""
         error = self._pipeline.take_error()
+        if self.sharding is not None and self.sharding.ranks.any(error is not None, "the ranks' update results"):
+            if error is None:
+                self._restore_all(records)
+                raise RuntimeError(
+                    "nvoffload: the optimizer step failed on another rank; the parameters were restored to"
+                    " their values before this step() on every rank (that rank raised the error)"
+                )
         if error is None:
             return
         self._restore_all(records)
@@ -335,7 +410,7 @@ class StepProtocol:
                     self._io.delete(c, c.gen)
                 c.gen, c.pending_gen, c.applied = c.pending_gen, None, False
                 c.scalars, c.pending_scalars = c.pending_scalars, {}  # a generic optimizer's (Adam has none)
-            if updated:
+            if updated or (not rec.chunks and rec in self._stepped):  # not rec.chunks: other ranks own it
                 rec.step += 1
 
     def _step_order(self) -> list[Record]:
@@ -390,7 +465,10 @@ class StepProtocol:
         parameters' norms, in group order), unscaled."""
         norms = []
         for rec in self._records:
-            if rec.fires:
+            if rec.fires and rec.chunks:
                 chunks = [c.grad_norm for c in rec.chunks]
                 norms.append(chunks[0] if len(chunks) == 1 else math.sqrt(math.fsum(n * n for n in chunks)))
+        if self.sharding is not None:  # each rank measured its own elements
+            squares = self.sharding.ranks.sum(math.fsum(n * n for n in norms), "the gradients' norm")
+            return torch.tensor(math.sqrt(squares), dtype=torch.float32) * self._unscale
         return torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float32)) * self._unscale

@@ -90,12 +90,14 @@ import atexit
 import functools
 import itertools
 import math
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from nvoffload.distributed import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, Ranks, Sharding
 from nvoffload.memory import retain_freed_host_memory
 from nvoffload.optim._chunk_io import ChunkIO, WeightHome
 from nvoffload.optim._codec import StateCodec
@@ -155,6 +157,10 @@ class OffloadOptimizerConfig:
         loss_scaling: with ``release_grads``, fp16 dynamic loss scaling on
             ``GradScaler``'s schedule (scale the loss with
             :meth:`OffloadOptimizer.scale_loss`); without it, use ``torch.amp.GradScaler``.
+        bucket_bytes: over several ranks, the largest bucket gradients and weights travel in (bytes; two
+            buckets of held gradients are in flight at once, on the communication device).
+        collective_timeout_s: over several ranks, the longest wait for one collective before it raises
+            (another rank died or hangs), seconds.
     """
 
     cpu_memory_bytes: int = 256 << 20
@@ -167,6 +173,8 @@ class OffloadOptimizerConfig:
     release_grads: bool = False
     gradient_accumulation_steps: int = 1
     loss_scaling: LossScaling | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    collective_timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self):
         if not _is_int(self.cpu_memory_bytes) or self.cpu_memory_bytes <= 0:
@@ -192,6 +200,11 @@ class OffloadOptimizerConfig:
                 "gradient_accumulation_steps and loss_scaling are for release_grads; otherwise the optimizer"
                 " learns the micro-batches per step and takes torch.amp.GradScaler"
             )
+        if not _is_int(self.bucket_bytes) or self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be a positive int, got {self.bucket_bytes!r}")
+        timeout = self.collective_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or not math.isfinite(timeout):
+            raise ValueError(f"collective_timeout_s must be a positive finite number, got {timeout!r}")
         if self.loss_scaling is not None and not isinstance(self.loss_scaling, LossScaling):
             raise TypeError(f"loss_scaling must be an nvoffload.optim.LossScaling, got {type(self.loss_scaling).__name__}")
 
@@ -232,6 +245,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             gradients and weights with, whose slab the slots are carved from
             (:func:`nvoffload.initialize` shares one between its engines); by
             default the optimizer makes its own for the parameters' device.
+        process_group: the ranks to train with (default: ``torch.distributed``'s default group when it is
+            initialized with more than one rank). Each rank then keeps and updates its share of the state
+            (see :mod:`nvoffload.distributed`); give each rank its own ``swap_dir``. The model must not be
+            wrapped in ``DistributedDataParallel``: this optimizer averages the gradients itself.
         **config: fields of :class:`OffloadOptimizerConfig` (``cpu_memory_bytes``,
             ``chunk_bytes``, ``prefetch_chunks``, ``max_grad_norm``, ``overlap``,
             ``checksum``), or ``config=OffloadOptimizerConfig(...)``.
@@ -240,6 +257,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         FileNotFoundError / PermissionError: the swap directory is missing or unwritable.
         ValueError: the swap directory is too small (the bytes needed are named),
             parameters on several devices, an unsupported optimizer or option,
+            parameters that differ between the ranks,
             an optimizer whose state is not shaped like its parameters (found by a
             trial step on a small stand-in; the state is named), or
             ``cpu_memory_bytes`` too small for one chunk.
@@ -255,6 +273,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         swap_dir,
         config: OffloadOptimizerConfig | None = None,
         transfer: TransferEngine | None = None,
+        process_group=None,
         **kwargs,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -278,9 +297,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups  # one list: schedulers see the same groups
         device = self._check_groups(self.param_groups)
+        self._sharding = self._shard(process_group, device)
         self._layout = Layout(
             adam=self._update.adam, elementwise=self._update.elementwise, param_groups=self.param_groups,
             prefix=f"opt{next(_INSTANCES)}.", kept_grads=config.keeps_grads,
+            owned=self._sharding.owned if self._sharding is not None else None,
         )  # fmt: skip
         self._layout.plan(chunk_bytes=config.chunk_bytes, cpu_memory_bytes=config.cpu_memory_bytes, num_slots=config.num_slots)
         self._host_bytes = config.num_slots * self._layout.slot_bytes  # allocated once, freed when closed or collected
@@ -291,10 +312,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
             slab = transfer.slab.carve(self._host_bytes, "the optimizer's slots")
             close_transfer = slab.close
         try:
-            self._store, self._owns_store = self._open_store(swap_dir)
+            opened = None
+            try:
+                opened = self._open_store(swap_dir)
+            finally:  # every rank raises when one could not open its swap directories
+                if self._sharding is not None:
+                    self._sharding.ranks.agree(sys.exc_info()[1], "opening the swap directories")
         except BaseException:
+            if opened is not None and opened[1]:
+                opened[0].close()
             close_transfer()
             raise
+        self._store, self._owns_store = opened
         self._io = ChunkIO(self._store, self._layout, transfer)
         slots = [self._layout.new_slot(slab) for _ in range(config.num_slots)]
         self._pipeline = Pipeline(self._io, self._update, slots, config.prefetch_chunks)
@@ -303,6 +332,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             overlap=config.overlap, max_grad_norm=config.max_grad_norm, release_grads=config.release_grads,
             accumulation_steps=config.gradient_accumulation_steps,
             loss_scale=DynamicLossScale(config.loss_scaling) if config.loss_scaling is not None else None,
+            sharding=self._sharding,
         )  # fmt: skip
         self._codec = StateCodec(self._records, self._io, self._update, self._pipeline)
         # Closing, collection and interpreter exit all stop the worker and release the state; neither the
@@ -326,6 +356,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         self._check_open()
+        if self._sharding is not None:
+            raise RuntimeError("add_param_group is not supported over several ranks: give every group at construction")
         self.inner.add_param_group(param_group)
         self.param_groups = self.inner.param_groups
         group = self.param_groups[-1]
@@ -349,6 +381,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     )
             self._update.check_group(g)
         return next(iter(devices)) if devices else torch.device("cpu")
+
+    def _shard(self, process_group, device: torch.device) -> Sharding | None:
+        """This rank's share of the state over ``process_group``'s ranks (None: one process)."""
+        ranks = Ranks.resolve(process_group, timeout_s=self.config.collective_timeout_s)
+        if ranks is None:
+            return None
+        if not self._update.adam:
+            raise ValueError(
+                f"{type(self.inner).__name__} cannot be sharded over ranks: only Adam and AdamW (and nvoffload's"
+                " CPUAdam/CPUAdamW) split their state between ranks"
+            )
+        if device.type != ranks.device.type:
+            raise ValueError(
+                f"the parameters are on {device} but the process group communicates on {ranks.device.type}:"
+                " use the nccl backend for CUDA parameters, gloo for CPU ones"
+            )
+        params = [p for g in self.param_groups for p in g["params"]]
+        summary = [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in params]
+        ranks.same(summary, "the optimizer's parameters (shapes, dtypes, requires_grad, in group order)")
+        return Sharding(ranks, params, self.config.bucket_bytes)
 
     def _open_store(self, swap_dir):
         """The store to use, and whether this optimizer opened it (and closes it)."""
@@ -430,9 +482,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         the norm measured as they were consumed: of the micro-batches since the
         last ``step()`` summed, unscaled by the loss scale; after ``step()``,
         the norm that step clipped against (inf or NaN: the step was skipped).
-        Otherwise the norm of the ``.grad`` tensors now. None before any gradient.
+        Otherwise the norm of the ``.grad`` tensors now (over several ranks, once they are averaged: call
+        it on every rank). None before any gradient.
         """
         self._check_open()
+        if self._sharding is not None and not self.config.release_grads:
+            self._protocol.average_grads()
         if self.config.release_grads:
             self._pipeline.wait_idle()
             return self._protocol.grad_norm()
@@ -488,6 +543,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         self._check_open()
         state = self._codec.state_dict(self.param_groups)
+        if self._sharding is not None:  # each rank filled its own elements (zeros elsewhere): sum them
+            for idx in sorted(state["state"]):
+                for key in sorted(state["state"][idx]):
+                    value = state["state"][idx][key]
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        self._sharding.ranks.all_reduce(value, "gathering the state dict")
         if self._protocol.loss_scale is not None:
             state["loss_scale"] = self._protocol.loss_scale.state_dict()
         return state

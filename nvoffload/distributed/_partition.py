@@ -1,0 +1,49 @@
+"""Which rank owns which elements of the optimizer state: equal shares of the parameters laid end to end.
+
+The parameters, in the optimizer's group order, form one flat range of
+elements; rank ``r`` owns the ``r``-th of ``world_size`` equal shares of it
+(share boundaries on :data:`~nvoffload.optim._layout.ALIGN_NUMEL` elements).
+A parameter may so be split between ranks; each rank keeps the fp32 master
+weights and moments of its elements only, and updates only them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from nvoffload.optim._layout import ALIGN_NUMEL
+
+
+class Partition:
+    """The shares of ``numels`` (the parameters' element counts, in order) among ``world_size`` ranks."""
+
+    def __init__(self, numels: Sequence[int], world_size: int):
+        self.world_size = world_size
+        self.offsets = [0]
+        for n in numels:
+            self.offsets.append(self.offsets[-1] + n)
+        total = self.offsets[-1]
+        bounds = [min(total, -(-total * r // world_size // ALIGN_NUMEL) * ALIGN_NUMEL) for r in range(world_size)]
+        self.bounds = [*bounds, total]  # rank r owns flat elements [bounds[r], bounds[r + 1])
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def owned(self, index: int, rank: int) -> tuple[int, int]:
+        """The elements ``[lo, hi)`` of parameter ``index`` that ``rank`` owns (``lo == hi``: none)."""
+        start, end = self.offsets[index], self.offsets[index + 1]
+        lo = min(max(self.bounds[rank], start), end)
+        hi = max(min(self.bounds[rank + 1], end), lo)
+        return lo - start, hi - start
+
+    def owners(self, index: int) -> list[tuple[int, int, int]]:
+        """``(rank, lo, hi)`` for every rank owning some elements of parameter ``index``, in element order."""
+        return [(r, *self.owned(index, r)) for r in range(self.world_size) if self._owns_any(index, r)]
+
+    def _owns_any(self, index: int, rank: int) -> bool:
+        lo, hi = self.owned(index, rank)
+        return hi > lo
+
+    def share(self, rank: int) -> int:
+        """Elements owned by ``rank``."""
+        return self.bounds[rank + 1] - self.bounds[rank]

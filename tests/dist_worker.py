@@ -1,0 +1,98 @@
+"""One training run for tests/test_distributed.py: under ``torchrun`` each rank on its part of every batch, alone
+the one-process reference on the whole batches. Writes ``<out>/rank<r>.pt``: the final weights, the losses and
+the optimizer's NVMe byte counters.
+
+    python tests/dist_worker.py MODE OUT SWAP_ROOT [--steps N] [--accum K] [--save-at S] [--resume]
+
+MODE is ``optimizer`` (NVMeAdamW over the model, gradients in ``.grad``) or ``streaming``
+(``nvoffload.initialize``: parameters streamed, gradients released during backward). With ``--save-at S`` a
+training checkpoint is saved in ``<OUT>/ckpt`` after step S; ``--resume`` starts from the latest one there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+import nvoffload
+from nvoffload.models import GPT, GPTConfig
+from nvoffload.optim import NVMeAdamW
+
+MiB = 1 << 20
+BATCH = 12  # rows per micro-batch, split between the ranks
+MAX_GRAD_NORM = 0.05  # small enough that every step clips
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["optimizer", "streaming"])
+    parser.add_argument("out")
+    parser.add_argument("swap_root")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--accum", type=int, default=2)
+    parser.add_argument("--save-at", type=int)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    os.makedirs(args.out, exist_ok=True)
+    swap = os.path.join(args.swap_root, f"rank{rank}")
+    os.makedirs(swap, exist_ok=True)
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset("tiny")
+    model = GPT(cfg)
+    if args.mode == "optimizer":
+        opt = NVMeAdamW(
+            model.parameters(), lr=3e-3, weight_decay=0.1, swap_dir=swap, max_grad_norm=MAX_GRAD_NORM,
+            cpu_memory_bytes=4 * MiB, chunk_bytes=16 << 10,
+        )  # fmt: skip
+    else:
+        config = nvoffload.OffloadConfig(
+            swap_dirs=[swap], cpu_memory_bytes=8 * MiB, device_memory_bytes=16 * MiB,
+            max_grad_norm=MAX_GRAD_NORM, gradient_accumulation_steps=args.accum,
+        )  # fmt: skip
+        model, opt = nvoffload.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), config)
+    ckpt_dir = os.path.join(args.out, "ckpt")
+    start = 0
+    if args.resume:
+        start = nvoffload.load_training_checkpoint(ckpt_dir, model=model, optimizer=opt).step
+    data = torch.Generator().manual_seed(1)
+    for _ in range(start * args.accum):  # the batches before the checkpoint
+        torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=data)
+    lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
+    losses = []
+    opt.reset_io_stats()
+    for step in range(start, args.steps):
+        total = 0.0
+        for _ in range(args.accum):
+            x = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=data)
+            loss = model(x[lo:hi], x.roll(-1, dims=1)[lo:hi]) / args.accum
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+        if args.save_at is not None and step + 1 == args.save_at:
+            nvoffload.save_training_checkpoint(ckpt_dir, step=step + 1, model=model, optimizer=opt)
+    stats = opt.memory_stats()
+    torch.save(
+        {
+            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "losses": losses,
+            "read_bytes": stats.read_bytes,
+            "written_bytes": stats.written_bytes,
+            "state": opt.state_dict(),
+        },
+        os.path.join(args.out, f"rank{rank}.pt"),
+    )
+    opt.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
