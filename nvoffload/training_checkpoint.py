@@ -43,6 +43,7 @@ parameters up to 16 MiB of fp32 unless the budget cuts them smaller).
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -61,6 +62,7 @@ from nvoffload.checkpoint import (
     SafetensorsWriter,
     open_checkpoint,
 )
+from nvoffload.distributed import Ranks
 from nvoffload.io.checksum import crc32c
 from nvoffload.optim.offload import OffloadOptimizer
 from nvoffload.pretrained import save_pretrained, saved_tensors, shard_files
@@ -82,6 +84,7 @@ _FORMAT = "nvoffload-training-checkpoint"
 _VERSION = 1
 _NAME = re.compile(r"checkpoint-(\d+)")
 _TENSOR = "__safetensors__"  # in trainer_state.pt, {_TENSOR: name} stands for a tensor of the optimizer files
+_PIECES = "__pieces__"  # {_PIECES: [[name, lo, hi], ...], "shape": s}: a tensor saved in flat pieces by the ranks
 
 
 @dataclass(frozen=True)
@@ -154,44 +157,58 @@ def save_training_checkpoint(
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     _check_between_steps(optimizer, "save")
-    root = check_checkpoint_directory(directory)
-    _remove_partial(root)
-    target = os.path.join(root, f"checkpoint-{step}")
-    tmp = new_sibling(target, "tmp")
+    ranks = _ranks_of(optimizer)
+    lead = ranks is None or ranks.rank == 0  # writes the model, the state file and the manifest
+    with _Together(ranks, "saving the training checkpoint"):
+        if lead:
+            root = check_checkpoint_directory(directory)
+            _remove_partial(root)
+            target = os.path.join(root, f"checkpoint-{step}")
+            tmp = new_sibling(target, "tmp")
+    root, target, tmp = _share(ranks, (root, target, tmp) if lead else None)
     try:
-        tensors: dict[str, dict[str, int]] = {}  # file -> tensor -> CRC-32C
-        model_checksums: dict[str, dict[str, int]] = {}
-        save_pretrained(
-            model, os.path.join(tmp, "model"), read=_weights(optimizer, write=False), checksums=model_checksums
-        )  # fmt: skip
-        tensors.update({f"model/{name}": crcs for name, crcs in model_checksums.items()})
-        skeleton, files = _save_optimizer(optimizer, tmp, max_shard_bytes)
-        tensors.update(files)
-        state = {
-            "optimizer": skeleton,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
-            "rng": _rng_state(),
-            "extra": extra if extra is not None else {},
-        }
-        state_path = os.path.join(tmp, STATE_FILE)
-        torch.save(state, state_path)
-        fsync_path(state_path)
-        manifest = {
-            "format": _FORMAT,
-            "version": _VERSION,
-            "step": step,
-            "files": _sizes(tmp),
-            "tensors": tensors,
-            "trainer_state_crc32c": _file_crc32c(state_path),
-        }
-        _write_json(os.path.join(tmp, MANIFEST), manifest)
-        fsync_path(tmp)
-        put_in_place(tmp, target)
+        with _Together(ranks, "saving the training checkpoint"):
+            tensors: dict[str, dict[str, int]] = {}  # file -> tensor -> CRC-32C
+            if lead:
+                model_checksums: dict[str, dict[str, int]] = {}
+                save_pretrained(
+                    model, os.path.join(tmp, "model"), read=_weights(optimizer, write=False), checksums=model_checksums
+                )  # fmt: skip
+                tensors.update({f"model/{name}": crcs for name, crcs in model_checksums.items()})
+            skeleton, files = _save_optimizer(optimizer, tmp, max_shard_bytes, ranks)
+            tensors.update(files)
+        every = _gather(ranks, (tensors, skeleton, _rng_state()))
+        with _Together(ranks, "saving the training checkpoint"):
+            if lead:
+                tensors = {f: crcs for t, _, _ in every for f, crcs in t.items()}
+                state = {
+                    "optimizer": _merge_pieces([sk for _, sk, _ in every]),
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
+                    "rng": every[0][2],
+                    "rng_of_ranks": [rng for _, _, rng in every],
+                    "extra": extra if extra is not None else {},
+                }
+                state_path = os.path.join(tmp, STATE_FILE)
+                torch.save(state, state_path)
+                fsync_path(state_path)
+                manifest = {
+                    "format": _FORMAT,
+                    "version": _VERSION,
+                    "step": step,
+                    "world_size": len(every),
+                    "files": _sizes(tmp),
+                    "tensors": tensors,
+                    "trainer_state_crc32c": _file_crc32c(state_path),
+                }
+                _write_json(os.path.join(tmp, MANIFEST), manifest)
+                fsync_path(tmp)
+                put_in_place(tmp, target)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if keep_last is not None:
+    if lead and keep_last is not None:
         for _, old in _complete(root)[:-keep_last]:
             if old != target:
                 _remove(old)
@@ -233,12 +250,16 @@ def load_training_checkpoint(
             another checkpoint (the one before) into them.
     """
     _check_between_steps(optimizer, "load")
-    ckpt_dir, manifest, state_path = _open(path)
-    state = torch.load(state_path, weights_only=True)
-    checks = _Checks(ckpt_dir, manifest["tensors"])
-    _load_model(model, optimizer, os.path.join(ckpt_dir, "model"), checks)
-    _load_optimizer(optimizer, state["optimizer"], ckpt_dir, manifest["tensors"], checks)
-    checks.finish()
+    ranks = _ranks_of(optimizer)
+    with _Together(ranks, "loading the training checkpoint"):
+        ckpt_dir, manifest, state_path = _open(path)
+        state = torch.load(state_path, weights_only=True)
+    if ranks is not None:
+        ranks.same(int(manifest["step"]), "the step of the training checkpoint each rank found")
+    with _Together(ranks, "loading the training checkpoint"):
+        checks = _Checks(ckpt_dir, manifest["tensors"])
+        _load_model(model, optimizer, os.path.join(ckpt_dir, "model"), checks)
+        _load_optimizer(optimizer, state["optimizer"], ckpt_dir, manifest["tensors"], checks)
     for what, obj in (("scheduler", scheduler), ("grad_scaler", grad_scaler)):
         if obj is None:
             continue
@@ -246,7 +267,9 @@ def load_training_checkpoint(
             raise CheckpointError(ckpt_dir, f"the checkpoint has no {what} state, but a {what} was given")
         obj.load_state_dict(state[what])
     if restore_rng:
-        _set_rng_state(state["rng"])
+        of_ranks = state.get("rng_of_ranks", [])
+        same_ranks = ranks is not None and len(of_ranks) == ranks.world_size
+        _set_rng_state(of_ranks[ranks.rank] if same_ranks else state["rng"])
     return TrainingCheckpoint(ckpt_dir, int(manifest["step"]), state["extra"])
 
 
@@ -274,22 +297,35 @@ def verify_training_checkpoint(path: str | os.PathLike) -> TrainingCheckpoint:
 
 
 def _save_optimizer(
-    optimizer: torch.optim.Optimizer, tmp: str, max_shard_bytes: int
+    optimizer: torch.optim.Optimizer, tmp: str, max_shard_bytes: int, ranks: Ranks | None
 ) -> tuple[dict, dict[str, dict[str, int]]]:
     """Write the optimizer's per-element state to safetensors files in ``tmp``; returns its state dict with each
-    such tensor replaced by ``{_TENSOR: name}``, and ``{file: {tensor: CRC-32C}}``."""
+    such tensor replaced by ``{_TENSOR: name}`` (over several ranks: ``{_PIECES: [[name, lo, hi]], "shape": ...}``,
+    this rank's piece: the flat elements ``[lo, hi)`` it owns), and ``{file: {tensor: CRC-32C}}``."""
     streamed = isinstance(optimizer, OffloadOptimizer)
     state_dict = optimizer.state_layout() if streamed else optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}  # name -> tensor (meta: streamed)
+    name_of: dict[int, str] = {}  # id(state tensor) -> the name it is written under
+    first: dict[int, int] = {}  # id(state tensor) -> its piece's first element (over several ranks)
     skeleton = {**state_dict, "state": {}}  # new dicts: a torch optimizer's state_dict shares its live state's
     for idx, st in state_dict["state"].items():
         skeleton["state"][idx] = entry = dict(st)
         for key, value in st.items():
-            if isinstance(value, torch.Tensor) and value.numel() > 1:
+            if not (isinstance(value, torch.Tensor) and value.numel() > 1):
+                continue
+            if ranks is None:
                 name = f"{idx}.{key}"
-                tensors[name] = value
+                tensors[name], name_of[id(value)] = value, name
                 entry[key] = {_TENSOR: name}
-    shards = shard_files({n: t.numel() * t.element_size() for n, t in tensors.items()}, max_shard_bytes, "optimizer")
+                continue
+            lo, hi = optimizer._sharding.owned(idx, value.numel())
+            name = f"{idx}.{key}@{lo}"
+            if hi > lo:
+                tensors[name] = torch.empty(hi - lo, dtype=value.dtype, device="meta")
+                name_of[id(value)], first[id(value)] = name, lo
+            entry[key] = {_PIECES: [[name, lo, hi]] if hi > lo else [], "shape": list(value.shape)}
+    stem = "optimizer" if ranks is None else f"optimizer-rank{ranks.rank:05d}-of-{ranks.world_size:05d}"
+    shards = shard_files({n: t.numel() * t.element_size() for n, t in tensors.items()}, max_shard_bytes, stem)
     writers: dict[str, SafetensorsWriter] = {}
     try:
         for filename, names in shards.items():
@@ -297,11 +333,10 @@ def _save_optimizer(
             writers[filename] = SafetensorsWriter(os.path.join(tmp, filename), info)
         writer_of = {n: writers[f] for f, names in shards.items() for n in names}
         if streamed:
-            name_of = {id(t): n for n, t in tensors.items()}
 
             def sink(placeholder: torch.Tensor, elements: slice, values: torch.Tensor) -> None:
                 name = name_of[id(placeholder)]
-                writer_of[name].write_slice(name, elements.start, values)
+                writer_of[name].write_slice(name, elements.start - first.get(id(placeholder), 0), values)
 
             optimizer.stream_state(state_dict, sink)
         else:
@@ -316,12 +351,31 @@ def _save_optimizer(
     return skeleton, {f: dict(w.checksums) for f, w in writers.items()}
 
 
-def _with_placeholders(skeleton: dict, tensors: Mapping[str, torch.Tensor]) -> dict:
-    """The state dict ``skeleton`` with its ``{_TENSOR: name}`` entries back as ``tensors[name]``."""
-    state = {
-        idx: {k: tensors[v[_TENSOR]] if isinstance(v, dict) and _TENSOR in v else v for k, v in st.items()}
-        for idx, st in skeleton["state"].items()
-    }
+def _merge_pieces(skeletons: list[dict]) -> dict:
+    """The ranks' skeletons as one: each ``{_PIECES: ...}`` entry lists the pieces of every rank."""
+    merged = skeletons[0]
+    for other in skeletons[1:]:
+        for idx, st in merged["state"].items():
+            for key, value in st.items():
+                if isinstance(value, dict) and _PIECES in value:
+                    value[_PIECES] += other["state"][idx][key][_PIECES]
+    return merged
+
+
+def _with_placeholders(skeleton: dict, tensors: Mapping[str, torch.Tensor], pieces: dict) -> dict:
+    """The state dict ``skeleton`` with its ``{_TENSOR: name}`` entries back as ``tensors[name]``, and its
+    ``{_PIECES: ...}`` entries as meta tensors of their shape (``pieces`` maps their ids to the pieces)."""
+
+    def value(v):
+        if isinstance(v, dict) and _TENSOR in v:
+            return tensors[v[_TENSOR]]
+        if isinstance(v, dict) and _PIECES in v:
+            placeholder = torch.empty(v["shape"], dtype=torch.float32, device="meta")
+            pieces[id(placeholder)] = sorted(v[_PIECES], key=lambda piece: piece[1])
+            return placeholder
+        return v
+
+    state = {idx: {k: value(v) for k, v in st.items()} for idx, st in skeleton["state"].items()}
     return {**skeleton, "state": state}
 
 
@@ -337,22 +391,37 @@ def _load_optimizer(
         tensors = {}
         for name in reader.keys():
             info = reader.info(name)
-            if streamed:
-                tensors[name] = torch.empty(info.shape, dtype=info.dtype, device="meta")
-            else:
-                tensors[name] = checks.verified(reader.file_of(name), name, reader.read(name))
-        state_dict = _with_placeholders(skeleton, tensors)
-        if not streamed:
-            optimizer.load_state_dict(state_dict)
-            return
+            tensors[name] = torch.empty(info.shape, dtype=info.dtype, device="meta")
+        pieces: dict[int, list] = {}  # id(placeholder) -> [[name, lo, hi], ...] (saved over several ranks)
+        state_dict = _with_placeholders(skeleton, tensors, pieces)
         name_of = {id(t): n for n, t in tensors.items()}
 
         def source(tensor: torch.Tensor, elements: slice, out: torch.Tensor) -> None:
-            name = name_of[id(tensor)]
-            reader.read_slice(name, elements.start, out)
-            checks.add(reader.file_of(name), name, out)
+            """Fill ``out`` with ``elements`` of a saved tensor, from its file or from the pieces it was saved in."""
+            if id(tensor) in name_of:
+                name = name_of[id(tensor)]
+                reader.read_slice(name, elements.start, out)
+                checks.add(reader.file_of(name), name, out, elements.start)
+                return
+            for name, lo, hi in pieces[id(tensor)]:
+                start, stop = max(lo, elements.start), min(hi, elements.stop)
+                if start < stop:
+                    part = out[start - elements.start : stop - elements.start]
+                    reader.read_slice(name, start - lo, part)
+                    checks.add(reader.file_of(name), name, part, start - lo)
 
+        if not streamed:  # a torch optimizer: whole tensors
+            for st in state_dict["state"].values():
+                for key, value in st.items():
+                    if isinstance(value, torch.Tensor) and value.is_meta:
+                        whole = torch.empty(value.shape, dtype=torch.float32)
+                        source(value, slice(0, value.numel()), whole.view(-1))
+                        st[key] = whole
+            checks.finish(reader)
+            optimizer.load_state_dict(state_dict)
+            return
         optimizer.load_state_dict(state_dict, source=source)
+        checks.finish(reader)
 
 
 # -- the model -------------------------------------------------------------------
@@ -395,26 +464,36 @@ def _load_model(model: nn.Module, optimizer: torch.optim.Optimizer, model_dir: s
 
 
 class _Checks:
-    """CRC-32C of the tensors read against the manifest's: tensors read whole, or in parts in order."""
+    """CRC-32C of the tensors read against the manifest's: tensors read whole, or in parts."""
 
     def __init__(self, ckpt_dir: str, expected: dict[str, dict[str, int]]):
         self._dir = ckpt_dir
         self._expected = expected  # file (relative to the checkpoint) -> tensor -> CRC-32C
-        self._running: dict[tuple[str, str], int] = {}  # (file, tensor) -> CRC-32C of the parts read so far
+        # (file, tensor) -> (CRC-32C of the elements read from the start, the next element), None: read out
+        # of order (a rank's share of a tensor saved by another partition: checked by reading it whole)
+        self._running: dict[tuple[str, str], tuple[int, int] | None] = {}
 
     def verified(self, path: str, name: str, data: torch.Tensor) -> torch.Tensor:
         """``data``, all of tensor ``name`` of the file ``path``, once its checksum is found right."""
         self._check((os.path.relpath(path, self._dir), name), crc32c(data.contiguous()))
         return data
 
-    def add(self, path: str, name: str, part: torch.Tensor) -> None:
-        """The next part of tensor ``name`` of ``path``, checked at :meth:`finish`."""
+    def add(self, path: str, name: str, part: torch.Tensor, start: int) -> None:
+        """Elements ``[start, start + part.numel())`` of tensor ``name`` of ``path``, checked at :meth:`finish`."""
         key = (os.path.relpath(path, self._dir), name)
-        self._running[key] = crc32c(part.contiguous(), self._running.get(key, 0))
+        running = self._running.get(key, (0, 0))
+        if running is not None:
+            crc, at = running
+            self._running[key] = (crc32c(part.contiguous(), crc), start + part.numel()) if start == at else None
 
-    def finish(self) -> None:
-        for key, crc in self._running.items():
-            self._check(key, crc)
+    def finish(self, reader: CheckpointReader) -> None:
+        """Check every tensor read in parts: from the parts when they covered it in order, else read whole."""
+        for key, running in self._running.items():
+            rel, name = key
+            if running is not None and running[1] == math.prod(reader.info(name).shape):
+                self._check(key, running[0])
+            else:
+                self.verified(os.path.join(self._dir, rel), name, reader.read(name))
         self._running.clear()
 
     def _check(self, key: tuple[str, str], crc: int) -> None:
@@ -518,6 +597,41 @@ def _write_json(path: str, value: dict) -> None:
         f.write(json.dumps(value, indent=1, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+# -- the ranks -------------------------------------------------------------------
+
+
+def _ranks_of(optimizer: torch.optim.Optimizer) -> Ranks | None:
+    """The ranks ``optimizer`` shares its state with (None: one process)."""
+    sharding = getattr(optimizer, "_sharding", None)
+    return None if sharding is None else sharding.ranks
+
+
+class _Together:
+    """A stretch of a checkpoint's save or load that fails on every rank when it fails on one (a no-op in one
+    process): the failed rank raises its error, the others a RuntimeError naming it."""
+
+    def __init__(self, ranks: Ranks | None, what: str):
+        self._ranks, self._what = ranks, what
+
+    def __enter__(self) -> _Together:
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if self._ranks is not None and (error is None or isinstance(error, Exception)):
+            self._ranks.agree(error, self._what)
+        return False
+
+
+def _share(ranks: Ranks | None, value):
+    """Rank 0's ``value`` on every rank."""
+    return value if ranks is None else ranks.broadcast_object(value, "sharing the checkpoint's directory")
+
+
+def _gather(ranks: Ranks | None, value) -> list:
+    """Every rank's ``value``, in rank order."""
+    return [value] if ranks is None else ranks.gather_objects(value, "gathering the checkpoint's parts")
 
 
 # -- the rest of the run ---------------------------------------------------------

@@ -2,11 +2,11 @@
 the one-process reference on the whole batches. Writes ``<out>/rank<r>.pt``: the final weights, the losses and
 the optimizer's NVMe byte counters.
 
-    python tests/dist_worker.py MODE OUT SWAP_ROOT [--steps N] [--accum K] [--save-at S] [--resume]
+    python tests/dist_worker.py MODE OUT SWAP_ROOT [--steps N] [--accum K] [--ckpt DIR [--save-at S] [--resume]]
 
 MODE is ``optimizer`` (NVMeAdamW over the model, gradients in ``.grad``) or ``streaming``
 (``nvoffload.initialize``: parameters streamed, gradients released during backward). With ``--save-at S`` a
-training checkpoint is saved in ``<OUT>/ckpt`` after step S; ``--resume`` starts from the latest one there.
+training checkpoint is saved in DIR after step S; ``--resume`` starts from the latest one there.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("swap_root")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--accum", type=int, default=2)
+    parser.add_argument("--ckpt")
     parser.add_argument("--save-at", type=int)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
@@ -56,7 +57,7 @@ def main() -> None:
             max_grad_norm=MAX_GRAD_NORM, gradient_accumulation_steps=args.accum,
         )  # fmt: skip
         model, opt = nvoffload.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), config)
-    ckpt_dir = os.path.join(args.out, "ckpt")
+    ckpt_dir = args.ckpt
     start = 0
     if args.resume:
         start = nvoffload.load_training_checkpoint(ckpt_dir, model=model, optimizer=opt).step
@@ -78,7 +79,7 @@ def main() -> None:
         losses.append(total)
         if args.save_at is not None and step + 1 == args.save_at:
             nvoffload.save_training_checkpoint(ckpt_dir, step=step + 1, model=model, optimizer=opt)
-    stats = opt.memory_stats()
+    stats = opt.memory_stats()  # with the checkpoint's reads, when one was saved
     torch.save(
         {
             "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},

@@ -96,9 +96,8 @@ class Ranks:
     def agree(self, error: BaseException | None, what: str) -> None:
         """Raise on every rank when ``error`` happened on any: the rank's own error where it happened, a
         RuntimeError naming the failed ranks and their errors on the others."""
-        messages: list = [None] * self.world_size
         mine = None if error is None else f"{type(error).__name__}: {error}"
-        self._object_collective(lambda: dist.all_gather_object(messages, mine, group=self.group), what)
+        messages = self.gather_objects(mine, what)
         failed = {r: m for r, m in enumerate(messages) if m is not None}
         if error is not None:
             raise error
@@ -106,10 +105,21 @@ class Ranks:
             listed = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
             raise RuntimeError(f"nvoffload: {what} failed on another rank ({listed})")
 
-    def same(self, value, what: str) -> None:
-        """Raise ValueError unless every rank passes an equal ``value`` (a picklable summary)."""
+    def gather_objects(self, value, what: str) -> list:
+        """Every rank's ``value`` (picklable), in rank order, on every rank."""
         values: list = [None] * self.world_size
         self._object_collective(lambda: dist.all_gather_object(values, value, group=self.group), what)
+        return values
+
+    def broadcast_object(self, value, what: str):
+        """Rank 0's ``value`` (picklable) on every rank."""
+        box = [value]
+        self._object_collective(lambda: dist.broadcast_object_list(box, src=self._global(0), group=self.group), what)
+        return box[0]
+
+    def same(self, value, what: str) -> None:
+        """Raise ValueError unless every rank passes an equal ``value`` (a picklable summary)."""
+        values = self.gather_objects(value, what)
         if any(v != values[0] for v in values):
             raise ValueError(f"nvoffload: {what} differs between the ranks: {values}")
 
