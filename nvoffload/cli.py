@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None, help="stream the parameters (default: the planner decides)")
     pl.add_argument("--offload-activations", action=argparse.BooleanOptionalAction, default=None, help="offload activations (default: the planner decides between keeping, offloading and recomputing them)")
     pl.add_argument("--recompute", action="store_true", help="recompute activations in backward (activation checkpointing of every block)")
-    pl.add_argument("--swap-dirs", type=int, default=1, help="swap directories (drives) used (default 1)")
+    pl.add_argument("--swap-dirs", type=int, default=1, help="swap directories (drives) used, by each rank (default 1)")
+    pl.add_argument("--ranks", type=int, default=1, help="data-parallel ranks, one GPU each (torchrun --nproc-per-node):"
+                    " --batch-size is split between them; memory budgets and --swap-dirs are each rank's (default 1)")  # fmt: skip
     pl.add_argument("--profile", default=None, help="a profile from 'nvoffload calibrate' or a built-in name: " + ", ".join(sorted(_builtin_profiles())))
     pl.add_argument("--no-checksum", dest="checksum", action="store_false", help="plan for checksum=False (the store's CRC-32C off)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -135,7 +137,8 @@ def _error(command: str, exc: BaseException) -> int:
 
 
 def _plan_request(args):
-    """The :class:`~nvoffload.planner.PlanRequest` of ``nvoffload plan``'s (or ``finetune``'s) options."""
+    """The :class:`~nvoffload.planner.PlanRequest` of ``nvoffload plan``'s (or ``finetune``'s) options; ``finetune``
+    plans for the ranks its launcher sets (``WORLD_SIZE``)."""
     from nvoffload.planner import ModelShape, PlanRequest
 
     if getattr(args, "sizes", None):
@@ -157,7 +160,7 @@ def _plan_request(args):
         shape, batch_size=args.batch_size, seq_len=seq, grad_accum_steps=args.grad_accum_steps, dtype=args.dtype,
         cpu_memory_bytes=args.cpu_memory_bytes, device_memory_bytes=args.device_memory_bytes,
         swap_dirs=getattr(args, "swap_dirs_count", 1), stream=args.stream, max_grad_norm=args.max_grad_norm is not None,
-        checksum=getattr(args, "checksum", True),
+        checksum=getattr(args, "checksum", True), ranks=args.ranks if "ranks" in args else int(os.environ.get("WORLD_SIZE", "1")),
         activations="recompute" if getattr(args, "recompute", False) else
         None if args.offload_activations is None else ("offload" if args.offload_activations else "keep"),
     )  # fmt: skip
@@ -175,16 +178,25 @@ def _profile(name: str | None):
 
 def _print_plan(result) -> None:
     r, gib = result.request, 1 << 30
-    print(f"{r.model.name}: {r.model.params / 1e9:.3g}B parameters, {r.batch_size} x {r.seq_len} tokens x {r.grad_accum_steps} micro-batches, {r.dtype}")
+    ranks = ""
+    if r.ranks > 1:
+        split = f" ({r.batch_size // r.ranks} sequences each)" if r.batch_size % r.ranks == 0 else ""
+        ranks = f" over {r.ranks} ranks{split}"
+    print(f"{r.model.name}: {r.model.params / 1e9:.3g}B parameters, {r.batch_size} x {r.seq_len} tokens x {r.grad_accum_steps} micro-batches{ranks}, {r.dtype}")
     print(f"profile: {result.profile}")
     for what, where in result.placement.items():
         print(f"  {what:16} {where}")
     if result.stream:
         print(f"  blocks cached    {result.cached_blocks} of {r.model.n_layer} in host memory")
-    print(f"step {result.step_s:.3g} s   {result.tokens_per_s:,.0f} tokens/s   {result.tflops:.3g} TFLOP/s   bottleneck: {result.bottleneck}")
-    print("  engines: " + ", ".join(f"{k} {v:.3g} s" for k, v in result.engine_s.items()))
-    print("  memory:  " + ", ".join(f"{k} {v / gib:.3g} GiB" for k, v in result.memory_bytes.items()))
-    print(f"  NVMe per step: {result.nvme_read_bytes / gib:.3g} GiB read, {result.nvme_written_bytes / gib:.3g} GiB written")
+    each = " per rank" if r.ranks > 1 else ""
+    print(f"step {result.step_s:.3g} s   {result.tokens_per_s:,.0f} tokens/s   {result.tflops:.3g} TFLOP/s{each}   bottleneck: {result.bottleneck}")
+    engines = {k: v for k, v in result.engine_s.items() if k != "interconnect" or r.ranks > 1}
+    print("  engines: " + ", ".join(f"{k} {v:.3g} s" for k, v in engines.items()))
+    print(f"  memory{each}:  " + ", ".join(f"{k} {v / gib:.3g} GiB" for k, v in result.memory_bytes.items()))
+    print(f"  NVMe per step{each}: {result.nvme_read_bytes / gib:.3g} GiB read, {result.nvme_written_bytes / gib:.3g} GiB written")
+    if result.communication_bytes:
+        sent = ", ".join(f"{k} {v / gib:.3g} GiB" for k, v in result.communication_bytes.items())
+        print(f"  interconnect per step per rank: {sent}, {result.engine_s['interconnect']:.3g} s")
     if not result.fits:
         print("does not fit:")
         for reason in result.reasons:
@@ -240,7 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         dev = torch.device(config.device)
-        on_step = (lambda s: print(f"step {s.step}: {_postfix(s, dev)}", flush=True)) if args.no_progress else None
+        lead = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 reports
+        report = args.no_progress and lead
+        on_step = (lambda s: print(f"step {s.step}: {_postfix(s, dev)}", flush=True)) if report else None
         try:
             result = finetune(config, progress=not args.no_progress, on_step=on_step)
         # budgets too small, a checkpoint that does not fit the model, a missing file or swap directory, a --save-to
@@ -248,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, KeyError, MemoryBudgetError, OSError, OffloadIOError, ImportError) as exc:
             print(f"nvoffload finetune: error: {_message(exc)}", file=sys.stderr)
             return 2
+        if not lead:
+            return 0
         if not result.steps:
             print(f"nothing to do: the checkpoint in {config.checkpoint_dir} is at step {config.steps} already")
             return 0

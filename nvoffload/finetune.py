@@ -21,6 +21,14 @@ the end. Two modes:
   optimizer's (:class:`nvoffload.OffloadConfig`'s ``gradient_accumulation_steps``,
   ``max_grad_norm`` and ``loss_scaling``).
 
+Under ``torchrun --nproc-per-node N`` (or any launcher that sets ``WORLD_SIZE``,
+``RANK`` and ``MASTER_ADDR``) the run is data parallel (:mod:`nvoffload.distributed`,
+NCCL on CUDA, gloo on the CPU): every micro-batch of ``batch_size`` sequences is
+split between the ranks, each keeps its share of the optimizer state in its own
+``rank<r>`` subdirectory of the swap directory, and rank 0 reports and writes
+``save_to``; checkpoints are written by all ranks together and resume on any
+number of ranks.
+
 A Hugging Face model is written back as a Hugging Face directory
 (:func:`nvoffload.pretrained.save_pretrained`, with the tokenizer); a preset's
 as one safetensors file.
@@ -37,6 +45,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import os
 import resource
@@ -47,6 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from nvoffload import trace
@@ -54,6 +64,7 @@ from nvoffload.activations import offload_activations
 from nvoffload.checkpoint import open_checkpoint, save_file
 from nvoffload.data import ByteTokenizer, TokenDataset, load_text
 from nvoffload.device import cuda_available
+from nvoffload.distributed import DEFAULT_TIMEOUT_S, rank_swap_dirs
 from nvoffload.io.ownership import SwapDirectoryInUse, claim
 from nvoffload.models import GPT, GPTConfig
 from nvoffload.optim import LossScaling
@@ -399,8 +410,41 @@ def finetune(
     ``transformers``, and the optimizer's errors.
     """
     torch.manual_seed(config.seed)
+    joined = _join_ranks(config)
+    try:
+        return _finetune(config, progress, on_step)
+    finally:
+        if joined:
+            dist.destroy_process_group()
+
+
+def _join_ranks(config: FinetuneConfig) -> bool:
+    """Join the process group a launcher (torchrun) describes in the environment; True if this call did."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return False
+    if torch.device(config.device).type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if torch.device(config.device).type == "cuda" else "gloo"
+    # the backend's own timeout as the optimizer's collectives': a rank that hangs ends every rank's run
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    return True
+
+
+def _rank() -> tuple[int, int]:
+    """``(rank, world size)`` of the default process group; ``(0, 1)`` without one."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepStats], None] | None) -> FinetuneResult:
+    rank, world = _rank()
+    if config.batch_size % world:
+        raise ValueError(f"batch_size {config.batch_size} does not split evenly between {world} ranks")
+    rows = slice(rank * config.batch_size // world, (rank + 1) * config.batch_size // world)  # this rank's part
     dev = torch.device(config.device)
-    _check_save_to(config)
+    if dev.type == "cuda" and world > 1:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if rank == 0:
+        _check_save_to(config)
     if config.checkpoint_dir is not None:
         check_checkpoint_directory(config.checkpoint_dir)
     hf = _HFModel(config) if config.model_dir is not None else None
@@ -413,10 +457,12 @@ def finetune(
 
     owned_dir = release = None
     swap_dir = config.swap_dir
+    if swap_dir is not None and world > 1:
+        swap_dir = rank_swap_dirs(swap_dir, rank)[0]  # a missing swap directory is reported by every rank
     if swap_dir is None:
         # The cache directory itself, reused run after run, so that what a killed run left there is cleaned up
         # (nvoffload.io.ownership); a fresh subdirectory while another run holds it.
-        swap_dir = default_swap_root()
+        swap_dir = default_swap_root() if world == 1 else rank_swap_dirs(default_swap_root(), rank)[0]
         os.makedirs(swap_dir, exist_ok=True)
         try:
             release = claim(swap_dir)
@@ -434,7 +480,7 @@ def finetune(
             if config.offload_activations and session is None:  # streaming sends them through the session
                 activations = cleanup.enter_context(contextlib.closing(offload_activations(swap_dir, host_memory_bytes=config.activation_memory_bytes)))
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (config.warmup_steps + 1)))
-            if progress:
+            if progress and rank == 0:
                 from tqdm import tqdm
 
                 bar = tqdm(total=config.steps, desc="finetune", unit="step", dynamic_ncols=True)
@@ -465,9 +511,9 @@ def finetune(
                 t0 = time.perf_counter()
                 total = 0.0
                 for _ in range(config.grad_accum_steps):
-                    x, y = data.batch(config.batch_size)
+                    x, y = data.batch(config.batch_size)  # the same on every rank: each takes its rows
                     with activations:
-                        loss = _loss(model, x.to(dev), y.to(dev), hf is not None) / config.grad_accum_steps
+                        loss = _loss(model, x[rows].to(dev), y[rows].to(dev), hf is not None) / config.grad_accum_steps
                     total += loss.detach().item()
                     if scaler is not None:
                         loss = scaler.scale(loss)
@@ -481,6 +527,8 @@ def finetune(
                     opt.step()
                 sched.step()
                 opt.zero_grad()
+                if world > 1:  # the global batch's loss: the mean of the ranks' (equal parts)
+                    total = opt.ranks.sum(total, "the step's loss") / world
                 if step == traced:
                     trace.stop(config.trace_path)
                 stats = _step_stats(step, total, tokens_per_step, time.perf_counter() - t0, opt, dev)
@@ -497,7 +545,7 @@ def finetune(
                         config.checkpoint_dir, step=step, extra={"data": data.state_dict()}, keep_last=config.keep_last,
                         **state,
                     )  # fmt: skip
-            if config.save_to is not None:
+            if config.save_to is not None and rank == 0:  # every rank holds the same weights
                 _save(model, opt, config.save_to, hf)
     finally:
         if bar is not None:

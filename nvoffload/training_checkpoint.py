@@ -604,8 +604,7 @@ def _write_json(path: str, value: dict) -> None:
 
 def _ranks_of(optimizer: torch.optim.Optimizer) -> Ranks | None:
     """The ranks ``optimizer`` shares its state with (None: one process)."""
-    sharding = getattr(optimizer, "_sharding", None)
-    return None if sharding is None else sharding.ranks
+    return optimizer.ranks if isinstance(optimizer, OffloadOptimizer) else None
 
 
 class _Together:

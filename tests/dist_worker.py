@@ -12,7 +12,9 @@ training checkpoint is saved in DIR after step S; ``--resume`` starts from the l
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -36,25 +38,31 @@ def main() -> None:
     parser.add_argument("--ckpt")
     parser.add_argument("--save-at", type=int)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--timeout", type=float, default=600.0, help="collective_timeout_s")
+    parser.add_argument("--fail-rank", type=int, help="this rank fails at --fail-at: exits, or stalls (--stall)")
+    parser.add_argument("--fail-at", type=int, default=3)
+    parser.add_argument("--stall", action="store_true")
+    parser.add_argument("--missing-swap-rank", type=int, help="this rank is given a swap directory that does not exist")
     args = parser.parse_args()
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo")
+    if "WORLD_SIZE" in os.environ:  # gloo's own timeout as the optimizer's: a stalled peer ends the run
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     os.makedirs(args.out, exist_ok=True)
     swap = os.path.join(args.swap_root, f"rank{rank}")
-    os.makedirs(swap, exist_ok=True)
+    if rank != args.missing_swap_rank:
+        os.makedirs(swap, exist_ok=True)
     torch.manual_seed(0)
     cfg = GPTConfig.preset("tiny")
     model = GPT(cfg)
     if args.mode == "optimizer":
         opt = NVMeAdamW(
             model.parameters(), lr=3e-3, weight_decay=0.1, swap_dir=swap, max_grad_norm=MAX_GRAD_NORM,
-            cpu_memory_bytes=4 * MiB, chunk_bytes=16 << 10,
+            cpu_memory_bytes=4 * MiB, chunk_bytes=16 << 10, collective_timeout_s=args.timeout,
         )  # fmt: skip
     else:
         config = nvoffload.OffloadConfig(
             swap_dirs=[swap], cpu_memory_bytes=8 * MiB, device_memory_bytes=16 * MiB,
-            max_grad_norm=MAX_GRAD_NORM, gradient_accumulation_steps=args.accum,
+            max_grad_norm=MAX_GRAD_NORM, gradient_accumulation_steps=args.accum, collective_timeout_s=args.timeout,
         )  # fmt: skip
         model, opt = nvoffload.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), config)
     ckpt_dir = args.ckpt
@@ -68,6 +76,10 @@ def main() -> None:
     losses = []
     opt.reset_io_stats()
     for step in range(start, args.steps):
+        if step == args.fail_at and rank == args.fail_rank:
+            if args.stall:
+                time.sleep(3600)  # alive, but never joins the step's collectives
+            os._exit(3)  # dies
         total = 0.0
         for _ in range(args.accum):
             x = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=data)

@@ -99,3 +99,99 @@ def test_a_checkpoint_of_two_ranks_resumes_on_another_number_of_ranks(trained, s
     mean = [torch.stack([torch.tensor(r["losses"][-5:]) for r in run_]).mean(0) for run_ in (resumed, two)]
     torch.testing.assert_close(mean[0], mean[1], rtol=1e-5, atol=0)
     assert_trained_alike(resumed[0]["weights"], two[0]["weights"])
+
+
+def launch(ranks: int, logs: Path, *args: str) -> list[subprocess.Popen]:
+    """The ranks as plain processes (no torchrun, which would stop the others when one dies): what each
+    does about a rank that died or hangs is then its own. Rank ``r`` writes ``logs / f"rank{r}.log"``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1]),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks)}  # fmt: skip
+    procs = []
+    for r in range(ranks):
+        with open(logs / f"rank{r}.log", "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), *args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                stdout=log, stderr=subprocess.STDOUT,
+            ))  # fmt: skip
+    return procs
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("stall", [False, True], ids=["dies", "hangs"])
+def test_a_rank_that_dies_or_hangs_stops_the_others_with_a_message(tmp_path, mode, stall):
+    procs = launch(2, tmp_path, mode, str(tmp_path / "out"), str(tmp_path / "swap"), "--timeout", "10",
+                   "--fail-rank", "1", *(["--stall"] if stall else []))  # fmt: skip
+    try:
+        procs[0].wait(timeout=120)  # rank 0 must not wait for ever
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    out = (tmp_path / "rank0.log").read_text()
+    assert procs[0].returncode == 1, out[-3000:]
+    assert "RankTimeoutError" in out and "rank 0 of 2 waited in vain" in out, out[-3000:]
+    assert not any(os.scandir(tmp_path / "swap" / "rank0")), "rank 0 left swap files"
+
+
+def test_a_rank_without_its_swap_directory_stops_every_rank(tmp_path):
+    procs = launch(2, tmp_path, "optimizer", str(tmp_path / "out"), str(tmp_path / "swap"), "--missing-swap-rank", "1")
+    for p in procs:
+        p.wait(timeout=120)
+    outs = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
+    assert [p.returncode for p in procs] == [1, 1], (procs[0].returncode, procs[1].returncode, outs[0][-3000:])
+    assert "FileNotFoundError" in outs[1] and "does not exist" in outs[1], outs[1][-3000:]
+    assert "opening the swap directories failed on another rank (rank 1: FileNotFoundError" in outs[0], outs[0][-3000:]
+
+
+def test_a_model_wrapped_in_ddp_is_refused(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import nvoffload
+    from nvoffload.models import GPT, GPTConfig
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(GPT(GPTConfig.preset("tiny")))
+        config = nvoffload.OffloadConfig(swap_dirs=[tmp_path])
+        with pytest.raises(ValueError, match="wrapped in DistributedDataParallel.*pass the unwrapped model"):
+            nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["optimizer", "streaming"])
+def test_finetune_under_torchrun_trains_as_one_process(tmp_path, stream):
+    from nvoffload.checkpoint import load_file
+
+    args = ["finetune", "--steps", "3", "--batch-size", "4", "--grad-accum", "2", "--max-grad-norm", "0.05",
+            "--no-progress", *(["--stream"] if stream else [])]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    weights, outputs = {}, {}
+    for ranks in (1, 2):
+        swap = tmp_path / f"swap{ranks}"
+        swap.mkdir()
+        launcher = [sys.executable] if ranks == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]  # fmt: skip
+        done = subprocess.run(
+            [*launcher, "-m", "nvoffload", *args, "--swap-dir", str(swap), "--save-to", str(tmp_path / f"{ranks}.safetensors")],
+            capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        weights[ranks] = load_file(tmp_path / f"{ranks}.safetensors")
+        outputs[ranks] = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+        if ranks > 1:  # each rank in its own subdirectory, left empty
+            assert sorted(p.name for p in swap.iterdir()) == ["rank0", "rank1"]
+            assert not any(os.scandir(swap / "rank0")) and not any(os.scandir(swap / "rank1"))
+    assert len(outputs[2]) == 3  # rank 0 reports, once per step
+    losses = [[float(line.split("loss ")[1].split()[0]) for line in outputs[r]] for r in (1, 2)]
+    assert losses[0] == losses[1]  # the global batch's loss, to the 3 decimals printed
+    assert_trained_alike(weights[2], weights[1])

@@ -4,6 +4,7 @@ answers in the documented JSON, refuses what cannot fit with the reason, and fin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -41,6 +42,7 @@ def test_calibrate_measures_every_engine(profile_path):
     assert [w for w, _, _, _ in profile.block_tflops] == [256, 512]
     assert all(m > 0 and a > 0 and o >= 0 for _, m, a, o in profile.block_tflops)
     assert MachineProfile(**json.loads(profile_path.read_text())) == profile  # the JSON round-trips
+    assert profile.interconnect_gbps == min(profile.h2d_gbps, profile.d2h_gbps)  # not measured: the host link
     assert "measured by nvoffload calibrate --quick" in profile.source
 
 
@@ -118,3 +120,103 @@ def test_profiles_are_checked():
         MachineProfile(**{**json.loads(BUILTIN_PROFILES["h200-1t-4xgen5"].to_json()), "drives": [{"read_gbps": 0, "write_gbps": 1}]})
     with pytest.raises(ValueError, match="needs at least one swap directory|give at least one swap directory"):
         calibrate([])
+
+
+def test_one_rank_plans_as_one_process_did():
+    """ranks=1 (the default) is the planner before ranks: step times from the planner of commit b5f5625."""
+    profile = BUILTIN_PROFILES["h100-sxm-512g-4xgen4"]
+    shape = ModelShape.from_preset("gpt2-1.3b")
+    before = {(False, True, 1): 2.4694224254925596, (False, False, 1): 2.3738789805471048, (True, False, 4): 4.555919818508421}
+    for (stream, clip, accum), step_s in before.items():
+        request = PlanRequest(shape, 4, 1024, grad_accum_steps=accum, dtype="bfloat16", cpu_memory_bytes=64 << 30,
+                              device_memory_bytes=70 << 30, swap_dirs=4, stream=stream, max_grad_norm=clip)  # fmt: skip
+        p = plan(request, profile)
+        assert request.ranks == 1 and p.step_s == pytest.approx(step_s, rel=1e-12)
+        assert p.engine_s["interconnect"] == 0 and p.communication_bytes == {}
+    big = PlanRequest(ModelShape.named("llama2-70b"), 8, 2048, dtype="bfloat16", cpu_memory_bytes=448 << 30,
+                      device_memory_bytes=78 << 30, swap_dirs=4)  # fmt: skip
+    assert plan(big, profile).step_s == pytest.approx(129.81560875660338, rel=1e-12)  # the README's 130 s
+
+
+def test_ranks_split_the_batch_and_the_optimizer_state():
+    profile = BUILTIN_PROFILES["8x-h100-sxm-2t-32xgen4"]
+    shape = ModelShape.from_preset("gpt2-1.3b")
+    one, eight = (plan(PlanRequest(shape, 4 * n, 1024, dtype="bfloat16", cpu_memory_bytes=64 << 30, device_memory_bytes=70 << 30,
+                                   swap_dirs=4, stream=False, activations="keep", ranks=n), profile) for n in (1, 8))  # fmt: skip
+    share = -(-shape.params // 8)
+    assert one.memory_bytes["nvme"] == 2 * 12 * shape.params  # two generations of fp32 master and moments
+    assert eight.memory_bytes["nvme"] == 2 * 12 * share  # a rank's: 1/8 of them
+    assert (one.nvme_read_bytes, eight.nvme_read_bytes) == (12 * shape.params, 12 * share)
+    assert eight.engine_s["cpu adam"] == pytest.approx(one.engine_s["cpu adam"] / 8, rel=1e-6)
+    assert eight.engine_s["compute"] == one.engine_s["compute"]  # 32 sequences over 8 ranks: 4 each
+    assert eight.memory_bytes["device"] == one.memory_bytes["device"]
+    assert eight.tokens_per_s == pytest.approx(8 * 4 * 1024 / eight.step_s)
+
+
+def test_communication_is_the_ring_bytes_over_the_interconnect():
+    shape = ModelShape("toy", n_layer=2, d_model=64, n_head=4, ffn=256, vocab_size=1000, max_seq_len=128)
+    # a block: 4 * 64 * 64 attention + 2 * 64 * 256 MLP weights, 4 * 64 LayerNorm, 64 * 4 + 256 biases = 49984;
+    # outside: 1000 * 64 tied embeddings + 128 * 64 positions + 2 * 64 final norm = 72320
+    assert shape.params == 2 * 49984 + 72320 == 172288
+    profile = dataclasses.replace(BUILTIN_PROFILES["h100-sxm-512g-4xgen4"], interconnect_gbps=100.0)
+    base = {"batch_size": 8, "seq_len": 128, "dtype": "bfloat16", "ranks": 4, "activations": "keep"}
+    held = plan(PlanRequest(shape, stream=False, **base), profile)
+    # all-reduce 2 * 3/4 * 172288 * 2 bytes, all-gather 3/4 * 172288 * 2 bytes, each rank, at 100e9 bytes/s
+    assert held.communication_bytes == {"all-reduce": 516864, "all-gather": 258432}
+    assert held.engine_s["interconnect"] == pytest.approx(775296 / 100e9, rel=1e-12)
+    nvme, cpu = held.engine_s["nvme"], held.engine_s["cpu adam"] + held.engine_s["checksums"]
+    assert held.phases_s["step"] == pytest.approx((516864 + 258432) / 100e9 + max(cpu, nvme), rel=1e-9)  # in turn, in step()
+    assert held.placement["gradients"] == "device until step(), all-reduced there"
+    streamed = plan(PlanRequest(shape, stream=True, grad_accum_steps=2, **base), profile)
+    # each of the 2 backward passes reduce-scatters 3/4 of the gradients: 2 * 3/4 * 172288 * 2 bytes
+    assert streamed.communication_bytes == {"reduce-scatter": 516864, "all-gather": 258432}
+    assert streamed.phases_s["step"] == pytest.approx(258432 / 100e9, rel=1e-12)  # the reduce-scatter overlaps backward
+    assert streamed.phases_s["backward"] >= 516864 / 100e9
+    slow = dataclasses.replace(profile, interconnect_gbps=1e-6)  # 1 KB/s: the link binds
+    assert plan(PlanRequest(shape, stream=True, **base), slow).bottleneck == "interconnect"
+
+
+def test_bad_ranks_are_refused():
+    shape = ModelShape.from_preset("gpt2-1.3b")
+    for bad in (0, -2, True, 2.0):
+        with pytest.raises(ValueError, match="ranks must be a positive int"):
+            PlanRequest(shape, 8, 1024, ranks=bad)
+    odd = plan(PlanRequest(shape, 6, 1024, ranks=4, cpu_memory_bytes=64 << 30, device_memory_bytes=70 << 30), BUILTIN_PROFILES["8x-h100-sxm-2t-32xgen4"])
+    assert not odd.fits and odd.reasons == ["batch_size 6 does not split evenly between 4 ranks (each computes batch_size / ranks"
+                                            " of every micro-batch's sequences): take a multiple of 4"]  # fmt: skip
+
+
+def test_plan_70b_on_an_8_gpu_server(capsys):
+    args = ["plan", "--model", "llama2-70b", "--profile", "8x-h100-sxm-2t-32xgen4", "--ranks", "8", "--swap-dirs", "4",
+            "--batch-size", "64", "--seq-len", "2048", "--dtype", "bfloat16", "--device-memory", "78G"]  # fmt: skip
+    assert main([*args, "--cpu-memory", "224G", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    params = ModelShape.named("llama2-70b").params
+    assert result["fits"] and result["stream"] and result["request"]["ranks"] == 8
+    ring = int(7 / 8 * params * 2)  # bf16 gradients and weights
+    assert result["communication_bytes"] == {"reduce-scatter": ring, "all-gather": ring}
+    assert result["engine_s"]["interconnect"] == pytest.approx(2 * 7 / 8 * params * 2 / 370e9)  # NVLink 4, NCCL's bus bandwidth
+    assert result["memory_bytes"]["nvme"] == 2 * params + 2 * 12 * -(-params // 8)  # the weights, and 1/8 of the state
+    assert result["memory_bytes"]["host"] <= 256e9  # a rank's share of 2 TB
+    assert result["tokens_per_s"] == pytest.approx(64 * 2048 / result["step_s"])
+    assert main([*args, "--cpu-memory", "224G"]) == 0
+    out = capsys.readouterr().out
+    assert "over 8 ranks (8 sequences each)" in out and "interconnect per step per rank: reduce-scatter" in out
+    assert main([*args, "--cpu-memory", "300G"]) == 2  # more than a rank's 256 GB
+    assert f"host memory per rank: {301 << 30} bytes needed, {256 * 10**9} free" in capsys.readouterr().out  # and 1 GiB besides
+    assert main([*args, "--cpu-memory", "224G", "--ranks", "0"]) == 2
+    assert "ranks must be a positive int, got 0" in capsys.readouterr().err
+
+
+def test_interconnect_figures_are_built_in_and_old_profiles_load(tmp_path):
+    one, eight = BUILTIN_PROFILES["h100-sxm-512g-4xgen4"], BUILTIN_PROFILES["8x-h100-sxm-2t-32xgen4"]
+    assert eight.interconnect_gbps == one.interconnect_gbps == 370.0 and "nccl-tests#212" in eight.source
+    assert (eight.host_memory_bytes, len(eight.drives), eight.drives_together) == (256 * 10**9, 4, one.drives_together)
+    assert eight.adam_params_per_s["bfloat16"] == pytest.approx(one.adam_params_per_s["bfloat16"] / 8)
+    assert all(f"between GPUs {p.interconnect_gbps:g} GB/s" in p.source for p in BUILTIN_PROFILES.values())
+    old = json.loads(BUILTIN_PROFILES["h100-pcie-512g-4xgen4"].to_json())
+    del old["interconnect_gbps"]  # a profile saved before the field
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert load_profile(str(tmp_path / "old.json")).interconnect_gbps == 55.0  # the host link
+    with pytest.raises(ValueError, match="interconnect_gbps must be a positive number"):
+        MachineProfile(**{**old, "interconnect_gbps": 0})

@@ -22,7 +22,10 @@ on the whole batches (up to the order of floating-point sums). Every rank must
 compute gradients for the same parameters in each backward pass, as with
 ``DistributedDataParallel`` without ``find_unused_parameters``. No wait is
 unbounded: a collective that does not complete within ``collective_timeout_s``
-raises :class:`RankTimeoutError`.
+raises :class:`RankTimeoutError`. Give ``init_process_group`` the same
+``timeout``: gloo's collectives still in flight end only at the group's own
+timeout, and the process cannot exit before they do (``nvoffload finetune``
+does so).
 """
 
 from torch import nn

@@ -532,6 +532,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         hyperparameters changed between backward and ``step()``, until a step without such a change."""
         return self._protocol.speculate
 
+    @property
+    def ranks(self) -> Ranks | None:
+        """The ranks this optimizer shares its state with (None: one process)."""
+        return None if self._sharding is None else self._sharding.ranks
+
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict:
         """The state as ordinary tensors, read chunk by chunk from the store.

@@ -9,6 +9,9 @@
 - a transformer block's forward and backward (:class:`nvoffload.models.gpt.Block`) at three widths, and a
   large matmul, in TFLOP/s: fp32 on the CPU, bf16 on a GPU;
 - the free host and device memory; the GPU's name by NVML (``nvidia-ml-py``) where present.
+
+The link between GPUs is not measured (one process calibrates): the profile's ``interconnect_gbps`` is the
+host link's (see :class:`~nvoffload.planner.profile.MachineProfile`); edit the JSON for NVLink.
 """
 
 from __future__ import annotations

@@ -16,6 +16,19 @@ backward with the optimizer (compute, the Adam updates that run as gradients are
 within a phase the engines overlap, so a phase lasts as long as its busiest engine, except that on the CPU
 standing in for a GPU, compute and Adam share the host's cores and add up. With ``max_grad_norm`` and the
 model on the device (gradients held), the updates wait for ``step()``: a third phase.
+
+Over ``N`` data-parallel ranks (:mod:`nvoffload.distributed`: one GPU and one process each, with its own swap
+directories) every figure is one rank's. A rank computes ``B / N`` of each micro-batch's sequences, keeps and
+updates ``1 / N`` of the parameters' optimizer state (its NVMe bytes, their traffic and the Adam work are
+``1 / N`` of one process's), and, streaming, still reads the whole model's weights from its own store (they
+are replicated). One more engine, the **interconnect** (``MachineProfile.interconnect_gbps``, the bus
+bandwidth NCCL reports, so a collective's time is its ring bytes per rank over it), carries per step:
+
+- gradients held on the device: their all-reduce at the start of ``step()``, ``2 (N-1)/N`` of their bytes,
+  before any update (so the updates all wait for ``step()``, as with ``max_grad_norm``);
+- streaming: each backward's reduce-scatter of the released gradients to their owners, ``(N-1)/N`` of their
+  bytes, overlapped with backward as the NVMe traffic is;
+- in both: the all-gather of the owners' new weights after the update, ``(N-1)/N`` of their bytes.
 """
 
 from __future__ import annotations
@@ -148,7 +161,11 @@ NAMED_SHAPES = {
 @dataclass(frozen=True)
 class PlanRequest:
     """What ``nvoffload finetune`` would be asked for (None for ``stream`` and ``activations``: the planner
-    chooses)."""
+    chooses).
+
+    ``batch_size`` is the micro-batch of all ``ranks`` together (each computes ``batch_size / ranks`` of its
+    sequences, as ``finetune`` under ``torchrun`` splits it); ``cpu_memory_bytes``, ``device_memory_bytes``
+    and ``swap_dirs`` (the swap directories, one drive each) are every rank's own."""
 
     model: ModelShape
     batch_size: int
@@ -163,9 +180,10 @@ class PlanRequest:
     max_grad_norm: bool = False
     checksum: bool = True  # the store's CRC-32C (the default), computed on the thread that moves the bytes
     optimizer_memory_fraction: float = 0.5
+    ranks: int = 1  # data-parallel processes, one GPU each
 
     def __post_init__(self):
-        for name in ("batch_size", "seq_len", "grad_accum_steps", "cpu_memory_bytes", "device_memory_bytes", "swap_dirs"):
+        for name in ("batch_size", "seq_len", "grad_accum_steps", "cpu_memory_bytes", "device_memory_bytes", "swap_dirs", "ranks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -177,7 +195,8 @@ class PlanRequest:
 
 @dataclass(frozen=True)
 class Plan:
-    """The planner's answer: where everything lives, the predicted step, and whether it fits."""
+    """The planner's answer: where everything lives, the predicted step, and whether it fits. Over several
+    ranks, the times, memory and bytes are one rank's; ``tokens_per_s`` is all ranks'."""
 
     request: PlanRequest
     stream: bool
@@ -189,13 +208,14 @@ class Plan:
     activation_memory_bytes: int | None  # activation offload's host memory (None: not offloaded)
     step_s: float
     tokens_per_s: float
-    tflops: float  # achieved, counting 6 FLOPs per parameter per token plus attention
-    bottleneck: str
-    engine_s: dict[str, float]  # each engine's busy time in the step
-    phases_s: dict[str, float]
+    tflops: float  # achieved by each rank (GPU), counting 6 FLOPs per parameter per token plus attention
+    bottleneck: str  # the busiest engine: "compute", "cpu adam", "checksums", "nvme", "copies", "interconnect"
+    engine_s: dict[str, float]  # each engine's busy time in the step, seconds
+    phases_s: dict[str, float]  # forward, backward, step (with several ranks, the weights' all-gather in it)
     memory_bytes: dict[str, int]  # device, host, nvme
     nvme_read_bytes: int
     nvme_written_bytes: int
+    communication_bytes: dict[str, int]  # sent by each rank a step, by collective ("all-reduce" or "reduce-scatter", "all-gather"); {} with one rank
     profile: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -242,9 +262,12 @@ def plan(request: PlanRequest, profile: MachineProfile, *, recompute: bool = Tru
 def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> Plan:
     """One choice: ``stream`` or not, activations ``kind`` ("keep", "offload" or "recompute")."""
     m = r.model
+    n = r.ranks
+    rows = -(-r.batch_size // n)  # a rank's sequences of each micro-batch (the busiest rank's when they do not split)
+    shard = -(-m.params // n)  # the parameters whose optimizer state one rank keeps and updates
     dtype_bytes = _DTYPE_BYTES[r.dtype]
     weights = m.params * dtype_bytes
-    activations = m.activation_bytes(r.batch_size, r.seq_len, dtype_bytes)
+    activations = m.activation_bytes(rows, r.seq_len, dtype_bytes)
     block_bytes = m.block_params * dtype_bytes
     resident = m.resident_params * dtype_bytes
     device_needs = (2 * resident + 3 * block_bytes) if stream else 2 * weights
@@ -252,13 +275,13 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     # Activation offload's host memory, which also bounds what it keeps on the device (up to half of it in
     # writes in flight, half in reads ahead, a third in the latest tensors): what the device has left, at
     # most an eighth of the host budget, at least twice the largest saved tensor.
-    largest_saved = r.batch_size * r.seq_len * max(m.ffn, m.d_model) * dtype_bytes
+    largest_saved = rows * r.seq_len * max(m.ffn, m.d_model) * dtype_bytes
     activation_host = 0
     if offload:
         room = int(0.75 * max(0, r.device_memory_bytes - device_needs))
         activation_host = max(2 * largest_saved, min(r.cpu_memory_bytes // 8, room))
     if kind == "recompute":  # each block's input, and one block's activations while it is recomputed
-        kept_activations = m.n_layer * r.batch_size * r.seq_len * m.d_model * dtype_bytes + activations // m.n_layer
+        kept_activations = m.n_layer * rows * r.seq_len * m.d_model * dtype_bytes + activations // m.n_layer
     else:
         kept_activations = min(activations, activation_host * 4 // 3) if offload else activations
 
@@ -269,6 +292,11 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     cached = min(m.n_layer, stream_host // aligned_block) if stream else m.n_layer
     if r.seq_len > m.max_seq_len:
         reasons.append(f"seq_len {r.seq_len} exceeds the model's context of {m.max_seq_len}")
+    if r.batch_size % n:
+        reasons.append(
+            f"batch_size {r.batch_size} does not split evenly between {n} ranks (each computes batch_size / ranks"
+            f" of every micro-batch's sequences): take a multiple of {n}"
+        )
     if stream and stream_host < 3 * aligned_block:  # one block computing, one arriving, one read ahead
         need = int((3 * aligned_block + activation_host) / (1 - r.optimizer_memory_fraction)) + 1
         reasons.append(
@@ -284,13 +312,14 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
             f" {device_needs}, activations {kept_activations}), more than device_memory_bytes={r.device_memory_bytes}:"
             f" {', or '.join(ways)}"
         )
-    state = m.params * _OPTIMIZER_BYTES
-    kept_grads = m.params * 4 if (stream and r.grad_accum_steps > 1) else 0
+    state = shard * _OPTIMIZER_BYTES
+    kept_grads = shard * 4 if (stream and r.grad_accum_steps > 1) else 0
     nvme_used = (weights if stream else 0) + 2 * state + kept_grads + (activations if offload else 0)
     drives = profile.nvme(r.swap_dirs)
     host_used = r.cpu_memory_bytes + _HOST_OVERHEAD_BYTES + (0 if profile.device == "cuda" else device_used)
     if host_used > profile.host_memory_bytes:
-        reasons.append(f"host memory: {host_used} bytes needed, {profile.host_memory_bytes} free: lower cpu_memory_bytes")
+        each = " per rank" if n > 1 else ""
+        reasons.append(f"host memory{each}: {host_used} bytes needed, {profile.host_memory_bytes} free: lower cpu_memory_bytes")
 
     # -- bytes moved per step
     g = r.grad_accum_steps
@@ -301,39 +330,54 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     kept_io = (g - 1) * kept_grads
     read = state + weight_reads + act_io + kept_io
     written = state + weight_writes + act_io + kept_io
-    h2d = (g * 2 * m.n_layer * block_bytes if stream else weights) + act_io
-    d2h = g * m.params * dtype_bytes + act_io
+    h2d = (g * 2 * m.n_layer * block_bytes if stream else shard * dtype_bytes) + act_io  # a rank's updated weights
+    d2h = g * shard * dtype_bytes + act_io  # the gradients of a rank's parameters
+    wire = (n - 1) / n * m.params * dtype_bytes  # one rank's bytes in a ring collective over all the parameters
+    communication: dict[str, float] = {}
+    if n > 1:  # the gradients to their owners (streaming: each backward's), then the owners' new weights to all
+        communication = {"reduce-scatter": g * wire} if stream else {"all-reduce": 2 * wire}
+        communication["all-gather"] = wire
 
     # -- engine times
-    matrices, attention = m.flops(r.batch_size, r.seq_len)
+    matrices, attention = m.flops(rows, r.seq_len)
     flops = g * (matrices + attention)
     matrix_rate, attention_rate, overhead = profile.block_rates(m.d_model)
     per_micro_batch = matrices / matrix_rate + attention / attention_rate + m.n_layer * overhead
     compute = g * per_micro_batch * (4 / 3 if kind == "recompute" else 1)
-    adam = m.params / profile.adam_params_per_s["float32" if r.dtype == "float32" else "bfloat16"]
+    adam = shard / profile.adam_params_per_s["float32" if r.dtype == "float32" else "bfloat16"]
     nvme_read_s, nvme_write_s = read / (drives.read_gbps * 1e9), written / (drives.write_gbps * 1e9)
     copies = h2d / (profile.h2d_gbps * 1e9) + d2h / (profile.d2h_gbps * 1e9)
     checksums = (read + written) / 15e9 if r.checksum else 0.0  # CRC-32C, one thread (bench/results/bench_io.md)
+    link = profile.interconnect_gbps * 1e9
+    reduce_s = (communication.get("all-reduce", 0) + communication.get("reduce-scatter", 0)) / link
+    gather_s = communication.get("all-gather", 0) / link
     on_cpu = profile.device == "cpu"
     fwd_reads = (evicted * block_bytes * g if stream else 0) / (drives.read_gbps * 1e9)
     forward = max(compute / 3 + (copies / 2 if on_cpu else 0), fwd_reads)
-    held = r.max_grad_norm and not stream  # gradients held for clipping: the updates run in step()
+    clipped = r.max_grad_norm and not stream
+    held = clipped or (n > 1 and not stream)  # gradients held for clipping or the all-reduce: the updates run in step()
     nvme_rest = nvme_read_s + nvme_write_s - fwd_reads
     cpu_backward = (2 * compute / 3 if on_cpu else 0) + (0 if held else adam + checksums) + (copies / 2 if on_cpu else 0)
-    backward = max(2 * compute / 3, cpu_backward, 0 if held else nvme_rest, 0 if on_cpu else copies)
-    step_call = max(adam + checksums, nvme_rest) if held else 0.0
+    backward = max(2 * compute / 3, cpu_backward, 0 if held else max(nvme_rest, reduce_s), 0 if on_cpu else copies)
+    step_call = (reduce_s + max(adam + checksums, nvme_rest) if held else 0.0) + gather_s
     step = forward + backward + step_call
-    engines = {"compute": compute, "cpu adam": adam, "checksums": checksums, "nvme": nvme_read_s + nvme_write_s, "copies": copies}
+    engines = {"compute": compute, "cpu adam": adam, "checksums": checksums, "nvme": nvme_read_s + nvme_write_s, "copies": copies,
+               "interconnect": reduce_s + gather_s}  # fmt: skip
     busiest = max(engines, key=engines.get)
-    if held or not on_cpu and adam + checksums > max(engines.values()):  # one CPU thread runs both in turn
+    cpu_thread = adam + checksums  # one CPU thread runs both in turn
+    if (clipped and cpu_thread >= engines["interconnect"]) or (not on_cpu and cpu_thread > max(engines.values())):
         busiest = "cpu adam" if adam >= checksums else "checksums"
     if on_cpu and compute + adam + checksums > max(engines.values()):  # compute shares the host's cores
         busiest = max(("compute", compute), ("cpu adam", adam), ("checksums", checksums), key=lambda kv: kv[1])[0]
+    if n == 1:
+        grads = "consumed during backward" if stream or not held else "device until step()"
+    else:
+        grads = "reduced to their owners during backward" if stream else "device until step(), all-reduced there"
     placement = {
-        "parameters": "NVMe, streamed block by block through host memory" if stream else "device",
-        "optimizer state": "NVMe (fp32 master and moments), updated by the CPU",
+        "parameters": ("NVMe, streamed block by block through host memory" if stream else "device") + ("; every rank its copy" if n > 1 else ""),
+        "optimizer state": "NVMe (fp32 master and moments), updated by the CPU" + (f"; each rank 1/{n} of it" if n > 1 else ""),
         "activations": {"keep": "device", "offload": "NVMe (offloaded)", "recompute": "recomputed in backward (each block's input kept)"}[kind],
-        "gradients": "consumed during backward" if stream or not held else "device until step()",
+        "gradients": grads,
     }
     tokens = g * r.batch_size * r.seq_len
     return Plan(
@@ -342,4 +386,5 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
         engine_s=engines, phases_s={"forward": forward, "backward": backward, "step": step_call},
         memory_bytes={"device": int(device_used), "host": int(host_used), "nvme": int(nvme_used)},
         nvme_read_bytes=int(read), nvme_written_bytes=int(written), profile=profile.name,
+        communication_bytes={k: int(v) for k, v in communication.items()},
     )  # fmt: skip

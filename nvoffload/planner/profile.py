@@ -3,7 +3,14 @@ built in for common GPU servers, saved as JSON.
 
 Every rate is one engine alone, as nvoffload drives it: the device's throughput on a transformer block's
 forward and backward (by model width), host<->device copies, each swap directory's reads and writes (and all
-of them at once), and the CPU Adam kernel. The planner (:mod:`nvoffload.planner.cost`) combines them.
+of them at once), the CPU Adam kernel, and the link between GPUs for collectives. The planner
+(:mod:`nvoffload.planner.cost`) combines them.
+
+A profile is what one training process (one rank, one GPU) has. On a machine with several GPUs, each
+training as a rank of :mod:`nvoffload.distributed`, that is its share: its GPU, its own swap directories
+(drives), and the machine's host memory, cores and CPU Adam throughput divided between the GPUs (as the
+built-in multi-GPU profiles are; :mod:`~nvoffload.planner.calibrate` measures the whole host as one process
+sees it).
 """
 
 from __future__ import annotations
@@ -53,9 +60,14 @@ class MachineProfile:
         drives: each swap directory alone.
         drives_together: all of ``drives`` at once (striped, as the store writes).
         adam_params_per_s: the CPU Adam kernel's updates per second with fp32 and with bf16 gradients
-            (``{"float32": ..., "bfloat16": ...}``), all cores.
-        cpu_cores: the host's cores.
+            (``{"float32": ..., "bfloat16": ...}``), all cores (of the rank's share).
+        cpu_cores: the host's cores (the rank's share).
         source: how the figures were obtained (measured where and when, or the public sources).
+        interconnect_gbps: each GPU's bandwidth for collectives with the others, GB/s, as NCCL reports it (bus
+            bandwidth: a ring collective moving ``x`` bytes per rank takes ``x / interconnect_gbps``): NVLink
+            where the GPUs have it, else PCIe. None (a profile saved before this field, or from ``calibrate``,
+            which measures one process) becomes the host link, ``min(h2d_gbps, d2h_gbps)``: what collectives
+            between GPUs without NVLink run over.
     """
 
     name: str
@@ -72,6 +84,7 @@ class MachineProfile:
     adam_params_per_s: dict[str, float] = field(default_factory=dict)
     cpu_cores: int = 1
     source: str = ""
+    interconnect_gbps: float | None = None
 
     def __post_init__(self):
         if self.device not in ("cuda", "cpu"):
@@ -94,6 +107,11 @@ class MachineProfile:
             object.__setattr__(self, "drives_together", Drive(**self.drives_together))
         if set(self.adam_params_per_s) != {"float32", "bfloat16"} or min(self.adam_params_per_s.values()) <= 0:
             raise ValueError(f"MachineProfile.adam_params_per_s needs positive float32 and bfloat16 rates, got {self.adam_params_per_s}")
+        if self.interconnect_gbps is None:
+            object.__setattr__(self, "interconnect_gbps", min(self.h2d_gbps, self.d2h_gbps))
+        value = self.interconnect_gbps
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            raise ValueError(f"MachineProfile.interconnect_gbps must be a positive number of GB/s, got {value!r}")
 
     def block_rates(self, d_model: int) -> tuple[float, float, float]:
         """A block's matrices FLOP/s, attention FLOP/s and fixed seconds per pass at width ``d_model``
@@ -167,34 +185,59 @@ def load_profile(name_or_path: str) -> MachineProfile:
 # CPU Adam: memory-bound at ~28 bytes per parameter (fp32 master and moments read and written, a 16-bit
 #   gradient and weight), at half of a server's STREAM bandwidth (~300 GB/s for 2x 8-12 channel DDR5;
 #   ~80 GB/s for a 2-channel DDR5 desktop): an estimate, calibrate to replace it.
+# Between GPUs (collectives, NCCL's bus bandwidth): NVLink 4 through NVSwitch (H100 SXM, H200) is 450 GB/s a
+#   direction, of which NCCL gets ~370 GB/s as bus bandwidth with ring algorithms (its maintainer in
+#   NVIDIA/nccl-tests#212; the all-reduce reaches ~480 with NVLink SHARP, not modelled); NVLink 3 (A100 SXM4,
+#   assumed for the 80 GB part) 300 GB/s a direction, 230-250 GB/s in nccl-tests on 8x A100 SXM4; 8x H100 PCIe
+#   without NVLink bridges 35-45 GB/s, PCIe Gen5 bound (the last two: the reference table of "NCCL-tests in
+#   practice", docs.alayanew.com); a GeForce RTX 4090 has no NVLink and no peer-to-peer: through host memory
+#   over PCIe Gen4 x16 (~25 GB/s above), ~25 GB/s measured on 5 of them (tinygrad/open-gpu-kernel-modules#17),
+#   20 assumed.
+# Several GPUs in one machine (``gpus``): each rank gets its GPU, its drives, and an equal share of the host
+#   memory, cores and CPU Adam throughput (one host's memory bandwidth serves all the ranks' Adam kernels).
+#   The one-GPU profiles, planned with several ranks, give each rank the whole host they describe.
 
-_GPU = {  # name: (device memory bytes, BF16 dense TFLOPS, host<->device GB/s)
-    "H100-SXM": (80 * 10**9, 989.0, 55.0),
-    "H100-PCIe": (80 * 10**9, 756.0, 55.0),
-    "H200": (141 * 10**9, 989.0, 55.0),
-    "A100-80GB": (80 * 10**9, 312.0, 25.0),
-    "RTX-4090": (24 * 10**9, 165.2, 25.0),
-}
+_NVLINK4 = "NVLink 4 through NVSwitch: ~370 GB/s NCCL bus bandwidth, ring (NVIDIA/nccl-tests#212)"
+_GPU = {  # name: (device memory bytes, BF16 dense TFLOPS, host<->device GB/s, between GPUs GB/s, its source)
+    "H100-SXM": (80 * 10**9, 989.0, 55.0, 370.0, _NVLINK4),
+    "H100-PCIe": (80 * 10**9, 756.0, 55.0, 40.0, "PCIe Gen5, no NVLink: 35-45 GB/s in nccl-tests on 8 (docs.alayanew.com)"),
+    "H200": (141 * 10**9, 989.0, 55.0, 370.0, _NVLINK4),
+    "A100-80GB": (80 * 10**9, 312.0, 25.0, 240.0, "NVLink 3 (SXM4): 230-250 GB/s in nccl-tests on 8 (docs.alayanew.com)"),
+    "RTX-4090": (24 * 10**9, 165.2, 25.0, 20.0, "PCIe Gen4 through host memory, no NVLink or peer-to-peer: ~25 GB/s"
+                 " measured on 5 (tinygrad/open-gpu-kernel-modules#17), 20 assumed"),
+}  # fmt: skip
 _DRIVE = {"gen4": Drive(7.0, 6.5), "gen5": Drive(14.0, 12.0)}
 
 
-def builtin_profile(gpu: str, host_memory_gb: int, drives: int, drive: str = "gen4", *, desktop: bool = False) -> MachineProfile:
+def builtin_profile(
+    gpu: str, host_memory_gb: int, drives: int, drive: str = "gen4", *, desktop: bool = False, gpus: int = 1
+) -> MachineProfile:
     """A profile from the public figures above: ``gpu`` (``H100-SXM``, ``H100-PCIe``, ``H200``, ``A100-80GB``,
-    ``RTX-4090``), host memory in GB, ``drives`` NVMe drives of kind ``drive`` (``gen4``, ``gen5``)."""
+    ``RTX-4090``), host memory in GB, ``drives`` NVMe drives of kind ``drive`` (``gen4``, ``gen5``), of a
+    machine with ``gpus`` of them: with several, one rank's share (``drives / gpus`` drives, the host memory,
+    cores and CPU Adam throughput divided by ``gpus``)."""
     if gpu not in _GPU or drive not in _DRIVE:
         raise ValueError(f"unknown GPU {gpu!r} or drive {drive!r}: choose from {sorted(_GPU)} and {sorted(_DRIVE)}")
-    memory, tflops, pcie = _GPU[gpu]
+    if gpus < 1 or drives % gpus:
+        raise ValueError(f"{drives} drives do not split evenly between {gpus} GPUs")
+    memory, tflops, pcie, link, link_source = _GPU[gpu]
     one = _DRIVE[drive]
-    adam = (80e9 if desktop else 300e9) / 2 / 28  # params/s, see above
+    own = drives // gpus
+    adam = (80e9 if desktop else 300e9) / 2 / 28 / gpus  # params/s, see above
+    name = f"{gpus}x {gpu} + {host_memory_gb} GB RAM + {drives}x {drive} NVMe"
+    if gpus > 1:
+        name += f" (a rank: 1 GPU, {host_memory_gb // gpus} GB RAM, {own} drives)"
     return MachineProfile(
-        name=f"1x {gpu} + {host_memory_gb} GB RAM + {drives}x {drive} NVMe",
-        device="cuda", device_name=gpu, device_memory_bytes=memory, host_memory_bytes=host_memory_gb * 10**9,
+        name=name, device="cuda", device_name=gpu, device_memory_bytes=memory,
+        host_memory_bytes=host_memory_gb * 10**9 // gpus,
         block_tflops=((1024, 0.45 * tflops, 0.3 * tflops, 2e-4), (8192, 0.55 * tflops, 0.4 * tflops, 2e-4)),
         matmul_tflops=0.8 * tflops,
-        h2d_gbps=pcie, d2h_gbps=pcie, drives=tuple([one] * drives),
-        drives_together=Drive(one.read_gbps * drives, one.write_gbps * drives),
-        adam_params_per_s={"float32": adam, "bfloat16": adam}, cpu_cores=16 if desktop else 64,
-        source="built in: vendors' datasheets and published utilization (nvoffload/planner/profile.py)",
+        h2d_gbps=pcie, d2h_gbps=pcie, drives=tuple([one] * own),
+        drives_together=Drive(one.read_gbps * own, one.write_gbps * own),
+        adam_params_per_s={"float32": adam, "bfloat16": adam}, cpu_cores=(16 if desktop else 64) // gpus,
+        source="built in: vendors' datasheets and published utilization (nvoffload/planner/profile.py);"
+        f" between GPUs {link:g} GB/s: {link_source}",
+        interconnect_gbps=link,
     )  # fmt: skip
 
 
@@ -204,4 +247,6 @@ BUILTIN_PROFILES: dict[str, MachineProfile] = {
     "h200-1t-4xgen5": builtin_profile("H200", 1024, 4, "gen5"),
     "a100-80g-512g-4xgen4": builtin_profile("A100-80GB", 512, 4, "gen4"),
     "rtx4090-256g-2xgen4": builtin_profile("RTX-4090", 256, 2, "gen4", desktop=True),
+    # an HGX/DGX H100 class server (8 SXM GPUs on NVSwitch, 2 TB of host memory) with 4 Gen4 drives per GPU
+    "8x-h100-sxm-2t-32xgen4": builtin_profile("H100-SXM", 2048, 32, "gen4", gpus=8),
 }
