@@ -403,12 +403,19 @@ def _load_optimizer(
                 reader.read_slice(name, elements.start, out)
                 checks.add(reader.file_of(name), name, out, elements.start)
                 return
+            covered = 0
             for name, lo, hi in pieces[id(tensor)]:
                 start, stop = max(lo, elements.start), min(hi, elements.stop)
                 if start < stop:
                     part = out[start - elements.start : stop - elements.start]
                     reader.read_slice(name, start - lo, part)
                     checks.add(reader.file_of(name), name, part, start - lo)
+                    covered += stop - start
+            if covered != elements.stop - elements.start:
+                raise CheckpointError(
+                    ckpt_dir, f"elements [{elements.start}, {elements.stop}) of a state tensor of shape"
+                    f" {tuple(tensor.shape)} are not all in the pieces the ranks saved: the manifest is damaged",
+                )  # fmt: skip
 
         if not streamed:  # a torch optimizer: whole tensors
             for st in state_dict["state"].values():

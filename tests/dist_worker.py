@@ -26,6 +26,7 @@ from nvoffload.optim import NVMeAdamW
 MiB = 1 << 20
 BATCH = 12  # rows per micro-batch, split between the ranks
 MAX_GRAD_NORM = 0.05  # small enough that every step clips
+BUCKET_BYTES = 48 << 10  # many buckets, some holding one parameter larger than this
 
 
 def main() -> None:
@@ -57,12 +58,13 @@ def main() -> None:
     if args.mode == "optimizer":
         opt = NVMeAdamW(
             model.parameters(), lr=3e-3, weight_decay=0.1, swap_dir=swap, max_grad_norm=MAX_GRAD_NORM,
-            cpu_memory_bytes=4 * MiB, chunk_bytes=16 << 10, collective_timeout_s=args.timeout,
+            cpu_memory_bytes=4 * MiB, chunk_bytes=16 << 10, collective_timeout_s=args.timeout, bucket_bytes=BUCKET_BYTES,
         )  # fmt: skip
     else:
         config = nvoffload.OffloadConfig(
             swap_dirs=[swap], cpu_memory_bytes=8 * MiB, device_memory_bytes=16 * MiB,
             max_grad_norm=MAX_GRAD_NORM, gradient_accumulation_steps=args.accum, collective_timeout_s=args.timeout,
+            bucket_bytes=BUCKET_BYTES,
         )  # fmt: skip
         model, opt = nvoffload.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), config)
     ckpt_dir = args.ckpt

@@ -24,13 +24,15 @@ writes the others' into its model (or its streamer's weights).
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 
 from nvoffload.device import untracked
 from nvoffload.distributed._partition import Partition
-from nvoffload.distributed._ranks import Ranks
+from nvoffload.distributed._ranks import Ranks, RankTimeoutError
 
 DEFAULT_BUCKET_BYTES = 25 << 20  # as DistributedDataParallel's bucket_cap_mb
 
@@ -38,15 +40,43 @@ Deliver = Callable[[torch.Tensor, "PendingReduce"], None]  # (the parameter's re
 
 
 class PendingReduce:
-    """A bucket's reduction in flight; :meth:`wait` (any thread, more than once) returns once it is done."""
+    """A bucket's reduction in flight; :meth:`wait` (any thread, more than once) returns once it is done.
+
+    Its users (the update requests reading the bucket) :meth:`hold` it and :meth:`release` it once they copied
+    their gradient out; ``freed`` is set when every one did, and the bucket's memory can go.
+    """
 
     def __init__(self, ranks: Ranks, works: list, what: str):
         self._ranks, self._works, self._what = ranks, works, what
+        self._lock = threading.Lock()
+        self._users = 0
+        self._delivered = False
+        self.freed = threading.Event()
 
     def wait(self) -> None:
-        works, self._works = self._works, []
+        with self._lock:
+            works, self._works = self._works, []
         for work in works:
             self._ranks.wait(work, self._what)
+
+    def hold(self) -> None:
+        with self._lock:
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            self._settle()
+
+    def delivered(self) -> None:
+        """Every user holds it now."""
+        with self._lock:
+            self._delivered = True
+            self._settle()
+
+    def _settle(self) -> None:
+        if self._delivered and self._users == 0:
+            self.freed.set()
 
 
 class _OpenBucket:
@@ -67,6 +97,7 @@ class GradientBuckets:
         self._open: dict[torch.dtype, _OpenBucket] = {}
         self._pass: int | None = None  # the backward pass whose end flushes the open buckets
         self._launched = 0
+        self._inflight: deque[PendingReduce] = deque()  # launched buckets still read by update requests
 
     # ------------------------------------------------------------------ held gradients
     @torch.no_grad()
@@ -135,8 +166,21 @@ class GradientBuckets:
             self._pass = task
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
 
+    def _make_room(self) -> None:
+        """Wait until at most one launched bucket is still read (the worker copies their gradients out in
+        order), so that two buckets at most are in device memory: ``2 * max(bucket_bytes, largest gradient)``."""
+        while self._inflight and self._inflight[0].freed.is_set():
+            self._inflight.popleft()
+        while len(self._inflight) >= 2:
+            if not self._inflight[0].freed.wait(self.ranks.timeout_s):
+                raise RankTimeoutError(self.ranks.failure(
+                    "the optimizer's worker to read a reduced gradient bucket", f"not within {self.ranks.timeout_s:g} s"
+                ))  # fmt: skip
+            self._inflight.popleft()
+
     @torch.no_grad()
     def _launch(self, bucket: _OpenBucket) -> None:
+        self._make_room()
         dtype = bucket.entries[0][1].dtype
         flat = torch.empty(bucket.numel, dtype=dtype, device=self.ranks.device)
         runs: list[list[int]] = []  # [owner, start, end] of the bucket's elements, merged where adjacent
@@ -156,6 +200,8 @@ class GradientBuckets:
         for _, grad, deliver in bucket.entries:
             deliver(flat[at : at + grad.numel()], pending)
             at += grad.numel()
+        pending.delivered()
+        self._inflight.append(pending)
 
 
 def _grad_dtype(p: torch.Tensor) -> torch.dtype:

@@ -61,9 +61,9 @@ class Ranks:
         try:
             done = work.wait(datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
-            raise RankTimeoutError(self._failed(what, str(exc))) from exc
+            raise RankTimeoutError(self.failure(what, str(exc))) from exc
         if done is False:
-            raise RankTimeoutError(self._failed(what, f"no answer within {self.timeout_s:g} s"))
+            raise RankTimeoutError(self.failure(what, f"no answer within {self.timeout_s:g} s"))
         if self.device.type == "cuda":  # NCCL's wait only orders the current stream: let the host see the data
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -127,12 +127,13 @@ class Ranks:
         try:
             run()
         except RuntimeError as exc:
-            raise RankTimeoutError(self._failed(what, str(exc))) from exc
+            raise RankTimeoutError(self.failure(what, str(exc))) from exc
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def _failed(self, what: str, why: str) -> str:
+    def failure(self, what: str, why: str) -> str:
+        """The message of a wait for ``what`` that ended without it (``why``)."""
         return (
             f"nvoffload: rank {self.rank} of {self.world_size} waited in vain for {what} ({why}); another rank"
             " died, hangs, or left the step on another path (an error there, or gradients for other parameters)"

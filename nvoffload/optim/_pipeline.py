@@ -198,6 +198,8 @@ class Pipeline:
                 self._process(req)
         except BaseException as exc:  # noqa: BLE001 - reported from step()
             self._errors.append(exc)
+        if req.comm is not None:
+            req.comm.release()  # its gradient was copied out (or never will be): the bucket may go
         self._done()
 
     def _done(self) -> None:

@@ -201,6 +201,8 @@ class StepProtocol:
         flat = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
         ready = self._io.transfer.record()  # the gradient is final here, and backward no longer reads the weights
         for chunk in rec.chunks:
+            if kinds.get("comm") is not None:
+                kinds["comm"].hold()  # the worker releases it once it copied the gradient out
             self._pipeline.submit(Request(chunk, flat[chunk.elements], hp, rec.step + 1, grad_scale, ready, **kinds))
 
     def _submit_kept(self, rec: Record, grad_scale: float) -> None:
