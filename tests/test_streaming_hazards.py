@@ -344,3 +344,21 @@ def test_after_close_every_access_is_refused(tmp_path):
     assert out["load"].startswith("a module of this GPT needs streamed weights, but " + CLOSED)
     assert out["forward"].startswith("parameter block 0 of this GPT needs streamed weights, but " + CLOSED)
     assert out["backward"].startswith("parameter block 1 of this GPT needs streamed weights, but " + CLOSED)
+
+
+def test_a_read_dispatched_to_the_guard_as_its_block_came_back_on_another_thread_reads_plainly():
+    """The optimizer's worker reads a parameter's dtype while the training thread brings its block back: the
+    read is dispatched to the guard's class, which the parameter has left by the time the guard looks."""
+    from nvoffload.streaming import _guard
+
+    p = nn.Parameter(torch.ones(3))
+    _guard.attach(p, "w", 0)
+    _guard.guard(p)
+    with pytest.raises(_guard.StreamedParameterError, match="sum"):
+        p.sum()
+    dispatch = _guard.OffDeviceParameter.__torch_function__  # chosen while p was guarded
+    _guard.unguard(p)  # meanwhile, on the other thread
+    assert dispatch(torch.Tensor.dtype.__get__, (_guard.OffDeviceParameter,), (p,)) is torch.float32
+    assert float(dispatch(torch.Tensor.sum, (_guard.OffDeviceParameter,), (p,)).detach()) == 3.0
+    with pytest.raises(_guard.StreamedParameterError, match="read a streamed parameter that is off the device"):
+        dispatch(torch.Tensor.sum, (_guard.OffDeviceParameter,), ([torch.ones(1)],))  # no parameter to be found

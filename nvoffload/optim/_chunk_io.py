@@ -120,12 +120,22 @@ class ChunkIO:
 
     def read(self, chunk: Chunk, gen: int, slot: Slot, *, state: bool = True, master: bool = True) -> Future:
         """Start reading generation ``gen`` of ``chunk`` into ``slot`` (or only its state or its master row)."""
-        futures = []
+        future, nbytes = self.read_ahead(chunk, gen, slot, state=state, master=master)
+        self.count_read(nbytes)
+        return future
+
+    def read_ahead(self, chunk: Chunk, gen: int, slot: Slot, *, state: bool = True, master: bool = True) -> tuple[Future, int]:
+        """:meth:`read`, with its bytes left for the caller to :meth:`count_read` once the read is used (a read
+        ahead of the next step counts in that step, whether it starts before or after ``reset_counts``)."""
+        futures, nbytes = [], 0
         for name, out in self.layout.entries(chunk, gen, self.layout.chunk_rows(chunk, slot), state=state, master=master):
             futures.append(self.store.get(name, out=out))
-            with self._count_lock:
-                self.read_bytes += out.numel() * 4
-        return Future.all_of(futures)
+            nbytes += out.numel() * 4
+        return Future.all_of(futures), nbytes
+
+    def count_read(self, nbytes: int) -> None:
+        with self._count_lock:
+            self.read_bytes += nbytes
 
     def write(self, chunk: Chunk, gen: int, rows: torch.Tensor) -> Future:
         """Start writing ``rows`` (``(rows, numel)`` fp32) as generation ``gen`` of ``chunk``."""

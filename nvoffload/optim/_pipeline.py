@@ -53,7 +53,8 @@ class Pipeline:
         self._update = update
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from a finalizer
         self._free = slots
-        self._prefetched: dict[Chunk, tuple[Slot, object, bool]] = {}  # chunk: (slot, read future, with master)
+        # chunk: (slot, read future, with master, bytes read: counted when the read is used or dropped)
+        self._prefetched: dict[Chunk, tuple[Slot, object, bool, int]] = {}
         self._writes: deque = deque()  # (slot, future)
         self._plan: list[Chunk] = []
         self._plan_pos = 0
@@ -249,14 +250,16 @@ class Pipeline:
             try:
                 slot = self._take_slot()
                 master = self._io.layout.needs_master(chunk)
-                self._prefetched[chunk] = (slot, self._io.read(chunk, chunk.gen, slot, master=master), master)
+                future, nbytes = self._io.read_ahead(chunk, chunk.gen, slot, master=master)
+                self._prefetched[chunk] = (slot, future, master, nbytes)
             except BaseException as exc:  # noqa: BLE001
                 self._errors.append(exc)
             return
 
     def _settle_prefetched(self, chunk: Chunk) -> None:
         """Wait for the read ahead of ``chunk`` (its errors do not matter: it was not used) and free its slot."""
-        slot, fut, _ = self._prefetched.pop(chunk)
+        slot, fut, _, nbytes = self._prefetched.pop(chunk)
+        self._io.count_read(nbytes)  # read for nothing, but read
         try:
             fut.result()
         except BaseException:  # noqa: BLE001
@@ -292,7 +295,8 @@ class Pipeline:
         chunk, io = req.chunk, self._io
         fresh = not chunk.applied  # else the model holds an update of this step: the master comes from the store
         if chunk in self._prefetched:
-            slot, fut, master = self._prefetched.pop(chunk)
+            slot, fut, master, nbytes = self._prefetched.pop(chunk)
+            self._io.count_read(nbytes)
         else:
             slot = self._take_slot()
             fut, master = None, True

@@ -98,7 +98,12 @@ def _guarded_torch_function(cls, func, types, args=(), kwargs=None):
         guarded = args[0]
     else:
         guarded = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, _GUARDED)), None)
-    if guarded is None:  # inside a structure pytree does not open
+    if guarded is None:
+        if args and isinstance(args[0], torch.Tensor) and "_nvoffload_placement" in args[0].__dict__:
+            # Its block came back to the device (unguard(), on another thread: the optimizer's worker reads the
+            # parameter's metadata) between this call's dispatch to the guard and now: a plain parameter again.
+            return _plain(func, args, kwargs)
+        # inside a structure pytree does not open
         raise StreamedParameterError(f"{getattr(func, '__name__', func)}() read a streamed parameter that is off the device")
     placement = _placement(guarded)
     descriptor = getattr(func, "__self__", None)
