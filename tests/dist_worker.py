@@ -94,13 +94,22 @@ def main() -> None:
         if args.save_at is not None and step + 1 == args.save_at:
             nvoffload.save_training_checkpoint(ckpt_dir, step=step + 1, model=model, optimizer=opt)
     stats = opt.memory_stats()  # with the checkpoint's reads, when one was saved
+    state = opt.state_dict()  # gathered from every rank's share
+    if args.mode == "optimizer":  # and scattered again: a new optimizer takes its share of the whole state
+        again = NVMeAdamW(model.parameters(), lr=3e-3, swap_dir=swap, cpu_memory_bytes=4 * MiB, chunk_bytes=16 << 10)
+        again.load_state_dict(state)
+        reloaded = again.state_dict()
+        again.close()
+        for idx, st in state["state"].items():
+            for key, value in st.items():
+                assert torch.equal(reloaded["state"][idx][key], value), (idx, key)
     torch.save(
         {
             "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "losses": losses,
             "read_bytes": stats.read_bytes,
             "written_bytes": stats.written_bytes,
-            "state": opt.state_dict(),
+            "state": state,
         },
         os.path.join(args.out, f"rank{rank}.pt"),
     )

@@ -195,3 +195,29 @@ def test_finetune_under_torchrun_trains_as_one_process(tmp_path, stream):
     losses = [[float(line.split("loss ")[1].split()[0]) for line in outputs[r]] for r in (1, 2)]
     assert losses[0] == losses[1]  # the global batch's loss, to the 3 decimals printed
     assert_trained_alike(weights[2], weights[1])
+
+
+def test_a_checkpoint_missing_a_piece_of_a_tensor_is_refused(trained, saved, tmp_path):
+    """A manifest edited (consistently: its checksums redone) so that one tensor lacks rank 1's piece."""
+    import json
+    import shutil
+
+    from nvoffload.training_checkpoint import MANIFEST, STATE_FILE, _file_crc32c
+
+    mode, *_ = trained
+    ckpt = tmp_path / "ckpt" / "checkpoint-5"
+    shutil.copytree(saved / "checkpoint-5", ckpt)
+    state = torch.load(ckpt / STATE_FILE, weights_only=True)
+    entry = next(v for st in state["optimizer"]["state"].values() for v in st.values()
+                 if isinstance(v, dict) and len(v.get("__pieces__", [])) == 2)  # fmt: skip
+    entry["__pieces__"] = entry["__pieces__"][:1]
+    torch.save(state, ckpt / STATE_FILE)
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest["files"][STATE_FILE] = (ckpt / STATE_FILE).stat().st_size
+    manifest["trainer_state_crc32c"] = _file_crc32c(str(ckpt / STATE_FILE))
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    command = [sys.executable, str(WORKER), mode, str(tmp_path / "out"), str(tmp_path / "swap"), "--ckpt", str(ckpt.parent), "--resume"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})  # fmt: skip
+    assert done.returncode == 1
+    assert "CheckpointError" in done.stderr and "are not all in the pieces the ranks saved" in done.stderr, done.stderr[-3000:]
