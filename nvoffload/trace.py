@@ -46,7 +46,12 @@ class Trace:
         self.start_ns = time.monotonic_ns()
 
     def add(self, track: str, name: str, start_ns: int, end_ns: int, **args) -> None:
-        """One span of ``track`` (one of :data:`TRACKS`) from ``start_ns`` to ``end_ns`` (``time.monotonic_ns``)."""
+        """One span of ``track`` (one of :data:`TRACKS`) from ``start_ns`` to ``end_ns`` (``time.monotonic_ns``).
+        Work under way when the recording started (an update, a read ahead) is recorded from that moment on;
+        work that ended before it is left out."""
+        if end_ns < self.start_ns:
+            return
+        start_ns = max(start_ns, self.start_ns)
         with self._lock:
             self._spans.append((track, name, start_ns, max(end_ns, start_ns), args))
 

@@ -99,3 +99,15 @@ def test_finetune_traces_its_second_step(tmp_path, capsys):
     assert {"compute", "adam", "nvme read", "nvme write", "h2d"} <= set(tracks)
     assert sum(e["name"].startswith("forward") for e in tracks["compute"]) == GPTConfig.preset("tiny").n_layer
     assert trace.active() is None and os.listdir(swap) == []
+
+
+def test_work_under_way_when_the_recording_starts_is_recorded_from_its_start():
+    """An update or a read ahead that began before ``start()`` (a worker thread, a busy machine) is clipped to
+    the recording; one that ended before it is left out (a span at a negative time failed a busy run)."""
+    recording = trace.Trace()
+    t0 = recording.start_ns
+    recording.add("adam", "under way", t0 - 3_000_000, t0 + 1_000_000)
+    recording.add("adam", "done before", t0 - 3_000_000, t0 - 1_000_000)
+    recording.add("adam", "after", t0 + 2_000_000, t0 + 4_000_000)
+    spans = recording.spans()
+    assert [(name, start, end) for _, name, start, end, _ in spans] == [("under way", 0.0, 0.001), ("after", 0.002, 0.004)]
