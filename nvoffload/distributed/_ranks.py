@@ -9,13 +9,10 @@ every rank: the callers issue them from the same points of the same step.
 
 from __future__ import annotations
 
-import atexit
 import datetime
-import functools
 from dataclasses import dataclass
 
 import torch
-import torch._dynamo  # noqa: F401 - before any process group exists: see _destroy_groups_at_exit
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -51,7 +48,6 @@ class Ranks:
         world = dist.get_world_size(process_group)
         if world == 1:
             return None
-        _destroy_groups_at_exit()
         backend = str(dist.get_backend(process_group)).lower()
         if "nccl" in backend:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -142,22 +138,3 @@ class Ranks:
             f"nvoffload: rank {self.rank} of {self.world_size} waited in vain for {what} ({why}); another rank"
             " died, hangs, or left the step on another path (an error there, or gradients for other parameters)"
         )
-
-
-@functools.cache
-def _destroy_groups_at_exit() -> None:
-    """Once: at interpreter exit, destroy the process groups a script left (one written without
-    ``destroy_process_group()`` in a ``finally``), so that gloo's threads end before the interpreter does.
-
-    Otherwise a gloo thread that releases a finished collective during finalization takes the GIL, is ended
-    by the interpreter inside a C++ destructor, and the process aborts ("terminate called without an active
-    exception"): 6 of 30 exits here, right after a collective. Destroying the group ends those threads only
-    if nothing else holds it, and importing ``torch._dynamo`` after the group exists (as the first
-    ``torch.optim.Optimizer`` does) keeps 10 references to it (torch 2.13): this module imports it first,
-    so a script that imports nvoffload before ``init_process_group`` exits cleanly."""
-
-    def destroy() -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    atexit.register(destroy)
