@@ -88,7 +88,7 @@ class _OpenBucket:
 
 
 class GradientBuckets:
-    """Averages or reduces the gradients of parameters ``0 .. len(partition) - 1`` over ``ranks``."""
+    """Averages or reduces the gradients of ``partition``'s parameters over ``ranks``."""
 
     def __init__(self, ranks: Ranks, partition: Partition, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.ranks = ranks
@@ -183,17 +183,13 @@ class GradientBuckets:
         self._make_room()
         dtype = bucket.entries[0][1].dtype
         flat = torch.empty(bucket.numel, dtype=dtype, device=self.ranks.device)
-        runs: list[list[int]] = []  # [owner, start, end] of the bucket's elements, merged where adjacent
+        placed = []
         at = 0
         for index, grad, _ in bucket.entries:
             flat[at : at + grad.numel()].copy_(grad.reshape(-1))
-            for owner, lo, hi in self.partition.owners(index):
-                if runs and runs[-1][0] == owner and runs[-1][2] == at + lo:
-                    runs[-1][2] = at + hi
-                else:
-                    runs.append([owner, at + lo, at + hi])
+            placed.append((index, at))
             at += grad.numel()
-        works = [self.ranks.reduce_async(flat[start:end], owner) for owner, start, end in runs]
+        works = [self.ranks.reduce_async(flat[start:end], owner) for owner, start, end in self.partition.runs(placed)]
         self._launched += 1
         pending = PendingReduce(self.ranks, works, f"the gradients' reduction (bucket {self._launched})")
         at = 0
@@ -232,20 +228,16 @@ def gather_weights(ranks: Ranks, partition: Partition, indexed: Sequence[tuple[i
     for bucket in _split(indexed, lambda item: item[1].dtype, lambda item: item[1], bucket_bytes):
         dtype = bucket[0][1].dtype
         flat = torch.empty(sum(p.numel() for _, p in bucket), dtype=dtype, device=ranks.device)
-        runs: list[list[int]] = []
+        placed = []
         at = 0
         for index, p in bucket:
             lo, hi = partition.owned(index, ranks.rank)
             if hi > lo:
                 with weights(p, False) as w:
                     flat[at + lo : at + hi].copy_(w[lo:hi])
-            for owner, lo, hi in partition.owners(index):
-                if runs and runs[-1][0] == owner and runs[-1][2] == at + lo:
-                    runs[-1][2] = at + hi
-                else:
-                    runs.append([owner, at + lo, at + hi])
+            placed.append((index, at))
             at += p.numel()
-        works = [ranks.broadcast_async(flat[start:end], owner) for owner, start, end in runs]
+        works = [ranks.broadcast_async(flat[start:end], owner) for owner, start, end in partition.runs(placed)]
         for work in works:
             ranks.wait(work, "the updated weights' broadcast")
         at = 0

@@ -26,9 +26,6 @@ class Partition:
         bounds = [min(total, -(-total * r // world_size // ALIGN_NUMEL) * ALIGN_NUMEL) for r in range(world_size)]
         self.bounds = [*bounds, total]  # rank r owns flat elements [bounds[r], bounds[r + 1])
 
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
     def owned(self, index: int, rank: int) -> tuple[int, int]:
         """The elements ``[lo, hi)`` of parameter ``index`` that ``rank`` owns (``lo == hi``: none)."""
         start, end = self.offsets[index], self.offsets[index + 1]
@@ -38,12 +35,17 @@ class Partition:
 
     def owners(self, index: int) -> list[tuple[int, int, int]]:
         """``(rank, lo, hi)`` for every rank owning some elements of parameter ``index``, in element order."""
-        return [(r, *self.owned(index, r)) for r in range(self.world_size) if self._owns_any(index, r)]
+        shares = ((r, *self.owned(index, r)) for r in range(self.world_size))
+        return [(r, lo, hi) for r, lo, hi in shares if hi > lo]
 
-    def _owns_any(self, index: int, rank: int) -> bool:
-        lo, hi = self.owned(index, rank)
-        return hi > lo
-
-    def share(self, rank: int) -> int:
-        """Elements owned by ``rank``."""
-        return self.bounds[rank + 1] - self.bounds[rank]
+    def runs(self, placed: Sequence[tuple[int, int]]) -> list[list[int]]:
+        """``[owner, start, end]`` of a flat buffer holding parameters ``(index, offset in the buffer)`` end to
+        end: one run per owner's stretch of elements, adjacent stretches of one owner merged."""
+        runs: list[list[int]] = []
+        for index, at in placed:
+            for owner, lo, hi in self.owners(index):
+                if runs and runs[-1][0] == owner and runs[-1][2] == at + lo:
+                    runs[-1][2] = at + hi
+                else:
+                    runs.append([owner, at + lo, at + hi])
+        return runs
