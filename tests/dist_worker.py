@@ -1,8 +1,10 @@
 """One training run for tests/test_distributed.py: under ``torchrun`` each rank on its part of every batch, alone
-the one-process reference on the whole batches. Writes ``<out>/rank<r>.pt``: the final weights, the losses and
-the optimizer's NVMe byte counters.
+the one-process reference on the whole batches. Writes ``<out>/rank<r>.pt``: the final weights, the losses, the
+optimizer's NVMe byte counters and, before each ``step()``, the sum of the gradients in ``.grad`` and whether
+updates were queued during backward.
 
-    python tests/dist_worker.py MODE OUT SWAP_ROOT [--steps N] [--accum K] [--ckpt DIR [--save-at S] [--resume]]
+    python tests/dist_worker.py MODE OUT SWAP_ROOT [--steps N] [--accum K | --accums K1,K2,..] [--no-clip]
+                                [--ckpt DIR [--save-at S] [--resume]]
 
 MODE is ``optimizer`` (NVMeAdamW over the model, gradients in ``.grad``) or ``streaming``
 (``nvoffload.initialize``: parameters streamed, gradients released during backward). With ``--save-at S`` a
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import time
 
@@ -36,6 +39,8 @@ def main() -> None:
     parser.add_argument("swap_root")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--accum", type=int, default=2)
+    parser.add_argument("--accums", help="micro-batches of each step, cycled (optimizer mode; default: --accum)")
+    parser.add_argument("--no-clip", action="store_true", help="no max_grad_norm")
     parser.add_argument("--ckpt")
     parser.add_argument("--save-at", type=int)
     parser.add_argument("--resume", action="store_true")
@@ -52,18 +57,20 @@ def main() -> None:
     swap = os.path.join(args.swap_root, f"rank{rank}")
     if rank != args.missing_swap_rank:
         os.makedirs(swap, exist_ok=True)
+    accums = [int(k) for k in args.accums.split(",")] if args.accums else [args.accum]
+    max_grad_norm = None if args.no_clip else MAX_GRAD_NORM
     torch.manual_seed(0)
     cfg = GPTConfig.preset("tiny")
     model = GPT(cfg)
     if args.mode == "optimizer":
         opt = NVMeAdamW(
-            model.parameters(), lr=3e-3, weight_decay=0.1, swap_dir=swap, max_grad_norm=MAX_GRAD_NORM,
+            model.parameters(), lr=3e-3, weight_decay=0.1, swap_dir=swap, max_grad_norm=max_grad_norm,
             cpu_memory_bytes=4 * MiB, chunk_bytes=16 << 10, collective_timeout_s=args.timeout, bucket_bytes=BUCKET_BYTES,
         )  # fmt: skip
     else:
         config = nvoffload.OffloadConfig(
             swap_dirs=[swap], cpu_memory_bytes=8 * MiB, device_memory_bytes=16 * MiB,
-            max_grad_norm=MAX_GRAD_NORM, gradient_accumulation_steps=args.accum, collective_timeout_s=args.timeout,
+            max_grad_norm=max_grad_norm, gradient_accumulation_steps=args.accum, collective_timeout_s=args.timeout,
             bucket_bytes=BUCKET_BYTES,
         )  # fmt: skip
         model, opt = nvoffload.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), config)
@@ -72,10 +79,10 @@ def main() -> None:
     if args.resume:
         start = nvoffload.load_training_checkpoint(ckpt_dir, model=model, optimizer=opt).step
     data = torch.Generator().manual_seed(1)
-    for _ in range(start * args.accum):  # the batches before the checkpoint
+    for _ in range(sum(accums[s % len(accums)] for s in range(start))):  # the batches before the checkpoint
         torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=data)
     lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
-    losses = []
+    losses, grad_sums, queued = [], [], []
     opt.reset_io_stats()
     for step in range(start, args.steps):
         if step == args.fail_at and rank == args.fail_rank:
@@ -83,11 +90,14 @@ def main() -> None:
                 time.sleep(3600)  # alive, but never joins the step's collectives
             os._exit(3)  # dies
         total = 0.0
-        for _ in range(args.accum):
+        accum = accums[step % len(accums)]
+        for _ in range(accum):
             x = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=data)
-            loss = model(x[lo:hi], x.roll(-1, dims=1)[lo:hi]) / args.accum
+            loss = model(x[lo:hi], x.roll(-1, dims=1)[lo:hi]) / accum
             loss.backward()
             total += float(loss.detach())
+        grad_sums.append(math.fsum(float(p.grad.double().sum()) for p in model.parameters() if p.grad is not None))
+        queued.append(opt.updates_queued)
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -107,6 +117,8 @@ def main() -> None:
         {
             "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "losses": losses,
+            "grad_sums": grad_sums,
+            "queued": queued,
             "read_bytes": stats.read_bytes,
             "written_bytes": stats.written_bytes,
             "state": state,

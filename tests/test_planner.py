@@ -164,9 +164,17 @@ def test_communication_is_the_ring_bytes_over_the_interconnect():
     # all-reduce 2 * 3/4 * 172288 * 2 bytes, all-gather 3/4 * 172288 * 2 bytes, each rank, at 100e9 bytes/s
     assert held.communication_bytes == {"all-reduce": 516864, "all-gather": 258432}
     assert held.engine_s["interconnect"] == pytest.approx(775296 / 100e9, rel=1e-12)
-    nvme, cpu = held.engine_s["nvme"], held.engine_s["cpu adam"] + held.engine_s["checksums"]
-    assert held.phases_s["step"] == pytest.approx((516864 + 258432) / 100e9 + max(cpu, nvme), rel=1e-9)  # in turn, in step()
-    assert held.placement["gradients"] == "device until step(), all-reduced there"
+    # the all-reduce overlaps the (last micro-batch's) backward; the updates follow it there, the all-gather in step()
+    assert held.phases_s["step"] == pytest.approx(258432 / 100e9, rel=1e-12)
+    assert held.phases_s["backward"] >= 516864 / 100e9
+    assert held.placement["gradients"] == "device, all-reduced during the last backward, then consumed"
+    narrow = dataclasses.replace(profile, interconnect_gbps=0.01)  # 10 MB/s: the all-reduce outlasts backward
+    clipped = plan(PlanRequest(shape, stream=False, max_grad_norm=True, grad_accum_steps=2, **base), narrow)
+    nvme, cpu = clipped.engine_s["nvme"], clipped.engine_s["cpu adam"] + clipped.engine_s["checksums"]
+    assert clipped.phases_s["step"] == pytest.approx(max(cpu, nvme) + 258432 / 1e7, rel=1e-9)  # clipping waits for step()
+    # the all-reduce starts in the second micro-batch's backward, after the first one's: a third of the compute
+    assert clipped.phases_s["backward"] == pytest.approx(clipped.engine_s["compute"] / 3 + 516864 / 1e7, rel=1e-9)
+    assert clipped.placement["gradients"] == "device, all-reduced during the last backward, until step()"
     streamed = plan(PlanRequest(shape, stream=True, grad_accum_steps=2, **base), profile)
     # each of the 2 backward passes reduce-scatters 3/4 of the gradients: 2 * 3/4 * 172288 * 2 bytes
     assert streamed.communication_bytes == {"reduce-scatter": 516864, "all-gather": 258432}

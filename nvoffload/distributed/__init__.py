@@ -9,12 +9,14 @@ gradients themselves, ZeRO-style:
 * each rank keeps the fp32 master weights and moments of one equal share of
   the parameters' elements (:class:`Partition`) in its own swap directories,
   and updates only them;
-* gradients held in ``.grad`` are all-reduced in buckets at the start of
-  ``step()`` (every rank then holds the global batch's mean, so
-  ``max_grad_norm`` and ``GradScaler`` behave as in one process); released
-  gradients (parameter streaming) are reduced to their owners in buckets during
-  backward, beside the NVMe traffic, and the norm for clipping is summed over
-  the ranks;
+* gradients held in ``.grad`` are all-reduced in buckets during the last
+  micro-batch's backward, each as soon as its gradients are final
+  (:class:`BackwardAverage`): when ``backward()`` returns, every rank holds the
+  global batch's mean, so ``max_grad_norm``, ``clip_grad_norm_`` and
+  ``GradScaler`` behave as in one process, and the updates start from each
+  averaged bucket as in one process; released gradients (parameter
+  streaming) are reduced to their owners in buckets during backward, beside
+  the NVMe traffic, and the norm for clipping is summed over the ranks;
 * after the update, each owner broadcasts its new weights, in buckets.
 
 Each rank runs on its part of every batch; the result is that of one process
@@ -30,13 +32,13 @@ does so).
 
 from torch import nn
 
-from nvoffload.distributed._buckets import DEFAULT_BUCKET_BYTES, GradientBuckets
+from nvoffload.distributed._buckets import DEFAULT_BUCKET_BYTES, BackwardAverage, GradientBuckets
 from nvoffload.distributed._partition import Partition
 from nvoffload.distributed._ranks import DEFAULT_TIMEOUT_S, Ranks, RankTimeoutError
 from nvoffload.distributed._sharding import Sharding
 
 __all__ = [
-    "check_not_ddp", "rank_swap_dirs", "DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT_S", "GradientBuckets", "Partition", "Ranks", "RankTimeoutError", "Sharding",
+    "check_not_ddp", "rank_swap_dirs", "DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT_S", "BackwardAverage", "GradientBuckets", "Partition", "Ranks", "RankTimeoutError", "Sharding",
 ]  # fmt: skip
 
 

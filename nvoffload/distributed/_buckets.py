@@ -3,11 +3,12 @@
 Gradients travel in flat buckets of one dtype, at most ``bucket_bytes`` each,
 on the communication device (:attr:`Ranks.device`):
 
-* :meth:`GradientBuckets.average` (gradients held in ``.grad``): every bucket is
-  all-reduced, two in flight, and ``.grad`` becomes the mean over the ranks
-  on every rank, so that clipping, a ``GradScaler``'s checks and
-  ``grad_norm()`` see exactly what one process would. Parameters with no
-  gradient on any rank keep none.
+* :class:`BackwardAverage` (gradients held in ``.grad``): every bucket is
+  all-reduced as soon as its gradients are final (during the last
+  micro-batch's backward), two in flight, and ``.grad`` is the mean over the
+  ranks when ``backward()`` returns, as under ``DistributedDataParallel``; so
+  clipping, a ``GradScaler``'s checks and ``grad_norm()`` see exactly what one
+  process would. Parameters with no gradient on any rank keep none.
 * :meth:`GradientBuckets.add` (released gradients, during backward): a gradient
   joins the open bucket of its dtype; a full bucket (or, at the end of the
   backward pass, every open one) is reduced to the owners of its elements
@@ -99,50 +100,6 @@ class GradientBuckets:
         self._launched = 0
         self._inflight: deque[PendingReduce] = deque()  # launched buckets still read by update requests
 
-    # ------------------------------------------------------------------ held gradients
-    @torch.no_grad()
-    def average(self, params: Sequence[torch.Tensor]) -> None:
-        """Make every ``.grad`` of ``params`` (the same list, in the same order, on every rank) the mean over
-        the ranks; a parameter with a gradient on some rank only gets one everywhere (zeros counted)."""
-        buckets = _split(params, _grad_dtype, lambda p: p, self.bucket_bytes)
-        inflight: list[tuple[list[torch.Tensor], torch.Tensor, object]] = []
-        for bucket in buckets:
-            flat = self._pack_held(bucket)
-            inflight.append((bucket, flat, self.ranks.all_reduce_async(flat)))
-            if len(inflight) == 2:
-                self._unpack_held(*inflight.pop(0))
-        for item in inflight:
-            self._unpack_held(*item)
-
-    def _pack_held(self, bucket: list[torch.Tensor]) -> torch.Tensor:
-        """The bucket's gradients end to end, then one flag per parameter (1: it has a gradient here)."""
-        dtype = _grad_dtype(bucket[0])
-        numel = sum(p.numel() for p in bucket)
-        flat = torch.zeros(numel + len(bucket), dtype=dtype, device=self.ranks.device)
-        at = 0
-        for i, p in enumerate(bucket):
-            if p.grad is not None:
-                flat[at : at + p.numel()].copy_(p.grad.reshape(-1))
-                flat[numel + i] = 1
-            at += p.numel()
-        return flat
-
-    def _unpack_held(self, bucket: list[torch.Tensor], flat: torch.Tensor, work) -> None:
-        self.ranks.wait(work, "the gradients' all-reduce")
-        numel = sum(p.numel() for p in bucket)
-        flags = flat[numel:].tolist()
-        flat = flat[:numel].div_(self.ranks.world_size)
-        at = 0
-        for p, flag in zip(bucket, flags):
-            mean = flat[at : at + p.numel()].view(p.shape)
-            at += p.numel()
-            if flag == 0:
-                continue
-            if p.grad is None:
-                p.grad = mean.to(p.device, copy=True)
-            else:
-                p.grad.copy_(mean)
-
     # ------------------------------------------------------------------ released gradients
     def add(self, index: int, grad: torch.Tensor, deliver: Deliver) -> None:
         """Reduce parameter ``index``'s gradient ``grad`` (final) to the owners of its elements, in a bucket;
@@ -200,8 +157,138 @@ class GradientBuckets:
         self._inflight.append(pending)
 
 
-def _grad_dtype(p: torch.Tensor) -> torch.dtype:
-    return p.grad.dtype if p.grad is not None else p.dtype
+class BackwardAverage:
+    """Held gradients averaged over the ranks as soon as they are final: during the last micro-batch's backward.
+
+    The buckets are fixed once (:meth:`arrange`: the parameters in the order their gradients arrive, the same
+    list on every rank), so that every rank starts the same all-reduces in the same order. Every gradient's
+    hook calls :meth:`fired`; bucket ``i`` starts once each of its parameters expected (:meth:`expect`) had its
+    last gradient of the step (as many backward passes as in the step before) and every bucket before it started.
+    Two buckets are in flight at most: starting a third writes the oldest back into ``.grad`` first (the mean
+    over the ranks), so ``2 * max(bucket_bytes, largest gradient)`` bytes of :attr:`Ranks.device` memory at
+    most. Once the last bucket started, the hook writes them all back: ``.grad`` is the mean when
+    ``backward()`` returns, as under ``DistributedDataParallel``. ``on_averaged(params)`` is told of each
+    bucket written back during backward.
+
+    :meth:`complete` (at ``step()``) starts and writes back whatever backward did not: all of it in the first
+    step, the rest after fewer micro-batches than expected. A gradient that changed after its bucket started
+    (more micro-batches than expected, a gradient where none was expected) makes the step :attr:`stray`:
+    :meth:`restart` then :meth:`complete` averages every bucket again (the mean of gradients already averaged
+    plus this rank's later ones is still the right mean).
+    """
+
+    def __init__(self, ranks: Ranks, bucket_bytes: int, on_averaged: Callable[[list[torch.Tensor]], None]):
+        self.ranks = ranks
+        self.bucket_bytes = bucket_bytes
+        self._on_averaged = on_averaged
+        self._buckets: list[list[torch.Tensor]] = []
+        self._bucket_of: dict[int, int] = {}  # id(parameter) -> its bucket
+        self._missing: list[int] = []  # per bucket, its expected parameters whose last gradient did not come yet
+        self._next = 0  # the next bucket to start
+        self._inflight: deque[_HeldBucket] = deque()
+        self.stray = False  # a gradient changed after its bucket started
+
+    @property
+    def arranged(self) -> bool:
+        return bool(self._buckets)
+
+    def arrange(self, params: Sequence[torch.Tensor]) -> None:
+        """Fix the buckets: ``params`` cut in order (the same list on every rank)."""
+        self._buckets = _split(params, lambda p: p.dtype, lambda p: p, self.bucket_bytes)
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self._buckets) for p in bucket}
+        self.expect(())
+
+    def expect(self, params: Sequence[torch.Tensor]) -> None:
+        """A new step: its buckets start once the last gradients of ``params`` came (those of the step before).
+        Buckets of a step that was undone still in flight are dropped (their collectives keep their memory
+        until they end)."""
+        expected = {id(p) for p in params}
+        self._missing = [sum(id(p) in expected for p in bucket) for bucket in self._buckets]
+        self._next = 0
+        self._inflight.clear()
+        self.stray = False
+
+    def fired(self, param: torch.Tensor, last: bool) -> None:
+        """``param``'s gradient is final for this backward pass (call from its hook); ``last``: of the step."""
+        bucket = self._bucket_of.get(id(param))
+        if bucket is None:
+            return
+        if bucket < self._next:  # its bucket started before this gradient came
+            self.stray = True
+            return
+        self._missing[bucket] -= last
+        if self._missing[self._next] == 0:
+            while self._next < len(self._buckets) and self._missing[self._next] == 0:
+                self._start_next(during_backward=True)
+            if self._next == len(self._buckets):
+                while self._inflight:
+                    self._write_back_oldest(during_backward=True)
+
+    def complete(self) -> None:
+        """Start the buckets backward did not, and write every one back."""
+        while self._next < len(self._buckets):
+            self._start_next(during_backward=False)
+        while self._inflight:
+            self._write_back_oldest(during_backward=False)
+
+    def restart(self) -> None:
+        """Average every bucket again at the next :meth:`complete`."""
+        self.expect(())
+
+    @torch.no_grad()
+    def _start_next(self, during_backward: bool) -> None:
+        if len(self._inflight) == 2:
+            self._write_back_oldest(during_backward)
+        self._inflight.append(_HeldBucket(self.ranks, self._buckets[self._next]))
+        self._next += 1
+
+    @torch.no_grad()
+    def _write_back_oldest(self, during_backward: bool) -> None:
+        bucket = self._inflight.popleft()
+        if not bucket.write_back():
+            self.stray = True
+        if during_backward:
+            self._on_averaged(bucket.params)
+
+
+class _HeldBucket:
+    """Held gradients on their way: packed end to end, then one flag per parameter (1: it has a gradient
+    here), all-reduced."""
+
+    def __init__(self, ranks: Ranks, params: list[torch.Tensor]):
+        self.ranks = ranks
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.packed = [(p.grad, None if p.grad is None else p.grad._version) for p in params]
+        self.flat = torch.zeros(self.numel + len(params), dtype=params[0].dtype, device=ranks.device)
+        at = 0
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                self.flat[at : at + p.numel()].copy_(p.grad.reshape(-1))
+                self.flat[self.numel + i] = 1
+            at += p.numel()
+        self.work = ranks.all_reduce_async(self.flat)
+
+    def write_back(self) -> bool:
+        """Wait for the all-reduce; every gradient some rank has becomes the mean. False when a gradient
+        changed since it was packed (it is left as it is)."""
+        self.ranks.wait(self.work, "the gradients' all-reduce")
+        flags = self.flat[self.numel :].tolist()
+        mean = self.flat[: self.numel].div_(self.ranks.world_size)
+        unchanged = True
+        at = 0
+        for p, flag, (grad, version) in zip(self.params, flags, self.packed):
+            part = mean[at : at + p.numel()].view(p.shape)
+            at += p.numel()
+            if p.grad is not grad or (grad is not None and grad._version != version):
+                unchanged = False
+            elif flag == 0:
+                continue
+            elif p.grad is None:
+                p.grad = part.to(p.device, copy=True)
+            else:
+                p.grad.copy_(part)
+        return unchanged
 
 
 def _split(items: Sequence, dtype_of, param_of, bucket_bytes: int) -> list[list]:

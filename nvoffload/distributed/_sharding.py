@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from nvoffload.distributed._buckets import DEFAULT_BUCKET_BYTES, GradientBuckets, gather_weights
+from nvoffload.distributed._buckets import DEFAULT_BUCKET_BYTES, BackwardAverage, GradientBuckets, gather_weights
 from nvoffload.distributed._partition import Partition
 from nvoffload.distributed._ranks import Ranks
 
@@ -20,6 +20,10 @@ class Sharding:
         self.partition = Partition([p.numel() for p in params], ranks.world_size)
         self.bucket_bytes = bucket_bytes
         self.gradients = GradientBuckets(ranks, self.partition, bucket_bytes)
+
+    def backward_average(self, on_averaged) -> BackwardAverage:
+        """Held gradients averaged during backward, in buckets (see :class:`BackwardAverage`)."""
+        return BackwardAverage(self.ranks, self.bucket_bytes, on_averaged)
 
     @property
     def mean(self) -> float:

@@ -33,10 +33,11 @@ in ``step()`` from its kept gradient.
 
 Over several ranks (a :class:`~nvoffload.distributed.Sharding`), each rank's
 records hold the chunks of its share of the elements only. Held gradients are
-averaged over the ranks at the start of ``step()`` (so clipping and a
-``GradScaler`` see the global batch's; the updates then run in ``step()``);
-released gradients are reduced to their owners in buckets during backward,
-and the norm for clipping is summed over the ranks. The ranks agree on every
+averaged over the ranks in buckets during the last micro-batch's backward
+(:class:`~nvoffload.distributed.BackwardAverage`; in ``step()`` for what
+backward could not), and the hooks' speculation starts from each averaged
+bucket; released gradients are reduced to their owners in buckets during
+backward, and the norm for clipping is summed over the ranks. The ranks agree on every
 error before committing, and after the commit every rank receives the owners'
 new weights.
 """
@@ -118,12 +119,14 @@ class StepProtocol:
         self.loss_scale = loss_scale
         self.sharding = sharding
         self._averaged = False  # held gradients over several ranks: averaged since the last step()
+        # Held gradients over several ranks: averaged in buckets as their hooks fire.
+        self._averaging = None if sharding is None or release_grads else sharding.backward_average(self._on_averaged)
         self._stepped: set[Record] = set()  # records updated this step (those without chunks of this rank too)
         self.last_grad_norm: float | None = None  # released gradients: the global norm the last step() used
+        self._record_of: dict[int, Record] = {}  # id(parameter) -> its record, once the buckets are arranged
         self._order: list[Record] = []  # first iteration's gradient order
         self._order_learned = False
-        # Held gradients over several ranks are final only once step() averaged them.
-        self._can_speculate = overlap and (max_grad_norm is None or release_grads) and (sharding is None or release_grads)
+        self._can_speculate = overlap and (max_grad_norm is None or release_grads)
         self.speculate = self._can_speculate  # the hooks queue updates (else they only observe)
 
     # ------------------------------------------------------------------ the hook
@@ -135,8 +138,15 @@ class StepProtocol:
         if self._release_grads:
             self._on_released_grad(rec)
             return
+        if self._averaging is not None:  # over several ranks: final once its bucket is averaged
+            self._averaging.fired(rec.param, last=rec.learned_fires > 0 and rec.fires == rec.learned_fires)
+            return
         if not (rec.learned_fires and rec.fires == rec.learned_fires):
             return  # more backward passes than learned: step() finds them (fires > learned_fires)
+        self._observe(rec)
+
+    def _observe(self, rec: Record) -> None:
+        """Record what ``rec``'s final gradient of the step is, and queue its update when speculating."""
         grad = _checked_grad(rec)
         if grad is None:
             return
@@ -144,6 +154,13 @@ class StepProtocol:
         rec.spec = Spec(weakref.ref(grad), grad._version, hp, self.speculate)
         if self.speculate:
             self._submit(rec, grad, hp, 1.0)
+
+    def _on_averaged(self, params: list[torch.Tensor]) -> None:
+        """Over several ranks: the gradients of ``params`` are their means, during backward."""
+        for param in params:
+            rec = self._record_of[id(param)]
+            if rec.learned_fires and rec.fires == rec.learned_fires:
+                self._observe(rec)
 
     def _on_released_grad(self, rec: Record) -> None:
         """Keep the gradient of a micro-batch before the step's last; queue the update on the last."""
@@ -179,7 +196,7 @@ class StepProtocol:
     @property
     def updates_queued(self) -> bool:
         """Whether a hook queued an update since the last ``finish``."""
-        return any(rec.spec is not None for rec in self._records)
+        return any(rec.spec is not None and rec.spec.applied for rec in self._records)
 
     @property
     def step_in_progress(self) -> bool:
@@ -238,6 +255,8 @@ class StepProtocol:
             pipe.take_error()
             self._stepped.clear()
             self._averaged = False
+            if self._averaging is not None:
+                self._averaging.expect([r.param for r in self._records if r.learned_fires])
         self._order_learned = True
         pipe.set_plan(self.plan())
 
@@ -269,11 +288,20 @@ class StepProtocol:
         self._gather_weights()
 
     def average_grads(self) -> None:
-        """Over several ranks, held gradients: make every ``.grad`` the mean over the ranks (once per step)."""
+        """Over several ranks, held gradients: make every ``.grad`` the mean over the ranks (once per step;
+        what backward did not average, and all of it again when a gradient changed after its bucket left)."""
         if self._averaged:
             return
-        self._pipeline.wait_idle()
-        self.sharding.gradients.average([r.param for r in self._records])
+        self._pipeline.wait_idle()  # the updates queued during backward no longer read the gradients
+        averaging, ranks = self._averaging, self.sharding.ranks
+        if not averaging.arranged:  # the first step: the buckets follow rank 0's gradient order
+            order = ranks.broadcast_object([r.index for r in self._step_order()], "the gradients' order")
+            self._record_of = {id(self._records[i].param): self._records[i] for i in order}
+            averaging.arrange([self._records[i].param for i in order])
+        averaging.complete()
+        if ranks.any(averaging.stray, "whether a gradient changed after its bucket was averaged"):
+            averaging.restart()
+            averaging.complete()
         self._averaged = True
 
     def _gather_weights(self) -> None:
@@ -299,6 +327,8 @@ class StepProtocol:
         self._averaged = False
         for rec in self._records:
             rec.spec, rec.fires = None, 0
+        if self._averaging is not None:
+            self._averaging.expect([r.param for r in self._records if r.learned_fires])
 
     def _finish_released(self, records: list[Record]) -> None:
         """``finish`` with released gradients: run the updates still to do, then keep, redo or undo them."""

@@ -24,8 +24,8 @@ updates ``1 / N`` of the parameters' optimizer state (its NVMe bytes, their traf
 are replicated). One more engine, the **interconnect** (``MachineProfile.interconnect_gbps``, the bus
 bandwidth NCCL reports, so a collective's time is its ring bytes per rank over it), carries per step:
 
-- gradients held on the device: their all-reduce at the start of ``step()``, ``2 (N-1)/N`` of their bytes,
-  before any update (so the updates all wait for ``step()``, as with ``max_grad_norm``);
+- gradients held on the device: their all-reduce, ``2 (N-1)/N`` of their bytes, in buckets during the last
+  micro-batch's backward (it overlaps that backward only; the updates start from each averaged bucket);
 - streaming: each backward's reduce-scatter of the released gradients to their owners, ``(N-1)/N`` of their
   bytes, overlapped with backward as the NVMe traffic is;
 - in both: the all-gather of the owners' new weights after the update, ``(N-1)/N`` of their bytes.
@@ -354,25 +354,27 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     on_cpu = profile.device == "cpu"
     fwd_reads = (evicted * block_bytes * g if stream else 0) / (drives.read_gbps * 1e9)
     forward = max(compute / 3 + (copies / 2 if on_cpu else 0), fwd_reads)
-    clipped = r.max_grad_norm and not stream
-    held = clipped or (n > 1 and not stream)  # gradients held for clipping or the all-reduce: the updates run in step()
+    held = r.max_grad_norm and not stream  # gradients held for clipping: the updates run in step()
     nvme_rest = nvme_read_s + nvme_write_s - fwd_reads
     cpu_backward = (2 * compute / 3 if on_cpu else 0) + (0 if held else adam + checksums) + (copies / 2 if on_cpu else 0)
-    backward = max(2 * compute / 3, cpu_backward, 0 if held else max(nvme_rest, reduce_s), 0 if on_cpu else copies)
-    step_call = (reduce_s + max(adam + checksums, nvme_rest) if held else 0.0) + gather_s
+    # streaming reduces each backward's gradients; held ones are all-reduced in the last micro-batch's backward
+    reducing = reduce_s if stream else (g - 1) / g * 2 * compute / 3 + reduce_s
+    backward = max(2 * compute / 3, cpu_backward, 0 if held else nvme_rest, reducing, 0 if on_cpu else copies)
+    step_call = (max(adam + checksums, nvme_rest) if held else 0.0) + gather_s
     step = forward + backward + step_call
     engines = {"compute": compute, "cpu adam": adam, "checksums": checksums, "nvme": nvme_read_s + nvme_write_s, "copies": copies,
                "interconnect": reduce_s + gather_s}  # fmt: skip
     busiest = max(engines, key=engines.get)
     cpu_thread = adam + checksums  # one CPU thread runs both in turn
-    if (clipped and cpu_thread >= engines["interconnect"]) or (not on_cpu and cpu_thread > max(engines.values())):
+    if (held and cpu_thread >= engines["interconnect"]) or (not on_cpu and cpu_thread > max(engines.values())):
         busiest = "cpu adam" if adam >= checksums else "checksums"
     if on_cpu and compute + adam + checksums > max(engines.values()):  # compute shares the host's cores
         busiest = max(("compute", compute), ("cpu adam", adam), ("checksums", checksums), key=lambda kv: kv[1])[0]
     if n == 1:
         grads = "consumed during backward" if stream or not held else "device until step()"
     else:
-        grads = "reduced to their owners during backward" if stream else "device until step(), all-reduced there"
+        grads = "reduced to their owners during backward" if stream else (
+            "device, all-reduced during the last backward" + (", until step()" if held else ", then consumed"))
     placement = {
         "parameters": ("NVMe, streamed block by block through host memory" if stream else "device") + ("; every rank its copy" if n > 1 else ""),
         "optimizer state": "NVMe (fp32 master and moments), updated by the CPU" + (f"; each rank 1/{n} of it" if n > 1 else ""),
