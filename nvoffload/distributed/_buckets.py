@@ -160,29 +160,29 @@ class GradientBuckets:
 class BackwardAverage:
     """Held gradients averaged over the ranks as soon as they are final: during the last micro-batch's backward.
 
-    The buckets are fixed once (:meth:`arrange`: the parameters in the order their gradients arrive, the same
-    list on every rank), so that every rank starts the same all-reduces in the same order. Every gradient's
-    hook calls :meth:`fired`; bucket ``i`` starts once each of its parameters expected (:meth:`expect`) had its
+    The buckets are fixed once (:meth:`arrange`: the parameters, by their optimizer index, in the order their
+    gradients arrive, the same list on every rank), so that every rank starts the same all-reduces in the same
+    order. Every gradient's hook calls :meth:`fired`; bucket ``i`` starts once each of its parameters expected (:meth:`expect`) had its
     last gradient of the step (as many backward passes as in the step before) and every bucket before it started.
     Two buckets are in flight at most: starting a third writes the oldest back into ``.grad`` first (the mean
     over the ranks), so ``2 * max(bucket_bytes, largest gradient)`` bytes of :attr:`Ranks.device` memory at
     most. Once the last bucket started, the hook writes them all back: ``.grad`` is the mean when
-    ``backward()`` returns, as under ``DistributedDataParallel``. ``on_averaged(params)`` is told of each
+    ``backward()`` returns, as under ``DistributedDataParallel``. ``on_averaged(indices)`` is told of each
     bucket written back during backward.
 
     :meth:`complete` (at ``step()``) starts and writes back whatever backward did not: all of it in the first
     step, the rest after fewer micro-batches than expected. A gradient that changed after its bucket started
     (more micro-batches than expected, a gradient where none was expected) makes the step :attr:`stray`:
-    :meth:`restart` then :meth:`complete` averages every bucket again (the mean of gradients already averaged
+    ``expect(())`` then :meth:`complete` averages every bucket again (the mean of gradients already averaged
     plus this rank's later ones is still the right mean).
     """
 
-    def __init__(self, ranks: Ranks, bucket_bytes: int, on_averaged: Callable[[list[torch.Tensor]], None]):
+    def __init__(self, ranks: Ranks, bucket_bytes: int, on_averaged: Callable[[list[int]], None]):
         self.ranks = ranks
         self.bucket_bytes = bucket_bytes
         self._on_averaged = on_averaged
-        self._buckets: list[list[torch.Tensor]] = []
-        self._bucket_of: dict[int, int] = {}  # id(parameter) -> its bucket
+        self._buckets: list[list[tuple[int, torch.Tensor]]] = []  # (index, parameter)
+        self._bucket_of: dict[int, int] = {}  # index -> its bucket
         self._missing: list[int] = []  # per bucket, its expected parameters whose last gradient did not come yet
         self._next = 0  # the next bucket to start
         self._inflight: deque[_HeldBucket] = deque()
@@ -192,25 +192,26 @@ class BackwardAverage:
     def arranged(self) -> bool:
         return bool(self._buckets)
 
-    def arrange(self, params: Sequence[torch.Tensor]) -> None:
-        """Fix the buckets: ``params`` cut in order (the same list on every rank)."""
-        self._buckets = _split(params, lambda p: p.dtype, lambda p: p, self.bucket_bytes)
-        self._bucket_of = {id(p): i for i, bucket in enumerate(self._buckets) for p in bucket}
+    def arrange(self, indexed: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Fix the buckets: ``(index, parameter)`` cut in order (the same list on every rank)."""
+        self._buckets = _split(indexed, lambda item: item[1].dtype, lambda item: item[1], self.bucket_bytes)
+        self._bucket_of = {index: i for i, bucket in enumerate(self._buckets) for index, _ in bucket}
         self.expect(())
 
-    def expect(self, params: Sequence[torch.Tensor]) -> None:
-        """A new step: its buckets start once the last gradients of ``params`` came (those of the step before).
-        Buckets of a step that was undone still in flight are dropped (their collectives keep their memory
-        until they end)."""
-        expected = {id(p) for p in params}
-        self._missing = [sum(id(p) in expected for p in bucket) for bucket in self._buckets]
+    def expect(self, indices: Sequence[int]) -> None:
+        """A new step: its buckets start once the last gradients of parameters ``indices`` came (those of the
+        step before; none: every bucket again, at :meth:`complete`). Buckets of a step that was undone still in
+        flight are dropped (their collectives keep their memory until they end)."""
+        expected = set(indices)
+        self._missing = [sum(index in expected for index, _ in bucket) for bucket in self._buckets]
         self._next = 0
         self._inflight.clear()
         self.stray = False
 
-    def fired(self, param: torch.Tensor, last: bool) -> None:
-        """``param``'s gradient is final for this backward pass (call from its hook); ``last``: of the step."""
-        bucket = self._bucket_of.get(id(param))
+    def fired(self, index: int, last: bool) -> None:
+        """Parameter ``index``'s gradient is final for this backward pass (call from its hook); ``last``: of
+        the step."""
+        bucket = self._bucket_of.get(index)
         if bucket is None:
             return
         if bucket < self._next:  # its bucket started before this gradient came
@@ -231,10 +232,6 @@ class BackwardAverage:
         while self._inflight:
             self._write_back_oldest(during_backward=False)
 
-    def restart(self) -> None:
-        """Average every bucket again at the next :meth:`complete`."""
-        self.expect(())
-
     @torch.no_grad()
     def _start_next(self, during_backward: bool) -> None:
         if len(self._inflight) == 2:
@@ -248,16 +245,17 @@ class BackwardAverage:
         if not bucket.write_back():
             self.stray = True
         if during_backward:
-            self._on_averaged(bucket.params)
+            self._on_averaged(bucket.indices)
 
 
 class _HeldBucket:
     """Held gradients on their way: packed end to end, then one flag per parameter (1: it has a gradient
     here), all-reduced."""
 
-    def __init__(self, ranks: Ranks, params: list[torch.Tensor]):
+    def __init__(self, ranks: Ranks, indexed: list[tuple[int, torch.Tensor]]):
         self.ranks = ranks
-        self.params = params
+        self.indices = [index for index, _ in indexed]
+        self.params = params = [p for _, p in indexed]
         self.numel = sum(p.numel() for p in params)
         self.packed = [(p.grad, None if p.grad is None else p.grad._version) for p in params]
         self.flat = torch.zeros(self.numel + len(params), dtype=params[0].dtype, device=ranks.device)

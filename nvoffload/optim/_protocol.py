@@ -123,7 +123,6 @@ class StepProtocol:
         self._averaging = None if sharding is None or release_grads else sharding.backward_average(self._on_averaged)
         self._stepped: set[Record] = set()  # records updated this step (those without chunks of this rank too)
         self.last_grad_norm: float | None = None  # released gradients: the global norm the last step() used
-        self._record_of: dict[int, Record] = {}  # id(parameter) -> its record, once the buckets are arranged
         self._order: list[Record] = []  # first iteration's gradient order
         self._order_learned = False
         self._can_speculate = overlap and (max_grad_norm is None or release_grads)
@@ -139,7 +138,7 @@ class StepProtocol:
             self._on_released_grad(rec)
             return
         if self._averaging is not None:  # over several ranks: final once its bucket is averaged
-            self._averaging.fired(rec.param, last=rec.learned_fires > 0 and rec.fires == rec.learned_fires)
+            self._averaging.fired(rec.index, last=rec.learned_fires > 0 and rec.fires == rec.learned_fires)
             return
         if not (rec.learned_fires and rec.fires == rec.learned_fires):
             return  # more backward passes than learned: step() finds them (fires > learned_fires)
@@ -155,10 +154,9 @@ class StepProtocol:
         if self.speculate:
             self._submit(rec, grad, hp, 1.0)
 
-    def _on_averaged(self, params: list[torch.Tensor]) -> None:
-        """Over several ranks: the gradients of ``params`` are their means, during backward."""
-        for param in params:
-            rec = self._record_of[id(param)]
+    def _on_averaged(self, indices: list[int]) -> None:
+        """Over several ranks: the gradients of parameters ``indices`` are their means, during backward."""
+        for rec in (self._records[i] for i in indices):
             if rec.learned_fires and rec.fires == rec.learned_fires:
                 self._observe(rec)
 
@@ -256,7 +254,7 @@ class StepProtocol:
             self._stepped.clear()
             self._averaged = False
             if self._averaging is not None:
-                self._averaging.expect([r.param for r in self._records if r.learned_fires])
+                self._averaging.expect([r.index for r in self._records if r.learned_fires])
         self._order_learned = True
         pipe.set_plan(self.plan())
 
@@ -296,11 +294,10 @@ class StepProtocol:
         averaging, ranks = self._averaging, self.sharding.ranks
         if not averaging.arranged:  # the first step: the buckets follow rank 0's gradient order
             order = ranks.broadcast_object([r.index for r in self._step_order()], "the gradients' order")
-            self._record_of = {id(self._records[i].param): self._records[i] for i in order}
-            averaging.arrange([self._records[i].param for i in order])
+            averaging.arrange([(i, self._records[i].param) for i in order])
         averaging.complete()
         if ranks.any(averaging.stray, "whether a gradient changed after its bucket was averaged"):
-            averaging.restart()
+            averaging.expect(())  # every bucket again
             averaging.complete()
         self._averaged = True
 
@@ -328,7 +325,7 @@ class StepProtocol:
         for rec in self._records:
             rec.spec, rec.fires = None, 0
         if self._averaging is not None:
-            self._averaging.expect([r.param for r in self._records if r.learned_fires])
+            self._averaging.expect([r.index for r in self._records if r.learned_fires])
 
     def _finish_released(self, records: list[Record]) -> None:
         """``finish`` with released gradients: run the updates still to do, then keep, redo or undo them."""
