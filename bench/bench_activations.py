@@ -13,7 +13,7 @@ saved tensors held in memory, counted exactly with saved-tensor hooks (the
 offload's own counters; a counting wrapper for the others), and the process's
 peak RSS.
 
-Before the cases, a contention probe (``bench/contention.py``) measures how much
+Before the cases, a contention probe (:mod:`nvoffload.planner.contention`) measures how much
 compute and I/O slow each other down on this machine; the report gives its
 figures (JSON key ``contention``) and the floor they put under the ``nvme``
 step: the ``none`` step time as compute and the bytes the ``nvme`` case writes
@@ -38,12 +38,13 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from contention import QUICK_PROBE, describe, measure_contention, overlap_floor  # noqa: E402
 from report import save_report  # noqa: E402
 
 from nvoffload.activations import SavedTensorCounter, offload_activations  # noqa: E402
 from nvoffload.memory import retain_freed_host_memory  # noqa: E402
 from nvoffload.models.gpt import GPT, GPTConfig  # noqa: E402
+from nvoffload.planner.contention import QUICK as CONTENTION_QUICK  # noqa: E402
+from nvoffload.planner.contention import measure_contention  # noqa: E402
 
 CASES = ["none", "nvme", "cpu", "checkpoint", "save_on_cpu"]
 MiB = 1 << 20
@@ -156,8 +157,8 @@ def main(argv=None) -> Path | None:
         parser.error(f"unknown cases {unknown}; choose from {CASES}")
     rows = []
     with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap:
-        probe = measure_contention(swap, **(QUICK_PROBE if args.quick else {}))
-        print(describe(probe))
+        probe = measure_contention(swap, **(CONTENTION_QUICK if args.quick else {}))
+        print(probe.describe())
         for case in cases:
             cmd = [sys.executable, __file__, "--run-case", case, "--settings-json", json.dumps(settings), "--swap-dir", swap]
             done = subprocess.run(cmd, capture_output=True, text=True)
@@ -175,15 +176,15 @@ def main(argv=None) -> Path | None:
         "target (nvme/cpu; 0 for the others). On a CPU-only machine the 'cpu' target and save_on_cpu copy within "
         "the same memory, so peak RSS does not drop for them. Targets: saved peak <= 0.5x none, step <= 1.10x none "
         "and below checkpoint.",
-        describe(probe),
+        probe.describe(),
     ]
-    contention = dict(probe)
+    contention = probe.to_dict()
     nvme = next((r for r in rows if r["case"] == "nvme"), None)
     if base and nvme:
         compute_s = base["step_s"]
         io_bytes = (nvme["moved_mib_per_step"] + nvme["read_mib_per_step"]) * MiB
-        io_s = io_bytes / (probe["io_gb_per_s_alone"] * 1e9)  # no case moves these bytes alone: the probe's rate
-        floor = overlap_floor(compute_s, io_s, probe)
+        io_s = io_bytes / (probe.io_gb_per_s_alone * 1e9)  # no case moves these bytes alone: the probe's rate
+        floor = probe.overlap_floor(compute_s, io_s)
         best_s = floor * max(compute_s, io_s)
         contention.update(overlap_floor=floor, floor_compute_s=compute_s, floor_io_s=io_s)
         notes.append(

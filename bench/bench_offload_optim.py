@@ -16,7 +16,7 @@ Reports the median step time and peak RSS of each case and
 ``overlap = full / max(fwd_bwd, optim)`` (target: <= 1.2). Choose ``--batch``
 and ``--seq-len`` so that cases 1 and 2 are within a factor of two.
 
-Before the cases, a contention probe (``bench/contention.py``) measures how much
+Before the cases, a contention probe (:mod:`nvoffload.planner.contention`) measures how much
 compute and I/O slow each other down on this machine; the report gives its
 figures (JSON key ``contention``) and the overlap floor they allow for this
 step: the fwd_bwd time as compute and the bytes the optim case moves per step
@@ -39,8 +39,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from contention import QUICK_PROBE, describe, measure_contention, overlap_floor  # noqa: E402
 from report import RESULTS_DIR, save_report  # noqa: E402
+
+from nvoffload.planner.contention import QUICK as CONTENTION_QUICK  # noqa: E402
+from nvoffload.planner.contention import measure_contention  # noqa: E402
 
 CASES = ["fwd_bwd", "optim", "full", "adamw_ram", "full_unretained"]
 
@@ -132,8 +134,8 @@ def main(argv=None) -> Path:
         raise SystemExit(f"unknown cases {sorted(unknown)}; choose from {CASES}")
     rows = []
     with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap, tempfile.TemporaryDirectory() as tmp:
-        probe = measure_contention(swap, **(QUICK_PROBE if args.quick else {}))
-        print(describe(probe))
+        probe = measure_contention(swap, **(CONTENTION_QUICK if args.quick else {}))
+        print(probe.describe())
         for case in cases:
             out = os.path.join(tmp, f"{case}.json")
             cmd = [sys.executable, __file__, "--case", case, "--out", out, "--swap-dir", swap,
@@ -144,11 +146,11 @@ def main(argv=None) -> Path:
             row.setdefault("host_staging_mib", 0.0)
             rows.append(row)
     by = {r["case"]: r for r in rows}
-    notes = [describe(probe)]
-    contention = dict(probe)
+    notes = [probe.describe()]
+    contention = probe.to_dict()
     if {"fwd_bwd", "optim"} <= set(by):
         compute_s, io_s = by["fwd_bwd"]["step_s"], by["optim"]["step_s"]
-        floor = overlap_floor(compute_s, io_s, probe)
+        floor = probe.overlap_floor(compute_s, io_s)
         contention.update(overlap_floor=floor, floor_compute_s=compute_s, floor_io_s=io_s)
         notes.append(
             f"overlap floor on this machine = {floor:.2f} (fwd_bwd's {compute_s:.3g} s beside optim's {io_s:.3g} s,"

@@ -6,14 +6,21 @@ Configurations (a GPT on the CPU standing in for the device): the optimizer alon
 device, its AdamW state on NVMe) and streaming (all three tiers), two host budgets, activation offload on
 and off, two batch sizes. Each runs ``--steps`` steps after one warm-up step; the median step is compared.
 
-    python bench/bench_plan.py            # calibrate (about 30 s), then the configurations
+Then ``nvoffload finetune`` commands as a user runs them (``--plan auto``, the profile just measured),
+each beside ``nvoffload plan`` given the same model, batch and memory flags: the plan's step time against
+the median of the tokens/s that ``finetune`` printed for its steps after the first.
+
+    python bench/bench_plan.py            # calibrate (about 40 s), then the configurations
     python bench/bench_plan.py --quick    # smaller sizes: a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +61,35 @@ def cases(quick: bool) -> list[Case]:
         Case("streaming, 96 MiB host, batch 16", True, 16, 96 * MiB),
         Case("streaming + activation offload", True, 8, 320 * MiB, offload_activations=True),
     ]
+
+
+def finetune_commands(quick: bool) -> dict[str, list[str]]:
+    """Model, batch and memory flags of ``nvoffload finetune`` commands, given to ``nvoffload plan`` as they are."""
+    if quick:
+        return {"finetune tiny": ["--preset", "tiny", "--batch-size", "2", "--cpu-memory", "16M", "--device-memory", "64M"]}
+    gpt2 = ["--preset", "gpt2-124m", "--seq-len", "128", "--batch-size", "4"]
+    return {
+        "finetune gpt2-124m, 4G device": [*gpt2, "--cpu-memory", "256M", "--device-memory", "4G"],
+        "finetune gpt2-124m, 512M device": [*gpt2, "--cpu-memory", "512M", "--device-memory", "512M"],
+    }
+
+
+def finetune_vs_plan(flags: list[str], profile_path: str, swap: str, steps: int) -> tuple[dict, float]:
+    """``nvoffload plan`` of ``flags`` (its JSON), and the median tokens/s that ``nvoffload finetune`` with the
+    same flags (and ``--plan auto``) printed for its steps after the first."""
+    nvoffload_cli = [sys.executable, "-m", "nvoffload"]
+    planned = subprocess.run([*nvoffload_cli, "plan", *flags, "--profile", profile_path, "--json"],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    ran = subprocess.run(
+        [*nvoffload_cli, "finetune", *flags, "--plan", "auto", "--profile", profile_path, "--steps", str(steps + 1),
+         "--swap-dir", swap, "--no-progress"], capture_output=True, text=True,
+    )  # fmt: skip
+    if ran.returncode != 0:
+        raise RuntimeError(f"nvoffload finetune {' '.join(flags)} failed:\n{ran.stderr[-3000:]}")
+    tokens_per_s = [float(m.replace(",", "")) for m in re.findall(r"\| ([\d,.]+) tok/s", ran.stdout)]
+    if len(tokens_per_s) != steps + 1:
+        raise RuntimeError(f"expected {steps + 1} step lines from finetune, got:\n{ran.stdout[-3000:]}")
+    return json.loads(planned.stdout), statistics.median(tokens_per_s[1:])
 
 
 def measure(case: Case, cfg: GPTConfig, swap: str, steps: int, device_memory_bytes: int) -> float:
@@ -102,7 +138,7 @@ def main(argv=None) -> Path:
     cfg = GPTConfig(seq_len=64 if args.quick else 128, n_layer=4 if args.quick else 8, n_head=8, d_model=256 if args.quick else 512)
     shape = ModelShape("bench", cfg.n_layer, cfg.d_model, cfg.n_head, cfg.mlp_ratio * cfg.d_model, cfg.vocab_size, cfg.seq_len)
     device_memory_bytes = 256 * MiB
-    rows = []
+    rows, commands = [], []
     with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap:
         profile = calibrate([swap], quick=args.quick)
         for case in cases(args.quick):
@@ -113,25 +149,62 @@ def main(argv=None) -> Path:
             )  # fmt: skip
             predicted = plan(request, profile)
             measured = measure(case, cfg, swap, 2 if args.quick else args.steps, device_memory_bytes)
-            rows.append({
-                "case": case.name, "predicted_s": predicted.step_s, "measured_s": measured,
-                "ratio": predicted.step_s / measured, "bottleneck": predicted.bottleneck,
-                "compute_s": predicted.engine_s["compute"], "adam_s": predicted.engine_s["cpu adam"],
-                "nvme_s": predicted.engine_s["nvme"], "copies_s": predicted.engine_s["copies"],
-                "cached_blocks": predicted.cached_blocks,
-            })  # fmt: skip
+            rows.append(row(case.name, predicted.to_dict(), measured))
+            print(rows[-1], flush=True)
+        profile_path = str(Path(swap) / "profile.json")
+        profile.save(profile_path)
+        for name, flags in finetune_commands(args.quick).items():
+            planned, tokens_per_s = finetune_vs_plan(flags, profile_path, swap, 2 if args.quick else args.steps)
+            label = f"{name}: stream {planned['stream']}, activations {planned['activations']}"
+            rows.append(row(label, planned, tokens_per_step(planned) / tokens_per_s))
+            commands.append(f"{label}: `nvoffload finetune {' '.join(flags)} --plan auto`")
             print(rows[-1], flush=True)
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
     notes = (
         f"GPT d_model {cfg.d_model}, {cfg.n_layer} layers, seq {cfg.seq_len}, fp32 ({shape.params / 1e6:.1f}M parameters)."
         f" Profile calibrated in this run: {profile.source}. Worst ratio {worst['ratio']:.3f} ({worst['case']});"
-        f" every ratio within 15%: {all(abs(r['ratio'] - 1) <= 0.15 for r in rows)}."
+        f" every ratio within 15%: {all(abs(r['ratio'] - 1) <= 0.15 for r in rows)}.\n\n"
+        + "\n".join(f"- {c}" for c in commands)
     )
     return save_report(
         "bench_plan", rows, settings={"steps": args.steps, "quick": args.quick, "model": shape.__dict__},
         plot_column="ratio", notes=notes, results_dir=args.results_dir,
         extra={"profile": profile.to_json(), "worst_ratio": worst["ratio"]},
+        plot=lambda plt: plot_predicted_vs_measured(plt, rows),
     )  # fmt: skip
+
+
+def tokens_per_step(planned: dict) -> int:
+    r = planned["request"]
+    return r["batch_size"] * r["seq_len"] * r["grad_accum_steps"]
+
+
+def row(name: str, planned: dict, measured_s: float) -> dict:
+    """A table row: the plan (``Plan.to_dict()``) beside the measured step."""
+    engines = planned["engine_s"]
+    return {
+        "case": name, "predicted_s": planned["step_s"], "measured_s": measured_s, "ratio": planned["step_s"] / measured_s,
+        "tokens_per_s_predicted": planned["tokens_per_s"], "tokens_per_s_measured": tokens_per_step(planned) / measured_s,
+        "bottleneck": planned["bottleneck"], "forward_s": planned["phases_s"]["forward"], "backward_s": planned["phases_s"]["backward"],
+        "compute_s": engines["compute"], "nvme_s": engines["nvme"], "cached_blocks": planned["cached_blocks"],
+    }  # fmt: skip
+
+
+def plot_predicted_vs_measured(plt, rows: list[dict]):
+    """Each case's predicted step (split into its forward and backward phases) beside the measured one."""
+    fig, ax = plt.subplots(figsize=(11, 0.55 * len(rows) + 1.5))
+    for i, r in enumerate(rows):
+        ax.barh(i - 0.2, r["forward_s"], 0.38, color="tab:blue", label="predicted forward" if i == 0 else None)
+        ax.barh(i - 0.2, r["predicted_s"] - r["forward_s"], 0.38, left=r["forward_s"], color="tab:cyan",
+                label="predicted backward and step()" if i == 0 else None)  # fmt: skip
+        ax.barh(i + 0.2, r["measured_s"], 0.38, color="tab:orange", label="measured" if i == 0 else None)
+        ax.text(max(r["predicted_s"], r["measured_s"]), i, f" x{r['ratio']:.2f}", va="center")
+    ax.set_yticks(range(len(rows)), [r["case"] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds a step (ratio: predicted / measured)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from nvoffload.planner import (
     plan,
 )
 from nvoffload.planner.calibrate import calibrate
+from nvoffload.planner.contention import overlapped_s
+from nvoffload.planner.profile import Drive
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,7 @@ def test_calibrate_measures_every_engine(profile_path):
     assert all(m > 0 and a > 0 and o >= 0 for _, m, a, o in profile.block_tflops)
     assert MachineProfile(**json.loads(profile_path.read_text())) == profile  # the JSON round-trips
     assert profile.interconnect_gbps == min(profile.h2d_gbps, profile.d2h_gbps)  # not measured: the host link
+    assert 0 < profile.compute_with_io <= 1 and 0 < profile.io_with_compute <= 1  # measured beside the store
     assert "measured by nvoffload calibrate --quick" in profile.source
 
 
@@ -223,8 +226,54 @@ def test_interconnect_figures_are_built_in_and_old_profiles_load(tmp_path):
     assert eight.adam_params_per_s["bfloat16"] == pytest.approx(one.adam_params_per_s["bfloat16"] / 8)
     assert all(f"between GPUs {p.interconnect_gbps:g} GB/s" in p.source for p in BUILTIN_PROFILES.values())
     old = json.loads(BUILTIN_PROFILES["h100-pcie-512g-4xgen4"].to_json())
-    del old["interconnect_gbps"]  # a profile saved before the field
+    for name in ("interconnect_gbps", "compute_with_io", "io_with_compute"):
+        del old[name]  # a profile saved before these fields
     (tmp_path / "old.json").write_text(json.dumps(old))
-    assert load_profile(str(tmp_path / "old.json")).interconnect_gbps == 55.0  # the host link
+    loaded = load_profile(str(tmp_path / "old.json"))
+    assert loaded.interconnect_gbps == 55.0  # the host link
+    assert loaded.compute_with_io == loaded.io_with_compute == 1.0  # compute and I/O overlap for free
     with pytest.raises(ValueError, match="interconnect_gbps must be a positive number"):
         MachineProfile(**{**old, "interconnect_gbps": 0})
+
+
+def _cpu_profile(compute_with_io: float, io_with_compute: float, drive_gbps: float = 2.0) -> MachineProfile:
+    """A CPU standing in for a GPU (this VM's figures, rounded), with the given contention."""
+    return dataclasses.replace(
+        BUILTIN_PROFILES["h100-sxm-512g-4xgen4"], device="cpu", device_memory_bytes=16 << 30, host_memory_bytes=16 << 30,
+        block_tflops=((512, 0.1, 0.05, 1e-3),), h2d_gbps=10.0, d2h_gbps=10.0, drives=(Drive(drive_gbps, drive_gbps),),
+        drives_together=Drive(drive_gbps, drive_gbps), adam_params_per_s={"float32": 1e9, "bfloat16": 1e9},
+        compute_with_io=compute_with_io, io_with_compute=io_with_compute,
+    )  # fmt: skip
+
+
+def test_compute_beside_nvme_io_runs_at_the_profiles_measured_fractions():
+    """On the CPU standing in for a GPU, backward's compute and the optimizer's NVMe traffic slow each other
+    down as the profile's contention probe measured (the overlap of nvoffload.planner.contention); with both
+    fractions 1 the phase lasts as long as the busier of the two."""
+    shape = ModelShape("toy", n_layer=8, d_model=512, n_head=8, ffn=2048, vocab_size=256, max_seq_len=128)
+    request = PlanRequest(shape, 8, 128, dtype="float32", cpu_memory_bytes=64 << 20, device_memory_bytes=1 << 30,
+                          stream=False, activations="keep")  # fmt: skip
+    free, contended = plan(request, _cpu_profile(1.0, 1.0)), plan(request, _cpu_profile(0.5, 0.7))
+    e = free.engine_s
+    cpu_backward = 2 * e["compute"] / 3 + e["cpu adam"] + e["checksums"] + e["copies"] / 2
+    assert free.phases_s["backward"] == pytest.approx(max(cpu_backward, e["nvme"]))
+    assert contended.phases_s["backward"] == pytest.approx(overlapped_s(cpu_backward, e["nvme"], 0.5, 0.7))
+    assert contended.phases_s["forward"] == free.phases_s["forward"]  # no NVMe traffic in forward
+    assert contended.step_s > free.step_s and contended.engine_s == e
+
+
+def test_offloaded_activations_are_written_in_forward_and_read_in_backward():
+    shape = ModelShape("toy", n_layer=8, d_model=512, n_head=8, ffn=2048, vocab_size=256, max_seq_len=128)
+    request = PlanRequest(shape, 8, 128, dtype="float32", cpu_memory_bytes=64 << 20, device_memory_bytes=1 << 30,
+                          stream=False, activations="offload")  # fmt: skip
+    slow = plan(request, _cpu_profile(1.0, 1.0, drive_gbps=0.05))  # the drive binds both phases
+    written = shape.activation_bytes(8, 128, 4)
+    assert slow.phases_s["forward"] == pytest.approx(written / 0.05e9)
+    assert slow.phases_s["backward"] == pytest.approx((slow.nvme_read_bytes + slow.nvme_written_bytes - written) / 0.05e9)
+
+
+def test_contention_fractions_are_checked():
+    raw = json.loads(BUILTIN_PROFILES["h200-1t-4xgen5"].to_json())
+    for bad in (0, 1.5, True, float("nan")):
+        with pytest.raises(ValueError, match="compute_with_io must be a fraction"):
+            MachineProfile(**{**raw, "compute_with_io": bad})

@@ -8,6 +8,8 @@
 - host<->device copy GB/s through a :class:`~nvoffload.transfer.TransferEngine` (page-locked with CUDA);
 - a transformer block's forward and backward (:class:`nvoffload.models.gpt.Block`) at three widths, and a
   large matmul, in TFLOP/s: fp32 on the CPU, bf16 on a GPU;
+- how much compute and the store's I/O slow each other down when they run at once
+  (:func:`~nvoffload.planner.contention.measure_contention` beside the first swap directory);
 - the free host and device memory; the GPU's name by NVML (``nvidia-ml-py``) where present.
 
 The link between GPUs is not measured (one process calibrates): the profile's ``interconnect_gbps`` is the
@@ -25,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from nvoffload.planner.contention import QUICK, measure_contention
 from nvoffload.planner.cost import block_flops
 from nvoffload.planner.profile import Drive, MachineProfile
 
@@ -62,7 +65,9 @@ def calibrate(
     widths = (256, 512, 1024) if dev.type == "cpu" else (1024, 2048, 4096)
     blocks = tuple((w, *_block_tflops(dev, w, quick)) for w in (widths[:2] if quick else widths))
     matmul = _matmul_tflops(dev, quick)
+    probe = measure_contention(swap_dirs[0], device=dev, **(QUICK if quick else {"seconds": 3.0}))
     log("block forward+backward, matrices / attention TFLOP/s, fixed ms: " + ", ".join(f"d_model {w}: {m:.3f} / {a:.3f}, {o * 1e3:.1f}" for w, m, a, o in blocks) + f"; matmul {matmul:.3f}")
+    log(probe.describe())
     host_free = _host_available_bytes()
     if dev.type == "cuda":
         device_free, name = torch.cuda.mem_get_info(dev)[0], _gpu_name(dev)
@@ -73,6 +78,7 @@ def calibrate(
         device_name=name, device_memory_bytes=int(device_free), host_memory_bytes=int(host_free), block_tflops=blocks,
         matmul_tflops=matmul, h2d_gbps=h2d, d2h_gbps=d2h, drives=tuple(drives), drives_together=together,
         adam_params_per_s=adam, cpu_cores=os.cpu_count() or 1,
+        compute_with_io=min(1.0, probe.compute_with_io), io_with_compute=min(1.0, probe.io_with_compute),
         source=f"measured by nvoffload calibrate{' --quick' if quick else ''} on {socket.gethostname()},"
         f" {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, swap directories {', '.join(map(str, swap_dirs))}",
     )  # fmt: skip

@@ -11,11 +11,14 @@ A step of ``G`` micro-batches of ``B`` sequences of ``S`` tokens does, per engin
   written back once it changed; with activation offload, every saved activation written and read once;
 - **copies** (PCIe): streamed blocks to the device, gradients from it, activations both ways.
 
-The step has two phases that cannot overlap: forward (compute, and the reads of the blocks it needs) and
-backward with the optimizer (compute, the Adam updates that run as gradients are final, and their I/O);
-within a phase the engines overlap, so a phase lasts as long as its busiest engine, except that on the CPU
-standing in for a GPU, compute and Adam share the host's cores and add up. With ``max_grad_norm`` and the
-model on the device (gradients held), the updates wait for ``step()``: a third phase.
+The step has two phases that cannot overlap: forward (compute, the reads of the blocks it needs and the
+writes of the activations it offloads) and backward with the optimizer (compute, the Adam updates that run
+as gradients are final, and the rest of the I/O); within a phase the engines overlap, so a phase lasts as
+long as its busiest engine, except that on the CPU standing in for a GPU, compute and Adam share the host's
+cores and add up, and that compute beside NVMe I/O runs at the profile's measured fractions of its speed
+(``compute_with_io``, ``io_with_compute``: see :func:`~nvoffload.planner.contention.overlapped_s`; 1 on a
+GPU, where the overlap is free). With ``max_grad_norm`` and the model on the device (gradients held), the
+updates wait for ``step()``: a third phase.
 
 Over ``N`` data-parallel ranks (:mod:`nvoffload.distributed`: one GPU and one process each, with its own swap
 directories) every figure is one rank's. A rank computes ``B / N`` of each micro-batch's sequences, keeps and
@@ -37,6 +40,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from nvoffload.planner.contention import overlapped_s
 from nvoffload.planner.profile import MachineProfile
 
 __all__ = ["ModelShape", "Plan", "PlanRequest", "block_flops", "plan"]
@@ -352,15 +356,20 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     reduce_s = (communication.get("all-reduce", 0) + communication.get("reduce-scatter", 0)) / link
     gather_s = communication.get("all-gather", 0) / link
     on_cpu = profile.device == "cpu"
-    fwd_reads = (evicted * block_bytes * g if stream else 0) / (drives.read_gbps * 1e9)
-    forward = max(compute / 3 + (copies / 2 if on_cpu else 0), fwd_reads)
+
+    def beside_io(compute_s: float, io_s: float) -> float:  # both at once, each slowed by the other as measured
+        return overlapped_s(compute_s, io_s, profile.compute_with_io, profile.io_with_compute)
+
+    # forward reads the blocks the cache lacks and writes the offloaded activations; backward does the rest
+    fwd_io = (evicted * block_bytes * g if stream else 0) / (drives.read_gbps * 1e9) + act_io / (drives.write_gbps * 1e9)
+    forward = beside_io(compute / 3 + (copies / 2 if on_cpu else 0), fwd_io)
     held = r.max_grad_norm and not stream  # gradients held for clipping: the updates run in step()
-    nvme_rest = nvme_read_s + nvme_write_s - fwd_reads
+    nvme_rest = nvme_read_s + nvme_write_s - fwd_io
     cpu_backward = (2 * compute / 3 if on_cpu else 0) + (0 if held else adam + checksums) + (copies / 2 if on_cpu else 0)
     # streaming reduces each backward's gradients; held ones are all-reduced in the last micro-batch's backward
     reducing = reduce_s if stream else (g - 1) / g * 2 * compute / 3 + reduce_s
-    backward = max(2 * compute / 3, cpu_backward, 0 if held else nvme_rest, reducing, 0 if on_cpu else copies)
-    step_call = (max(adam + checksums, nvme_rest) if held else 0.0) + gather_s
+    backward = max(beside_io(max(2 * compute / 3, cpu_backward), 0 if held else nvme_rest), reducing, 0 if on_cpu else copies)
+    step_call = (beside_io(adam + checksums, nvme_rest) if held else 0.0) + gather_s
     step = forward + backward + step_call
     engines = {"compute": compute, "cpu adam": adam, "checksums": checksums, "nvme": nvme_read_s + nvme_write_s, "copies": copies,
                "interconnect": reduce_s + gather_s}  # fmt: skip

@@ -68,6 +68,12 @@ class MachineProfile:
             where the GPUs have it, else PCIe. None (a profile saved before this field, or from ``calibrate``,
             which measures one process) becomes the host link, ``min(h2d_gbps, d2h_gbps)``: what collectives
             between GPUs without NVLink run over.
+        compute_with_io, io_with_compute: the fraction of its speed alone that the device's compute keeps
+            while the store streams at full speed, and the store's while compute runs
+            (:mod:`nvoffload.planner.contention`, which the planner applies to every stretch of compute beside
+            I/O). ``calibrate`` measures them; on a GPU server (the built-in profiles) the kernels do not run
+            on the host's cores and both are 1, so compute and I/O overlap for free; with the CPU standing in
+            for the GPU they share the cores (on a VM, with the disk emulation too), and both are below 1.
     """
 
     name: str
@@ -85,6 +91,8 @@ class MachineProfile:
     cpu_cores: int = 1
     source: str = ""
     interconnect_gbps: float | None = None
+    compute_with_io: float = 1.0
+    io_with_compute: float = 1.0
 
     def __post_init__(self):
         if self.device not in ("cuda", "cpu"):
@@ -112,6 +120,10 @@ class MachineProfile:
         value = self.interconnect_gbps
         if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
             raise ValueError(f"MachineProfile.interconnect_gbps must be a positive number of GB/s, got {value!r}")
+        for name in ("compute_with_io", "io_with_compute"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 < value <= 1):
+                raise ValueError(f"MachineProfile.{name} must be a fraction in (0, 1], got {value!r}")
 
     def block_rates(self, d_model: int) -> tuple[float, float, float]:
         """A block's matrices FLOP/s, attention FLOP/s and fixed seconds per pass at width ``d_model``
@@ -196,6 +208,8 @@ def load_profile(name_or_path: str) -> MachineProfile:
 # Several GPUs in one machine (``gpus``): each rank gets its GPU, its drives, and an equal share of the host
 #   memory, cores and CPU Adam throughput (one host's memory bandwidth serves all the ranks' Adam kernels).
 #   The one-GPU profiles, planned with several ranks, give each rank the whole host they describe.
+# Compute beside NVMe I/O: the GPU's kernels do not run on the host's cores, so the defaults (1 and 1: no
+#   slowdown either way) stand; an assumption, not measured here (no GPU machine yet): calibrate to replace it.
 
 _NVLINK4 = "NVLink 4 through NVSwitch: ~370 GB/s NCCL bus bandwidth, ring (NVIDIA/nccl-tests#212)"
 _GPU = {  # name: (device memory bytes, BF16 dense TFLOPS, host<->device GB/s, between GPUs GB/s, its source)
