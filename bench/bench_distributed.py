@@ -211,3 +211,11 @@ def main(argv=None) -> Path:
 
 if __name__ == "__main__":
     main()
+    # Everything is written (and a rank's process group destroyed): leave without interpreter finalization.
+    # There, torch 2.13's gloo thread can still release a DDP collective, take the GIL and abort the process
+    # ("terminate called without an active exception", no Python frame left): 5 of 45 exits of the ddp case
+    # on 2 ranks beside a busy loop, none of 40 of nvoffload's optimizer case (TORCH_GLOO_EXIT in
+    # tests/test_distributed.py). The torchrun of the peer then failed the whole benchmark.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
