@@ -202,7 +202,8 @@ def plot_predicted_vs_measured(plt, rows: list[dict]):
     ax.set_yticks(range(len(rows)), [r["case"] for r in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("seconds a step (ratio: predicted / measured)")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.set_xlim(0, 1.12 * max(max(r["predicted_s"], r["measured_s"]) for r in rows))
+    ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     return fig
 

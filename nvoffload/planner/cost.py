@@ -364,11 +364,17 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     fwd_io = (evicted * block_bytes * g if stream else 0) / (drives.read_gbps * 1e9) + act_io / (drives.write_gbps * 1e9)
     forward = beside_io(compute / 3 + (copies / 2 if on_cpu else 0), fwd_io)
     held = r.max_grad_norm and not stream  # gradients held for clipping: the updates run in step()
-    nvme_rest = nvme_read_s + nvme_write_s - fwd_io
-    cpu_backward = (2 * compute / 3 if on_cpu else 0) + (0 if held else adam + checksums) + (copies / 2 if on_cpu else 0)
+    # The parameters outside the blocks (embeddings, a tied LM head) have their last gradient only as backward
+    # ends: their updates and their optimizer state's traffic run after it, a tail the step waits for.
+    last = 0.0 if held else m.resident_params / m.params
+    state_io = state / (drives.read_gbps * 1e9) + state / (drives.write_gbps * 1e9)
+    state_checksums = 2 * state / 15e9 if r.checksum else 0.0
+    tail = beside_io(last * (adam + state_checksums), last * state_io)
+    nvme_rest = nvme_read_s + nvme_write_s - fwd_io - last * state_io
+    cpu_backward = (2 * compute / 3 if on_cpu else 0) + (0 if held else adam + checksums - last * (adam + state_checksums)) + (copies / 2 if on_cpu else 0)
     # streaming reduces each backward's gradients; held ones are all-reduced in the last micro-batch's backward
     reducing = reduce_s if stream else (g - 1) / g * 2 * compute / 3 + reduce_s
-    backward = max(beside_io(max(2 * compute / 3, cpu_backward), 0 if held else nvme_rest), reducing, 0 if on_cpu else copies)
+    backward = max(beside_io(max(2 * compute / 3, cpu_backward), 0 if held else nvme_rest), reducing, 0 if on_cpu else copies) + tail
     step_call = (beside_io(adam + checksums, nvme_rest) if held else 0.0) + gather_s
     step = forward + backward + step_call
     engines = {"compute": compute, "cpu adam": adam, "checksums": checksums, "nvme": nvme_read_s + nvme_write_s, "copies": copies,

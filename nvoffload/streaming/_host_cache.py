@@ -18,14 +18,16 @@ __all__ = ["HostCache"]
 
 
 class _Entry:
-    """A block's host copy: the buffer, the read filling it (if not settled), and who uses it."""
+    """A block's host copy: the buffer, the read filling it or the write-back from it (if not settled), and who
+    uses it."""
 
-    __slots__ = ("host", "loading", "dirty", "pins")
+    __slots__ = ("host", "loading", "writing", "dirty", "pins")
 
     def __init__(self, host: torch.Tensor, loading=None):
         self.host = host  # the block's bytes, flat uint8
         self.loading = loading  # future of the store read into ``host``
-        self.dirty = False  # newer than the store
+        self.writing = None  # future of the write-back of ``host`` to the store, on its way out
+        self.dirty = False  # newer than the store (and not being written back)
         self.pins = 0  # users that must not see it evicted
 
 
@@ -40,8 +42,12 @@ class HostCache:
     it cached until :meth:`unpin`;
     ``unpin(modified=True)`` marks it changed, and a changed block is written back
     before it leaves (or at :meth:`flush`). :meth:`pin_loading` pins without
-    waiting for the read, for a copy to the device chained after it. Thread-safe:
-    the optimizer's worker pins blocks while the training thread brings them to the device.
+    waiting for the read, for a copy to the device chained after it. :meth:`prefetch`
+    never waits for a write-back: it starts those its reads need room from, and reads
+    once they are done (a later call). A failed write-back leaves the block cached and
+    changed, and raises from the next call that needs its room, pins it or flushes.
+    Thread-safe: the optimizer's worker pins blocks while the training thread brings
+    them to the device.
     """
 
     def __init__(self, store: TensorStore, memory: MemoryManager, slab: HostSlab):
@@ -71,6 +77,7 @@ class HostCache:
         :meth:`unpin`."""
         with self._lock:
             entry = self._lru.get(block) or self._start_read(block)
+            self._settle_write(entry)  # the caller may change the bytes being written
             try:
                 self._settle(entry)
             except BaseException:
@@ -106,20 +113,22 @@ class HostCache:
             self.unpin(block, modified=modified)
 
     def prefetch(self, blocks: Iterable[Block]) -> None:
-        """Start reading the blocks not cached, in order, while there is room for them."""
+        """Start reading the blocks not cached, in order, while there is room for them without waiting: changed
+        blocks that must leave first start their write-back, and the reads wait for a later call."""
         with self._lock:
             for block in blocks:
                 if block in self._lru:
                     continue
                 try:
-                    self._start_read(block)
+                    self._start_read(block, wait=False)
                 except MemoryBudgetError:
-                    return  # no room to read ahead: the block is read when it is needed
+                    return  # no room to read ahead yet: the block is read now or when it is needed
 
     def flush(self) -> None:
         """Write every changed cached block back to the store."""
         with self._lock:
             for block, entry in self._lru.items():
+                self._settle_write(entry)
                 self._settle(entry)
                 if entry.dirty:
                     self._write_back(block, entry.host)
@@ -130,12 +139,14 @@ class HostCache:
         with self._lock:
             for block, entry in list(self._lru.items()):
                 with contextlib.suppress(Exception):
+                    self._settle_write(entry)
+                with contextlib.suppress(Exception):
                     self._settle(entry)
                 self._drop(block)
 
     # ------------------------------------------------------------------ internals (caller holds the lock)
-    def _start_read(self, block: Block) -> _Entry:
-        host = self._new_buffer(block)
+    def _start_read(self, block: Block, *, wait: bool = True) -> _Entry:
+        host = self._new_buffer(block, wait=wait)
         entry = self._lru[block] = _Entry(host, self.store.get(block.name, out=host))
         self.bytes_read += block.nbytes
         return entry
@@ -150,9 +161,24 @@ class HostCache:
         self.store.put(block.name, host).result()
         self.bytes_written += block.nbytes
 
-    def _new_buffer(self, block: Block) -> torch.Tensor:
+    def _start_write_back(self, block: Block, entry: _Entry) -> None:
+        entry.writing, entry.dirty = self.store.put(block.name, entry.host), False
+        self.bytes_written += block.nbytes
+
+    @staticmethod
+    def _settle_write(entry: _Entry) -> None:
+        """Wait for the entry's write-back; when it failed the entry is changed again (and the error raised)."""
+        if entry.writing is not None:
+            writing, entry.writing = entry.writing, None
+            try:
+                writing.result()
+            except BaseException:
+                entry.dirty = True
+                raise
+
+    def _new_buffer(self, block: Block, *, wait: bool = True) -> torch.Tensor:
         what = f"host copy of {block}"
-        self._make_room(block)
+        self._make_room(block, wait=wait)
         self.memory.allocate("host", block.nbytes, what)
         try:
             return self.slab.allocate(block.nbytes, what)
@@ -170,15 +196,22 @@ class HostCache:
     def _fits(self, block: Block) -> bool:
         return self.memory.available_bytes("host") >= block.nbytes and self.slab.fits(block.nbytes)
 
-    def _make_room(self, block: Block) -> None:
-        """Evict least recently used unpinned blocks (writing back changed ones) until ``block`` fits."""
+    def _make_room(self, block: Block, *, wait: bool = True) -> None:
+        """Evict least recently used unpinned blocks (writing back changed ones) until ``block`` fits; without
+        ``wait``, a changed block only starts its write-back and leaves once it is done (a later call)."""
         for cached, entry in list(self._lru.items()):
             if self._fits(block):
                 return
-            if entry.pins:
+            if entry.pins or (not wait and any(f is not None and not f.done() for f in (entry.writing, entry.loading))):
                 continue
-            self._settle(entry)
+            self._settle_write(entry)
+            if entry.loading is not None:  # read ahead, never pinned: a failed read leaves nothing behind
+                with contextlib.suppress(Exception):
+                    self._settle(entry)
             if entry.dirty:
+                if not wait:
+                    self._start_write_back(cached, entry)
+                    continue
                 self._write_back(cached, entry.host)
             self._drop(cached)
         if not self._fits(block):
