@@ -17,8 +17,10 @@ as gradients are final, and the rest of the I/O); within a phase the engines ove
 long as its busiest engine, except that on the CPU standing in for a GPU, compute and Adam share the host's
 cores and add up, and that compute beside NVMe I/O runs at the profile's measured fractions of its speed
 (``compute_with_io``, ``io_with_compute``: see :func:`~nvoffload.planner.contention.overlapped_s`; 1 on a
-GPU, where the overlap is free). With ``max_grad_norm`` and the model on the device (gradients held), the
-updates wait for ``step()``: a third phase.
+GPU, where the overlap is free). The updates of the parameters outside the blocks (embeddings, a tied LM
+head), whose gradients are final only as backward ends, run after it: a tail of the backward phase. With
+``max_grad_norm`` and the model on the device (gradients held), the updates wait for ``step()``: a third
+phase.
 
 Over ``N`` data-parallel ranks (:mod:`nvoffload.distributed`: one GPU and one process each, with its own swap
 directories) every figure is one rank's. A rank computes ``B / N`` of each micro-batch's sequences, keeps and
