@@ -7,6 +7,8 @@ import errno
 import json
 import subprocess
 import sys
+import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -628,6 +630,52 @@ def test_an_io_error_mid_step_leaves_the_step_undone_and_training_exact(tmp_path
     faulty = _train_around_step_2(tmp_path, "faulty", cfg, ref, model, 6, fail, check_forward=True)
     skipped = _train_around_step_2(tmp_path, "skipped", cfg, ref, copy.deepcopy(ref), 6, check_forward=True)
     _assert_same_training(faulty, skipped)
+
+
+def _watch_gradients(model) -> list:
+    """Weak references to the gradients autograd makes in ``model`` from now on, taken before any hook of the
+    optimizer's (those take each gradient from its parameter)."""
+    made = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: made.append(weakref.ref(p.grad)))
+    return made
+
+
+def _alive_after(made: list, timeout_s: float) -> int:
+    """How many of ``made``'s gradients are still alive once they all died, or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while any(ref() is not None for ref in made) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return sum(ref() is not None for ref in made)
+
+
+@pytest.mark.parametrize("fault", [None, "eio"])
+def test_no_gradient_outlives_its_update_while_the_optimizer_waits(tmp_path, fault):
+    """After backward, with nothing more asked of the optimizer, every gradient it took is freed, also the one
+    of an update that failed: the worker held the last request it ran (and a failed one's frames held its
+    gradient) until the next came, while a backward short of device memory waited for exactly that memory,
+    a minute, then raised MemoryBudgetError."""
+    cfg, ref, model = make_pair("small")
+    made = _watch_gradients(model)
+    model, opt = nvoffload.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config(tmp_path, model))
+    try:
+        for step in range(2):
+            made.clear()
+            x, y = batch(cfg, step)
+            loss = model(x, y)
+            if fault is not None and step == 1:
+                opt.session.store.inject_fault(fault)  # the first read of an update in this backward fails
+            loss.backward()
+            assert len(made) == len(list(model.parameters()))
+            assert _alive_after(made, timeout_s=60) == 0
+            if fault is not None and step == 1:
+                with pytest.raises(OffloadIOError, match="Errno"):
+                    opt.step()
+            else:
+                opt.step()
+            opt.zero_grad()
+    finally:
+        opt.close()
 
 
 def test_a_backward_that_raises_midway_is_undone_by_the_next_forward(tmp_path):

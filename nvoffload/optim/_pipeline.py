@@ -199,6 +199,9 @@ class Pipeline:
                 self._process(req)
         except BaseException as exc:  # noqa: BLE001 - reported from step()
             self._errors.append(exc)
+        # The gradient is device memory that backward, short of budget, may be waiting for: neither the request
+        # (held until the next one comes) nor a failure's frames (held until step()) may keep it.
+        req.grad = None
         if req.comm is not None:
             req.comm.release()  # its gradient was copied out (or never will be): the bucket may go
         self._done()
