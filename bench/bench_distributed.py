@@ -124,6 +124,7 @@ def launch(args, case: str, ranks: int, root: Path) -> list[dict]:
         command = [sys.executable, str(script), *common, "--out", str(outs[0])]
     else:  # each rank writes its own file: the worker adds its rank to --out
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                   "--log-dir", str(root / "torchrun"),  # else torchrun leaves a /tmp/torchelastic_* per run
                    str(script), *common, "--out", str(root / f"{case}-{ranks}-rank{{rank}}.json")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode != 0:

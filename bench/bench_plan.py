@@ -2,8 +2,8 @@
 ``plan`` a step and run it for real, in the same run; the table shows predicted and measured step times,
 their ratio, and the worst ratio.
 
-Configurations (a GPT on the CPU standing in for the device): the optimizer alone (the model on the
-device, its AdamW state on NVMe) and streaming (all three tiers), two host budgets, activation offload on
+Configurations (a GPT on ``--device``: CUDA when present, else the CPU standing in for it): the optimizer
+alone (the model on the device, its AdamW state on NVMe) and streaming (all three tiers), two host budgets, activation offload on
 and off, two batch sizes. Each runs ``--steps`` steps after one warm-up step; the median step is compared.
 
 Then ``nvoffload finetune`` commands as a user runs them (``--plan auto``, the profile just measured),
@@ -12,6 +12,7 @@ the median of the tokens/s that ``finetune`` printed for its steps after the fir
 
     python bench/bench_plan.py            # calibrate (about 40 s), then the configurations
     python bench/bench_plan.py --quick    # smaller sizes: a smoke run
+    python bench/bench_plan.py --device cpu   # the CPU as the device, also where a GPU is present
 """
 
 from __future__ import annotations
@@ -74,15 +75,16 @@ def finetune_commands(quick: bool) -> dict[str, list[str]]:
     }
 
 
-def finetune_vs_plan(flags: list[str], profile_path: str, swap: str, steps: int) -> tuple[dict, float]:
-    """``nvoffload plan`` of ``flags`` (its JSON), and the median tokens/s that ``nvoffload finetune`` with the
-    same flags (and ``--plan auto``) printed for its steps after the first."""
+def finetune_vs_plan(flags: list[str], profile_path: str, swap: str, steps: int, device: str) -> tuple[dict, float]:
+    """``nvoffload plan`` of ``flags`` (its JSON, for the profile's device), and the median tokens/s that
+    ``nvoffload finetune`` with the same flags (and ``--plan auto``) printed on ``device`` for its steps after
+    the first."""
     nvoffload_cli = [sys.executable, "-m", "nvoffload"]
     planned = subprocess.run([*nvoffload_cli, "plan", *flags, "--profile", profile_path, "--json"],
                              capture_output=True, text=True, check=True)  # fmt: skip
     ran = subprocess.run(
         [*nvoffload_cli, "finetune", *flags, "--plan", "auto", "--profile", profile_path, "--steps", str(steps + 1),
-         "--swap-dir", swap, "--no-progress"], capture_output=True, text=True,
+         "--swap-dir", swap, "--device", device, "--no-progress"], capture_output=True, text=True,
     )  # fmt: skip
     if ran.returncode != 0:
         raise RuntimeError(f"nvoffload finetune {' '.join(flags)} failed:\n{ran.stderr[-3000:]}")
@@ -92,8 +94,8 @@ def finetune_vs_plan(flags: list[str], profile_path: str, swap: str, steps: int)
     return json.loads(planned.stdout), statistics.median(tokens_per_s[1:])
 
 
-def measure(case: Case, cfg: GPTConfig, swap: str, steps: int, device_memory_bytes: int) -> float:
-    """The median step time of ``steps`` steps of the real engine (after a warm-up step)."""
+def measure(case: Case, cfg: GPTConfig, swap: str, steps: int, device_memory_bytes: int, device: str) -> float:
+    """The median step time of ``steps`` steps of the real engine on ``device`` (after a warm-up step)."""
     torch.manual_seed(0)
     if case.stream:
         with torch.device("meta"):
@@ -102,14 +104,14 @@ def measure(case: Case, cfg: GPTConfig, swap: str, steps: int, device_memory_byt
             model, torch.optim.AdamW(model.parameters(), lr=1e-4),
             nvoffload.OffloadConfig(
                 swap_dirs=[swap], cpu_memory_bytes=case.cpu_memory_bytes, device_memory_bytes=device_memory_bytes,
-                offload_activations=case.offload_activations,
+                offload_activations=case.offload_activations, device=device,
             ),
             param_init_fn=model.init_weights,
         )  # fmt: skip
     else:
-        model = GPT(cfg)
+        model = GPT(cfg).to(device)
         opt = NVMeAdamW(model.parameters(), lr=1e-4, swap_dir=swap, cpu_memory_bytes=case.cpu_memory_bytes)
-    x = torch.randint(0, cfg.vocab_size, (case.batch, cfg.seq_len))
+    x = torch.randint(0, cfg.vocab_size, (case.batch, cfg.seq_len), device=device)
     times = []
     try:
         for step in range(steps + 1):
@@ -117,6 +119,8 @@ def measure(case: Case, cfg: GPTConfig, swap: str, steps: int, device_memory_byt
             model(x, x.roll(-1, dims=1)).backward()
             opt.step()
             opt.zero_grad()
+            if device == "cuda":
+                torch.cuda.synchronize()
             if step:
                 times.append(time.perf_counter() - start)
     finally:
@@ -128,9 +132,12 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when present")
     p.add_argument("--swap-dir", default=None, help="default: a temporary directory under /tmp")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return args
 
 
 def main(argv=None) -> Path:
@@ -140,7 +147,7 @@ def main(argv=None) -> Path:
     device_memory_bytes = 256 * MiB
     rows, commands = [], []
     with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap:
-        profile = calibrate([swap], quick=args.quick)
+        profile = calibrate([swap], device=args.device, quick=args.quick)
         for case in cases(args.quick):
             request = PlanRequest(
                 shape, batch_size=case.batch, seq_len=cfg.seq_len, dtype="float32",
@@ -148,16 +155,16 @@ def main(argv=None) -> Path:
                 stream=case.stream, activations="offload" if case.offload_activations else "keep",
             )  # fmt: skip
             predicted = plan(request, profile)
-            measured = measure(case, cfg, swap, 2 if args.quick else args.steps, device_memory_bytes)
+            measured = measure(case, cfg, swap, 2 if args.quick else args.steps, device_memory_bytes, args.device)
             rows.append(row(case.name, predicted.to_dict(), measured))
             print(rows[-1], flush=True)
         profile_path = str(Path(swap) / "profile.json")
         profile.save(profile_path)
         for name, flags in finetune_commands(args.quick).items():
-            planned, tokens_per_s = finetune_vs_plan(flags, profile_path, swap, 2 if args.quick else args.steps)
+            planned, tokens_per_s = finetune_vs_plan(flags, profile_path, swap, 2 if args.quick else args.steps, args.device)
             label = f"{name}: stream {planned['stream']}, activations {planned['activations']}"
             rows.append(row(label, planned, tokens_per_step(planned) / tokens_per_s))
-            commands.append(f"{label}: `nvoffload finetune {' '.join(flags)} --plan auto`")
+            commands.append(f"{label}: `nvoffload finetune {' '.join(flags)} --device {args.device} --plan auto`")
             print(rows[-1], flush=True)
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
     notes = (
@@ -167,7 +174,7 @@ def main(argv=None) -> Path:
         + "\n".join(f"- {c}" for c in commands)
     )
     return save_report(
-        "bench_plan", rows, settings={"steps": args.steps, "quick": args.quick, "model": shape.__dict__},
+        "bench_plan", rows, settings={"steps": args.steps, "quick": args.quick, "device": args.device, "model": shape.__dict__},
         plot_column="ratio", notes=notes, results_dir=args.results_dir,
         extra={"profile": profile.to_json(), "worst_ratio": worst["ratio"]},
         plot=lambda plt: plot_predicted_vs_measured(plt, rows),

@@ -134,6 +134,14 @@ def untracked(tensor: torch.Tensor) -> torch.Tensor:
     )
 
 
+def concrete(device: torch.device | str) -> torch.device:
+    """``device`` as tensors placed on it report theirs: a bare ``cuda`` is the current CUDA device (``cuda:0``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def compute_device(device: torch.device | str | None = None) -> ComputeDevice:
     """The :class:`CudaDevice` for a CUDA ``device``, else the CPU stand-in (default: CUDA when available)."""
     device = torch.device(device) if device is not None else torch.device("cuda" if cuda_available() else "cpu")
@@ -225,7 +233,7 @@ class CudaDevice:
     simulated = False
 
     def __init__(self, device: torch.device):
-        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        self.device = concrete(device)
         self._streams = {d: _CudaCopyStream(self.device, d) for d in ("h2d", "d2h")}
 
     def record(self) -> Event:

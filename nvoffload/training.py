@@ -26,7 +26,7 @@ from torch import nn
 
 from nvoffload import trace
 from nvoffload.activations import offload_activations as _offload_activations
-from nvoffload.device import compute_device
+from nvoffload.device import compute_device, concrete
 from nvoffload.distributed import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, Ranks, check_not_ddp
 from nvoffload.io import TensorStore, swap_directories
 from nvoffload.memory import MemoryBudgetError, MemoryManager, TierStats, release_freed_host_memory
@@ -348,7 +348,7 @@ def initialize(
     if Ranks.resolve(process_group) is not None:  # reduced gradients: two buckets in flight at most
         largest = max((p.numel() * p.element_size() for p in model.parameters()), default=0)
         memory.allocate("device", 2 * max(config.bucket_bytes, largest), "gradient buckets between the ranks")
-    device = torch.device(config.device) if config.device is not None else compute_device_of(model)
+    device = concrete(config.device) if config.device is not None else compute_device_of(model)
     resources = _Transfers(config.cpu_memory_bytes, device)
     store = streamer = None
     try:

@@ -668,9 +668,9 @@ def test_cuda_copies_out_and_back_on_their_own_streams(target, tmp_path, monkeyp
     streams = {"d2h": set(), "h2d": set()}
     copy = device._CudaCopyStream.copy
 
-    def logged(self, dst, src, after):
+    def logged(self, dst, src, after, what=None):
         streams["h2d" if dst.is_cuda else "d2h"].add(self._stream.stream_id)
-        return copy(self, dst, src, after)
+        return copy(self, dst, src, after, what)
 
     monkeypatch.setattr(device._CudaCopyStream, "copy", logged)
     model, inputs = make_case("views")

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -21,5 +22,5 @@ def test_bench_plan_quick(tmp_path, monkeypatch):
         assert row["ratio"] == row["predicted_s"] / row["measured_s"]
         assert row["tokens_per_s_predicted"] * row["predicted_s"] == pytest.approx(row["tokens_per_s_measured"] * row["measured_s"])
     assert "nvoffload finetune --preset tiny" in record["notes"]  # the command the plan was checked against
-    assert "worst_ratio" in record and json.loads(record["profile"])["device"] == "cpu"
+    assert "worst_ratio" in record and json.loads(record["profile"])["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert list(tmp_path.iterdir()) == [tmp_path / "results"]  # the swap files are gone

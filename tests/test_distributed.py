@@ -19,11 +19,17 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 MODES = ["optimizer", "streaming"]
 
 
+def python(ranks: int, log_dir: Path) -> list[str]:
+    """Plain python for one rank, else torchrun with its logs under ``log_dir`` (by default it leaves a
+    ``/tmp/torchelastic_*`` directory behind for each run)."""
+    if ranks == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--log-dir", str(log_dir)]
+
+
 def run(mode: str, out: Path, swap_root: Path, ranks: int, *args: str, timeout_s: float = 300) -> list[dict]:
     """Train with ``ranks`` processes (1: plain python, else torchrun); each rank's results."""
-    command = [sys.executable, str(WORKER), mode, str(out), str(swap_root), *args]
-    if ranks > 1:
-        command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    command = [*python(ranks, out.parent / "torchrun"), str(WORKER), mode, str(out), str(swap_root), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -189,10 +195,8 @@ def test_finetune_under_torchrun_trains_as_one_process(tmp_path, stream):
     for ranks in (1, 2):
         swap = tmp_path / f"swap{ranks}"
         swap.mkdir()
-        launcher = [sys.executable] if ranks == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]  # fmt: skip
         done = subprocess.run(
-            [*launcher, "-m", "nvoffload", *args, "--swap-dir", str(swap), "--save-to", str(tmp_path / f"{ranks}.safetensors")],
+            [*python(ranks, tmp_path / "torchrun"), "-m", "nvoffload", *args, "--swap-dir", str(swap), "--save-to", str(tmp_path / f"{ranks}.safetensors")],
             capture_output=True, text=True, timeout=300, env=env,
         )  # fmt: skip
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -484,11 +484,13 @@ class H2DCopies(TorchDispatchMode):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("device", [None, "cuda"], ids=["model's-device", "named-cuda"])
 @pytest.mark.parametrize("roomy", [True, False], ids=["roomy", "tight"])
-def test_cuda_streamed_forward_and_backward_match_torch_with_copies_on_the_copy_stream(tmp_path, roomy):
+def test_cuda_streamed_forward_and_backward_match_torch_with_copies_on_the_copy_stream(tmp_path, roomy, device):
     """On a GPU: the streamed forward and backward give torch's loss and gradients, and every copy of a block to
     the GPU runs on the transfer engine's host-to-device stream, never on the compute stream; with the device
-    budget roomy (copies ahead in forward and backward) or tight (ahead in forward only)."""
+    budget roomy (copies ahead in forward and backward) or tight (ahead in forward only), and the device taken
+    from the model (``cuda:0``) or named without its index (``"cuda"``, the same device)."""
     cfg, ref, model = make_pair("small" if roomy else "tiny")
     ref, model = ref.cuda(), model.cuda()
     block = max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks)
@@ -496,7 +498,7 @@ def test_cuda_streamed_forward_and_backward_match_torch_with_copies_on_the_copy_
     device_bytes = 64 * MiB if roomy else 2 * resident + 4 * block
     memory = MemoryManager(device_memory_bytes=device_bytes, cpu_memory_bytes=64 * MiB)
     with TensorStore([tmp_path]) as store:
-        streamer = ParameterStreamer(model, store, memory)
+        streamer = ParameterStreamer(model, store, memory, device=device)
         try:
             copy_stream = streamer.transfer.device.copy_stream("h2d")._stream
             x, y = (t.cuda() for t in batch(cfg, 0))

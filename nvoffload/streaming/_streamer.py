@@ -130,7 +130,7 @@ class ParameterStreamer:
         self.store = store
         self.memory = memory
         self.prefetch_blocks = prefetch_blocks
-        self.device = torch.device(device) if device is not None else compute_device_of(model)
+        self.device = _device.concrete(device) if device is not None else compute_device_of(model)
         if transfer is not None and transfer.device.device.type != self.device.type:
             raise ValueError(f"the transfer engine copies to {transfer.device.device}, not to {self.device}")
         self._blocks, self._resident = partition(model, blocks if blocks is not None else find_blocks(model))
@@ -346,7 +346,7 @@ def compute_device_of(model: nn.Module) -> torch.device:
         raise ValueError(f"the model's parameters are on several devices: {sorted(map(str, devices))}")
     if devices:
         return devices.pop()
-    return torch.device("cuda") if _device.cuda_available() else torch.device("cpu")
+    return _device.concrete("cuda") if _device.cuda_available() else torch.device("cpu")
 
 
 def _check_budgets(blocks: list[Block], resident, memory: MemoryManager, host_bytes: int, prefetch_blocks: int) -> None:
