@@ -25,9 +25,12 @@ Without CUDA the CPU stands in for the GPU, and its copies run at
 ``--copy-gbps`` (``NVOFFLOAD_SIM_COPY_GBPS``'s mechanism): by default the rate at
 which the copies take as long as the compute, where overlap matters most and
 the gap between max and sum is widest (on a GPU, PCIe 4.0 x16 is about 25 GB/s
-against far faster compute, the same balance for a small batch). The stand-in
-traces every copy, and the plot is a timeline of one streamed step: block
-compute on one lane, copies on the other.
+against far faster compute, the same balance for a small batch). After the
+timed steps one more streamed step runs under :mod:`nvoffload.trace`, and the
+plot is its timeline: each block's forward and backward and the waits for its
+weights (host time, which on a GPU is when the work was issued) on one lane, the
+copies on their own (timed by CUDA events on the copy streams on a GPU, by the
+stand-in's workers on the CPU).
 
     python bench/bench_overlap.py [--quick] [--device cpu|cuda] [--copy-gbps 0.2]
 """
@@ -44,8 +47,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import save_report  # noqa: E402
+from report import plot_trace, save_report  # noqa: E402
 
+from nvoffload import trace  # noqa: E402
 from nvoffload.device import SimDevice, compute_device  # noqa: E402
 from nvoffload.io import TensorStore  # noqa: E402
 from nvoffload.memory import MemoryManager  # noqa: E402
@@ -124,27 +128,6 @@ def _medians(samples: list[tuple[float, ...]]) -> list[float]:
     return [statistics.median(column) for column in zip(*samples)]
 
 
-class Lanes:
-    """Block compute intervals of one step, from module hooks (for the timeline)."""
-
-    def __init__(self, blocks):
-        self.events: list[tuple[str, int, float, float]] = []
-        self._open: dict = {}
-        for i, b in enumerate(blocks):
-            b.register_forward_pre_hook(lambda m, a, i=i: self._start(("F", i)))
-            b.register_forward_hook(lambda m, a, o, i=i: self._end(("F", i)))
-            b.register_full_backward_pre_hook(lambda m, g, i=i: self._start(("B", i)))
-            b.register_full_backward_hook(lambda m, gi, go, i=i: self._end(("B", i)))
-
-    def _start(self, key):
-        self._open[key] = time.monotonic()
-
-    def _end(self, key):
-        start = self._open.pop(key, None)
-        if start is not None:
-            self.events.append((key[0], key[1], start, time.monotonic()))
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -163,7 +146,7 @@ def main(argv=None) -> dict:
     copy_bytes = 2 * sum(block_bytes) - block_bytes[-1]  # the last block stays on the device for backward
     simulated = device.type == "cpu"
     gbps = args.copy_gbps or (copy_bytes / compute / 1e9 if simulated else None)
-    compute_dev = SimDevice(copy_gbps=gbps, trace=True) if simulated else compute_device(device)
+    compute_dev = SimDevice(copy_gbps=gbps) if simulated else compute_device(device)
     host_bytes = sum(-(-b // 4096) * 4096 for b in block_bytes) + 8 * MiB
     engine = TransferEngine(host_bytes, compute_dev, what="the benchmark's host cache")
 
@@ -175,7 +158,6 @@ def main(argv=None) -> dict:
 
     # streamed
     model = build(args, device)
-    lanes = Lanes(list(model.blocks))
     resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))
     memory = MemoryManager(device_memory_bytes=2 * resident + 6 * max(block_bytes) + 8 * MiB, cpu_memory_bytes=host_bytes)
     with tempfile.TemporaryDirectory(prefix="nvoffload-bench-overlap-") as swap, TensorStore(swap) as store:
@@ -183,17 +165,14 @@ def main(argv=None) -> dict:
         step_s(model, x, y, device)  # warm-up: reads every block into the host cache
         times, waits = [], []
         for _ in range(args.repeats):
-            lanes.events.clear()
-            if compute_dev.simulated:
-                compute_dev.trace.clear()
             streamer.io_wait_s = 0.0
-            t0 = time.monotonic()
             times.append(sum(step_s(model, x, y, device)))
             waits.append(streamer.io_wait_s)
         streamed = statistics.median(times)
         waited = statistics.median(waits)
-        trace = list(compute_dev.trace) if compute_dev.simulated else []
-        events = list(lanes.events)
+        with trace.tracing() as recorded:  # one more step, for the timeline
+            traced_s = sum(step_s(model, x, y, device))
+        spans = recorded.spans()
         streamer.close()
     engine.close()
     compute_dev.close()
@@ -226,29 +205,15 @@ def main(argv=None) -> dict:
     settings = {k: v for k, v in vars(args).items() if k != "results_dir"}
     settings.update(device=str(device), copy_gbps=gbps)
 
-    def plot(plt):
-        fig, ax = plt.subplots(figsize=(11, 3.2))
-        if not events and not trace:
-            ax.barh([r["case"] for r in rows], [r["seconds"] for r in rows])
-            ax.set_xlabel("seconds")
-            return fig
-        for kind, i, start, end in events:
-            ax.barh(1, end - start, left=start - t0, color="tab:blue" if kind == "F" else "tab:orange", edgecolor="k")
-            ax.text((start + end) / 2 - t0, 1, f"{kind}{i}", ha="center", va="center", fontsize=7)
-        for stream, start, end, _ in trace:
-            ax.barh(0 if stream.endswith("h2d") else -1, end - start, left=start - t0, color="tab:green", edgecolor="k")
-        ax.set_yticks([1, 0, -1], ["compute (F/B block)", "copies host->device", "copies device->host"])
-        ax.set_xlabel("seconds into the last streamed step")
-        ax.set_title(f"streamed step {streamed:.2f} s; compute {compute:.2f} s, copies {copies:.2f} s alone")
-        fig.tight_layout()
-        return fig
+    title = (f"one traced streamed step, {traced_s * 1e3:.1f} ms (median {streamed * 1e3:.1f} ms); "
+             f"compute {compute * 1e3:.1f} ms, copies {copies * 1e3:.1f} ms alone")  # fmt: skip
 
     save_report(
         args.name, rows, settings=settings, plot_column="seconds", notes=notes,
-        extra={"ratios": ratios, "timeline": {"compute": events, "copies": trace, "t0": t0}},
-        plot=plot, **({"results_dir": args.results_dir} if args.results_dir else {}),
+        extra={"ratios": ratios, "timeline": spans},
+        plot=lambda plt: plot_trace(plt, spans, title), **({"results_dir": args.results_dir} if args.results_dir else {}),
     )  # fmt: skip
-    return {"rows": rows, "ratios": ratios, "events": events, "trace": trace}
+    return {"rows": rows, "ratios": ratios, "spans": spans}
 
 
 if __name__ == "__main__":

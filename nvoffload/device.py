@@ -293,10 +293,10 @@ class _SimEvent:
 class _SimCopyStream:
     """One worker thread running queued copies in order, each no sooner than its issue time plus the delay."""
 
-    def __init__(self, name: str, delay_s: float, bytes_per_s: float, timeline: list | None):
+    def __init__(self, name: str, delay_s: float, bytes_per_s: float):
         self._delay_s = delay_s
         self._bytes_per_s = bytes_per_s
-        self._worker = Worker(name, functools.partial(_run_sim_copy, name, timeline))
+        self._worker = Worker(name, functools.partial(_run_sim_copy, name))
         self._stop = weakref.finalize(self, self._worker.stop)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None, what: str | None = None) -> Event:
@@ -315,7 +315,7 @@ class _SimCopyStream:
         self._stop()
 
 
-def _run_sim_copy(name: str, timeline: list | None, op: tuple) -> None:
+def _run_sim_copy(name: str, op: tuple) -> None:
     """One queued stand-in copy, on its stream's worker thread."""
     from nvoffload.transfer.future import WAIT_LIMIT_S
 
@@ -334,13 +334,11 @@ def _run_sim_copy(name: str, timeline: list | None, op: tuple) -> None:
                 dst.copy_(src)
         except BaseException as exc:  # noqa: BLE001 - reported through the event
             error = exc
-        end_s, nbytes = time.monotonic(), src.numel() * src.element_size()
-        if timeline is not None:
-            timeline.append((name, max(start_s, wake - duration_s), end_s, nbytes))
         recording = trace.active()
         if recording is not None:
-            start_ns = round(max(start_s, wake - duration_s) * 1e9)
-            recording.add(name.removeprefix("nvoffload-sim-"), what or "copy", start_ns, round(end_s * 1e9), bytes=nbytes)
+            start_ns, end_ns = round(max(start_s, wake - duration_s) * 1e9), time.monotonic_ns()
+            nbytes = src.numel() * src.element_size()
+            recording.add(name.removeprefix("nvoffload-sim-"), what or "copy", start_ns, end_ns, bytes=nbytes)
     del op, dst, src, after  # the event's waiters must not find the copy's tensors still held
     event._complete(error)
 
@@ -350,16 +348,14 @@ class SimDevice:
 
     simulated = True
 
-    def __init__(self, *, copy_delay_us: float | None = None, copy_gbps: float | None = None, trace: bool = False):
+    def __init__(self, *, copy_delay_us: float | None = None, copy_gbps: float | None = None):
         self.device = torch.device("cpu")
-        # With ``trace``: (stream name, start, end in time.monotonic() seconds, bytes) of every copy, for timelines.
-        self.trace: list | None = [] if trace else None
         self.copy_delay_us = _env_number("NVOFFLOAD_SIM_COPY_DELAY_US", 0.0) if copy_delay_us is None else copy_delay_us
         self.copy_gbps = _env_number("NVOFFLOAD_SIM_COPY_GBPS", 0.0) if copy_gbps is None else copy_gbps
         if self.copy_delay_us < 0 or self.copy_gbps < 0:
             raise ValueError(f"copy_delay_us and copy_gbps must be >= 0, got {self.copy_delay_us}, {self.copy_gbps}")
         self._streams = {
-            d: _SimCopyStream(f"nvoffload-sim-{d}", self.copy_delay_us * 1e-6, self.copy_gbps * 1e9, self.trace)
+            d: _SimCopyStream(f"nvoffload-sim-{d}", self.copy_delay_us * 1e-6, self.copy_gbps * 1e9)
             for d in ("h2d", "d2h")
         }
 

@@ -21,8 +21,9 @@ def test_bench_overlap_quick(tmp_path, monkeypatch):
     assert seconds["max(compute, copies)"] <= bound <= seconds["compute + copies"]
     assert record["ratios"]["streamed/sum"] < record["ratios"]["streamed/max"]
     layers = 3
-    # every block computed forward and backward, and was copied to the device for each
-    assert sorted((kind, i) for kind, i, _, _ in out["events"]) == sorted((k, i) for k in "FB" for i in range(layers))
-    h2d = [c for c in out["trace"] if c[0].endswith("h2d")]
-    assert len(h2d) == 2 * layers - 1 and all(end >= start for _, start, end, _ in h2d)  # the last block stays
+    # the traced step: every block computed forward and backward, and was copied to the device for each
+    computed = [name for track, name, *_ in out["spans"] if track == "compute" and not name.startswith("wait")]
+    assert sorted(computed) == sorted(f"{what} {i}" for what in ("forward", "backward") for i in range(layers))
+    h2d = [span for span in out["spans"] if span[0] == "h2d"]
+    assert len(h2d) == 2 * layers - 1 and all(end >= start for _, _, start, end, _ in h2d)  # the last block stays
     assert (tmp_path / "bench_overlap.png").stat().st_size > 0 and (tmp_path / "bench_overlap.md").exists()

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import mapping_size
 
+import nvoffload.trace
 from nvoffload.device import SimDevice
 from nvoffload.io import StoreIOError, TensorStore
 from nvoffload.memory import MemoryBudgetError
@@ -148,18 +149,20 @@ def test_stand_in_rate_limits_copies():
 
 
 def test_stand_in_trace_records_each_copy_and_version_bumps_at_issue():
-    device = SimDevice(copy_delay_us=5_000, copy_gbps=1.0, trace=True)
+    device = SimDevice(copy_delay_us=5_000, copy_gbps=1.0)
     engine = TransferEngine(1 << 16, device)
     dst = torch.zeros(1 << 18)
     version = dst._version
-    issued = time.monotonic()
-    fut = engine.to_device(dst, torch.ones(1 << 18))
-    assert dst._version == version + 1  # autograd sees the write when it is issued, as with CUDA's copy_
-    engine.wait(fut)
+    with nvoffload.trace.tracing() as recorded:
+        issued_s = (time.monotonic_ns() - recorded.start_ns) / 1e9
+        fut = engine.to_device(dst, torch.ones(1 << 18), what="a block")
+        assert dst._version == version + 1  # autograd sees the write when it is issued, as with CUDA's copy_
+        engine.wait(fut)
     assert dst._version == version + 1 and dst.sum().item() == 1 << 18
-    ((stream, start, end, nbytes),) = device.trace
-    assert stream == "nvoffload-sim-h2d" and nbytes == 1 << 20
-    assert issued <= start <= end and end - start >= 0.001  # 1 MiB at 1 GB/s
+    ((track, name, start, end, args),) = recorded.spans()
+    assert (track, name, args) == ("h2d", "a block", {"bytes": 1 << 20})
+    # 1 MiB at 1 GB/s takes 1 ms, and it lands no sooner than 5 ms after its issue
+    assert issued_s + 0.004 <= start <= end and end - start >= 0.001
     engine.close()
     device.close()
 
