@@ -135,10 +135,17 @@ def untracked(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def concrete(device: torch.device | str) -> torch.device:
-    """``device`` as tensors placed on it report theirs: a bare ``cuda`` is the current CUDA device (``cuda:0``)."""
+    """``device`` as tensors placed on it report theirs: a bare ``cuda`` is the current CUDA device (``cuda:0``).
+    ``ValueError`` for a CUDA device that is not usable here (no GPU, or an index past the last one)."""
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
+    if device.type != "cuda":
+        return device
+    if not cuda_available():
+        raise ValueError(f"device {device}: no CUDA GPU is usable here (torch {torch.__version__})")
+    if device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     return device
 
 

@@ -564,6 +564,21 @@ def test_initialize_twice_on_one_model_is_refused(tmp_path):
         opt.close()
 
 
+def test_a_cuda_device_not_usable_here_is_refused_before_writing_anything(tmp_path):
+    """No GPU, or an index past the last GPU: ``initialize`` and ``ParameterStreamer`` refuse with the reason
+    (not torch's assertion from deep inside), and leave the swap directory empty."""
+    bad = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+    reason = r"this machine has \d+ CUDA GPU" if torch.cuda.is_available() else "no CUDA GPU is usable here"
+    cfg, _, model = make_pair()
+    with pytest.raises(ValueError, match=rf"device {bad}: {reason}"):
+        nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model, device=bad))
+    assert not any(tmp_path.iterdir())
+    memory = MemoryManager(device_memory_bytes=64 * MiB, cpu_memory_bytes=64 * MiB)
+    with TensorStore([tmp_path]) as store, pytest.raises(ValueError, match=rf"device {bad}: {reason}"):
+        ParameterStreamer(model, store, memory, device=bad)
+    assert not any(tmp_path.iterdir())
+
+
 def test_initialize_checks_free_space_before_writing_anything(tmp_path, monkeypatch):
     import shutil
 
