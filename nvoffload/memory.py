@@ -105,7 +105,12 @@ TIERS = ("device", "host")
 
 
 class MemoryBudgetError(MemoryError):
-    """An engine asked a tier for more bytes than its budget has left."""
+    """An engine asked a tier for more bytes than its budget has left; ``host_shortfall_bytes`` is how many
+    more bytes of host memory it needed, where that is known (else 0)."""
+
+    def __init__(self, message: str, *, host_shortfall_bytes: int = 0):
+        super().__init__(message)
+        self.host_shortfall_bytes = host_shortfall_bytes
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ to read.
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -38,6 +39,8 @@ from nvoffload.transfer import HostSlab, TransferEngine
 from nvoffload.transfer.slab import ALIGNMENT_BYTES
 
 __all__ = ["OffloadConfig", "OffloadSession", "initialize"]
+
+_MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -276,6 +279,18 @@ class _Transfers:
         self.slab.close()
 
 
+def _host_budget_that_fits(config: OffloadConfig, shortfall_bytes: int) -> str:
+    """The ``cpu_memory_bytes`` (rounded up to MiB) whose parameter-streaming share, what is left after the
+    optimizer's fraction and activation offload's bytes, is ``shortfall_bytes`` larger."""
+    grown = config.cpu_memory_bytes + math.ceil(shortfall_bytes / (1 - config.optimizer_memory_fraction))
+    smallest = -(-(grown + 3 * ALIGNMENT_BYTES) // _MiB) * _MiB  # the slab and each carve round to 4 KiB
+    activations = f" and activation offload's {config.activation_bytes} bytes" if config.activation_bytes else ""
+    return (
+        f"cpu_memory_bytes must be at least {smallest} ({smallest // _MiB} MiB): parameter streaming gets what is"
+        f" left after the optimizer's share (optimizer_memory_fraction={config.optimizer_memory_fraction:g}){activations}"
+    )
+
+
 def initialize(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -367,7 +382,7 @@ def initialize(
             optimizer, swap_dir=store, transfer=optimizer_transfer,
             config=config.optimizer_config(optimizer_bytes), process_group=process_group,
         )  # fmt: skip
-    except BaseException:
+    except BaseException as exc:
         if streamer is not None:
             streamer.close()
         resources.close()
@@ -375,6 +390,8 @@ def initialize(
             store.close()
         if config.trace_path is not None:
             trace.stop()
+        if isinstance(exc, MemoryBudgetError) and exc.host_shortfall_bytes:
+            raise MemoryBudgetError(f"{exc}. {_host_budget_that_fits(config, exc.host_shortfall_bytes)}") from None
         raise
     offloaded.set_weight_home(streamer)
     activations = None

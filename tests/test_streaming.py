@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import errno
 import json
+import re
 import subprocess
 import sys
 import time
@@ -159,8 +160,17 @@ def test_budget_smaller_than_a_block_names_the_smallest_that_works(tmp_path):
     _, _, model = make_pair()
     with pytest.raises(MemoryBudgetError, match=r"device_memory_bytes must be at least \d+"):
         nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model, device_memory_bytes=4096))
-    with pytest.raises(MemoryBudgetError, match=r"streaming needs at least \d+"):
-        nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model, cpu_memory_bytes=65536))
+    for activations in (False, True):  # the host budget named is the smallest that works (to the MiB)
+        _, _, model = make_pair()  # a model stays streamed by the session that took it, even once closed
+        kw = {"offload_activations": True, "activation_memory_bytes": 4 * MiB} if activations else {}
+        short = 8 * MiB + 65536 if activations else 65536  # a few pages for parameter streaming
+        with pytest.raises(MemoryBudgetError, match=r"streaming needs at least \d+.*cpu_memory_bytes must be at least") as info:
+            nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model, cpu_memory_bytes=short, **kw))
+        smallest = int(re.search(r"cpu_memory_bytes must be at least (\d+)", str(info.value)).group(1))
+        with pytest.raises(MemoryBudgetError, match="streaming needs at least"):
+            nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model, cpu_memory_bytes=smallest - MiB, **kw))
+        _, opt = nvoffload.initialize(model, torch.optim.AdamW(model.parameters()), config(tmp_path, model, cpu_memory_bytes=smallest, **kw))
+        opt.close()
     with pytest.raises(MemoryBudgetError, match=r"leaves nothing for parameter streaming's host memory"):
         nvoffload.initialize(
             model, torch.optim.AdamW(model.parameters()),

@@ -371,4 +371,7 @@ def _check_budgets(blocks: list[Block], resident, memory: MemoryManager, host_by
             f"streaming needs at least {host_needed} ({2 + prefetch_blocks} x the largest block's {largest})"
         )
     if problems:
-        raise MemoryBudgetError("budgets too small for parameter streaming: " + "; ".join(problems))
+        raise MemoryBudgetError(
+            "budgets too small for parameter streaming: " + "; ".join(problems),
+            host_shortfall_bytes=max(0, host_needed - host_bytes),
+        )
