@@ -3,8 +3,9 @@
 their ratio, and the worst ratio.
 
 Configurations (a GPT on ``--device``: CUDA when present, else the CPU standing in for it): the optimizer
-alone (the model on the device, its AdamW state on NVMe) and streaming (all three tiers), two host budgets, activation offload on
-and off, two batch sizes. Each runs ``--steps`` steps after one warm-up step; the median step is compared.
+alone (the model on the device, its AdamW state on NVMe) and streaming (all three tiers), two host budgets,
+activation offload on and off, two batch sizes. Each runs ``--steps`` steps after one warm-up step; the
+median step is compared.
 
 Then ``nvoffload finetune`` commands as a user runs them (``--plan auto``, the profile just measured),
 each beside ``nvoffload plan`` given the same model, batch and memory flags: the plan's step time against
