@@ -79,6 +79,7 @@ from nvoffload.pretrained import (
 from nvoffload.training import OffloadConfig, initialize
 from nvoffload.training_checkpoint import (
     check_checkpoint_directory,
+    claim_checkpoint_directory,
     latest_training_checkpoint,
     load_training_checkpoint,
     save_training_checkpoint,
@@ -470,8 +471,10 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
             owned_dir = swap_dir = tempfile.mkdtemp(prefix=_RUN_DIR_PREFIX, dir=swap_dir)
         else:
             _remove_abandoned_run_dirs(swap_dir)
-    bar = None
+    bar = checkpoint_release = None
     try:
+        if config.checkpoint_dir is not None and rank == 0:  # held until the run ends: a second run on it is refused
+            checkpoint_release = claim_checkpoint_directory(config.checkpoint_dir)
         model, opt = _build(config, swap_dir, hf)
         with opt, contextlib.ExitStack() as cleanup:
             result = FinetuneResult(config, sum(p.numel() for p in model.parameters()))
@@ -494,7 +497,7 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
             if config.resume:
                 latest = latest_training_checkpoint(config.checkpoint_dir)
                 if latest is not None:
-                    done = load_training_checkpoint(latest.path, **state)
+                    done = load_training_checkpoint(config.checkpoint_dir, keep_last=config.keep_last, **state)  # the newest that loads
                     data.load_state_dict(done.extra["data"])
                     first = done.step + 1
                     if bar is not None:
@@ -554,6 +557,8 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
             shutil.rmtree(owned_dir, ignore_errors=True)
         if release is not None:
             release()
+        if checkpoint_release is not None:
+            checkpoint_release()
     return result
 
 
