@@ -55,7 +55,7 @@ def test_config_validation(tmp_path):
     with pytest.raises(ValueError, match="save_to: the directory"):
         FinetuneConfig(save_to=str(tmp_path / "absent" / "out.safetensors"))
     for bad in ({"resume": True}, {"save_every": 5}):
-        with pytest.raises(ValueError, match="need a checkpoint_dir"):
+        with pytest.raises(ValueError, match="needs a checkpoint_dir"):
             FinetuneConfig(**bad)
     with pytest.raises(ValueError, match="save_every must be >= 1"):
         FinetuneConfig(checkpoint_dir=str(tmp_path), save_every=0)
@@ -194,7 +194,7 @@ def test_streamed_and_in_memory_finetune_agree(tmp_path):
 def test_cli_streamed_budget_too_small(tmp_path, capsys):
     rc = main(["finetune", "--preset", "tiny", "--steps", "1", "--swap-dir", str(tmp_path), "--stream",
                "--device-memory", "64K", "--no-progress"])  # fmt: skip
-    assert rc == 2 and "device_memory_bytes must be at least" in capsys.readouterr().err
+    assert rc == 2 and "--device-memory must be at least" in capsys.readouterr().err  # the flag, not the field
 
 
 def test_cli_checkpoint_of_another_model(tmp_path, capsys):
