@@ -71,7 +71,7 @@ from nvoffload.checkpoint import (
     SafetensorsWriter,
     open_checkpoint,
 )
-from nvoffload.distributed import Ranks
+from nvoffload.distributed import Ranks, RankTimeoutError
 from nvoffload.io.checksum import crc32c
 from nvoffload.io.ownership import claim
 from nvoffload.optim.offload import OffloadOptimizer
@@ -737,7 +737,7 @@ class _Together:
             try:
                 self._ranks.agree(error, self._what)
             except RuntimeError as exc:
-                if exc is error:
+                if exc is error or isinstance(exc, RankTimeoutError):
                     raise
                 raise _FailedOnAnotherRank(*exc.args) from None
         return False
