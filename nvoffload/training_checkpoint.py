@@ -112,9 +112,8 @@ def check_checkpoint_directory(directory: str | os.PathLike) -> str:
     when it does not exist yet, that it can be created: a directory can be made in its nearest existing parent);
     returns its absolute path. Raises OSError (naming the directory) when they cannot."""
     root = os.path.abspath(os.fspath(directory))
-    existing = root
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
+    missing = _missing(root)
+    existing = os.path.dirname(missing[-1]) if missing else root
     try:
         if not os.path.isdir(existing):
             raise NotADirectoryError(errno.ENOTDIR, f"{existing} is not a directory")
@@ -128,7 +127,8 @@ def claim_checkpoint_directory(directory: str | os.PathLike) -> Callable[[], Non
     """Take ``directory`` (created if needed) for this run until the release returned is called: its lock
     (:mod:`nvoffload.io.ownership`, as a swap directory's) refuses other live runs; a killed run's lock is taken
     over, and what its saves left (hidden partial checkpoints, and old ones being deleted) is removed, with a
-    warning. The saves of the process that holds it go on (they take the lock again).
+    warning. The saves of the process that holds it go on (they take the lock again). The release removes the
+    directories the claim created if nothing was saved in them (a run refused later leaves nothing).
 
     Raises:
         SwapDirectoryInUse: another live run holds it (``errno.EBUSY``; the message names the lock to delete
@@ -136,8 +136,17 @@ def claim_checkpoint_directory(directory: str | os.PathLike) -> Callable[[], Non
         OSError: it cannot be written (naming it).
     """
     root = check_checkpoint_directory(directory)
+    created = _missing(root)
     os.makedirs(root, exist_ok=True)
-    release = claim(root, "checkpoint directory")
+    unlock = claim(root, "checkpoint directory")
+
+    def release() -> None:
+        unlock()
+        for made in created:
+            try:
+                os.rmdir(made)
+            except OSError:  # not empty (a checkpoint was saved), or already gone
+                return
     left = _remove_partial(root)
     if left:
         warnings.warn(
@@ -146,6 +155,15 @@ def claim_checkpoint_directory(directory: str | os.PathLike) -> Callable[[], Non
             stacklevel=2,
         )
     return release
+
+
+def _missing(path: str) -> list[str]:
+    """``path`` and those of its parents that do not exist, deepest first."""
+    missing = []
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
 
 
 def latest_training_checkpoint(directory: str | os.PathLike) -> TrainingCheckpoint | None:

@@ -12,6 +12,7 @@ from test_streaming import config
 
 import nvoffload
 from nvoffload.checkpoint import CheckpointError
+from nvoffload.memory import MemoryBudgetError
 from nvoffload.models import GPT, GPTConfig
 from nvoffload.optim import NVMeAdamW
 from nvoffload.training_checkpoint import MANIFEST
@@ -289,15 +290,31 @@ def test_a_checkpoint_directory_another_live_run_holds_is_refused_and_a_killed_r
     run.close()
 
 
-def test_check_checkpoint_directory_creates_nothing(tmp_path):
-    from nvoffload.training_checkpoint import check_checkpoint_directory
+def test_check_checkpoint_directory_creates_nothing_and_a_run_refused_after_its_claim_leaves_nothing(tmp_path):
+    from nvoffload.finetune import FinetuneConfig, finetune
+    from nvoffload.training_checkpoint import check_checkpoint_directory, claim_checkpoint_directory
 
     assert check_checkpoint_directory(tmp_path / "a" / "b") == str(tmp_path / "a" / "b")
     assert os.listdir(tmp_path) == []
+    release = claim_checkpoint_directory(tmp_path / "a" / "b")
+    assert os.listdir(tmp_path / "a" / "b") == ["nvoffload.lock"]
+    release()  # nothing was saved: the directories it made go
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "mine").mkdir()
+    claim_checkpoint_directory(tmp_path / "mine")()
+    assert os.listdir(tmp_path) == ["mine"]  # not made by the claim: kept
+    os.rmdir(tmp_path / "mine")
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    ckpt = tmp_path / "new" / "ckpt"
+    with pytest.raises(MemoryBudgetError):  # refused while the model is built, once the directory is claimed
+        finetune(FinetuneConfig(preset="tiny", steps=1, swap_dir=str(swap), checkpoint_dir=str(ckpt), stream=True,
+                                device_memory_bytes=64 << 10), progress=False)  # fmt: skip
+    assert os.listdir(tmp_path) == ["swap"]
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError, match=rf"cannot write training checkpoints in {tmp_path}/file/c: {tmp_path}/file is not a directory"):
         check_checkpoint_directory(tmp_path / "file" / "c")
-    assert os.listdir(tmp_path) == ["file"]
+    assert sorted(os.listdir(tmp_path)) == ["file", "swap"]
 
 
 _FILL_AND_SAVE = """
