@@ -47,6 +47,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import datetime
+import errno
 import math
 import os
 import resource
@@ -263,6 +264,24 @@ def max_text_bytes() -> int:
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / (1 << 30):.3g} GiB"
+
+
+@contextlib.contextmanager
+def _host_budgets_named(config: FinetuneConfig):
+    """An allocation the host refuses (``OSError(ENOMEM)``, no more than "Cannot allocate memory") raised again
+    naming the budgets asked and the memory this machine has available."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.ENOMEM:
+            raise
+        asked = [("cpu_memory_bytes", config.cpu_memory_bytes)]
+        if config.offload_activations and config.activation_memory_bytes is not None:
+            asked.append(("activation_memory_bytes", config.activation_memory_bytes))
+        named = " and ".join(f"{name} {n} ({_gib(n)})" for name, n in asked)
+        free = _host_available_bytes()
+        raise OSError(errno.ENOMEM, f"cannot allocate the host memory asked, {named}: {free} ({_gib(free)}) of this"
+                      f" machine's {_gib(_host_memory_bytes())} is available") from None  # fmt: skip
 
 
 def _check_memory_sizes(config: FinetuneConfig, device: torch.device) -> None:
@@ -603,13 +622,15 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
         _check_swap_space(config, shape, rows.stop - rows.start, seq_len, swap_dir)
         if config.checkpoint_dir is not None and rank == 0:  # held until the run ends: a second run on it is refused
             checkpoint_release = claim_checkpoint_directory(config.checkpoint_dir)  # created once every check passed
-        model, opt = _build(config, swap_dir, hf)
+        with _host_budgets_named(config):
+            model, opt = _build(config, swap_dir, hf)
         with opt, contextlib.ExitStack() as cleanup:
             result = FinetuneResult(config, sum(p.numel() for p in model.parameters()))
             session = opt.session
             activations = contextlib.nullcontext()
             if config.offload_activations and session is None:  # streaming sends them through the session
-                activations = cleanup.enter_context(contextlib.closing(offload_activations(swap_dir, host_memory_bytes=config.activation_memory_bytes)))
+                with _host_budgets_named(config):
+                    activations = cleanup.enter_context(contextlib.closing(offload_activations(swap_dir, host_memory_bytes=config.activation_memory_bytes)))
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (config.warmup_steps + 1)))
             if progress and rank == 0:
                 from tqdm import tqdm

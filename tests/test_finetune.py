@@ -445,3 +445,23 @@ def test_ctrl_c_is_one_line_exit_130_and_removes_the_swap_files(tmp_path):
         reader.join(timeout=60)  # at the end of its output
     assert rc == 130 and err == "nvoffload finetune: interrupted (Ctrl-C); the last checkpoint written is the one to --resume\n"
     assert os.listdir(swap) == []
+
+
+def test_host_memory_refused_by_the_system_names_the_budget_and_what_is_available(tmp_path):
+    """--cpu-memory within the machine's memory that the system still refuses (here an address-space limit,
+    RLIMIT_AS, in the child): the error names the flag, the size and the memory available. It said only 'Cannot
+    allocate memory'."""
+    import resource
+    import subprocess
+
+    def limit_address_space():  # below the 8 GiB slab asked, whatever the interpreter and torch take
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    cmd = [sys.executable, "-m", "nvoffload", "finetune", "--preset", "tiny", "--steps", "1", "--no-progress",
+           "--swap-dir", str(tmp_path), "--stream", "--cpu-memory", "8G"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=limit_address_space)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stderr.startswith(
+        "nvoffload finetune: error: cannot allocate the host memory asked, --cpu-memory 8589934592 (8 GiB): "
+    ) and "GiB is available" in done.stderr
+    assert os.listdir(tmp_path) == []
