@@ -393,7 +393,8 @@ def test_too_little_space_for_the_offloaded_activations_is_refused_before_anythi
     assert done.returncode == 0 and done.stdout.startswith("step 1: loss"), done.stderr[-2000:]
 
 
-def test_a_write_error_under_offloaded_activations_is_one_line_and_the_last_checkpoint_stays(tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--stream", "--cpu-memory", "256M"]], ids=["optimizer", "stream"])
+def test_a_write_error_under_offloaded_activations_is_one_line_and_the_last_checkpoint_stays(tmp_path, mode):
     """A real write error while activations are written (a file size limit, RLIMIT_FSIZE, in the child: EFBIG as a
     full disk's ENOSPC): one line naming the tensor and the swap file, exit 2, the swap files gone, the checkpoint
     of the step before intact. It was a 42-line RuntimeError traceback, exit 1."""
@@ -405,7 +406,7 @@ def test_a_write_error_under_offloaded_activations_is_one_line_and_the_last_chec
     swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
     swap.mkdir()
     argv = ["finetune", "--preset", "small", "--batch-size", "16", "--swap-dir", str(swap), "--checkpoint-dir",
-            str(ckpt), "--no-progress"]  # fmt: skip
+            str(ckpt), "--no-progress", *mode]  # fmt: skip
     assert main([*argv, "--steps", "1"]) == 0
 
     def limit_file_size():  # above the optimizer's swap file (39 MB), below the activations' (126 MB a micro-batch)
