@@ -276,3 +276,17 @@ def test_a_closed_optimizer_does_not_hold_its_parameters(tmp_path):
         with NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path) as opt:
             train_step(model, opt)
     assert_trains_as_torch(model, tmp_path)
+
+
+def test_an_optimizer_refused_while_built_holds_nothing(tmp_path):
+    # Refused after its hooks were in place (state that does not fit): it is closed before the error
+    # leaves, even while the error (and so the half-built optimizer in its traceback) is still referenced.
+    model = small_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, inner)
+    inner.state[model[0].weight]["exp_avg"] = torch.zeros(3)
+    (tmp_path / "a").mkdir()
+    with pytest.raises(ValueError, match=r"state tensor of shape \(3,\) does not fit parameter 0") as refused:
+        OffloadOptimizer(inner, swap_dir=tmp_path / "a")
+    assert refused.value.__traceback__ is not None and not list((tmp_path / "a").glob("*.swap"))
+    assert_trains_as_torch(model, tmp_path)

@@ -349,12 +349,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._finalizer.atexit = False  # exit_hook joins the worker at exit instead
         atexit.register(exit_hook)
         _OPEN.add(self)
-        for g in self.param_groups:
-            for p in g["params"]:
-                self._add_record(p, g)
-        if inner_state is not None:
-            optimizer.state.clear()
-            self.load_state_dict(inner_state)
+        try:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    self._add_record(p, g)
+            if inner_state is not None:
+                optimizer.state.clear()
+                self.load_state_dict(inner_state)
+        except BaseException:
+            self._shutdown()  # refused: its hooks and state go now, not when the error's traceback is dropped
+            raise
 
     # ------------------------------------------------------------------ setup
     def add_param_group(self, param_group: dict) -> None:
