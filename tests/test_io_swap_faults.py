@@ -195,11 +195,12 @@ UNUSABLE_SCRIPT = """
 import os, sys
 from nvoffload.finetune import FinetuneConfig, finetune
 
-swap, out, close = sys.argv[1], sys.argv[2], sys.argv[3] == "close"
+swap, out, close, replace = sys.argv[1], sys.argv[2], sys.argv[3] == "close", sys.argv[4] == "replaced"
 
-def make_unusable():  # the directory is replaced by a file: nothing under its path can be reached
+def make_unusable():
     os.rename(swap, swap + ".moved")
-    open(swap, "w").close()
+    if replace:  # by a file: nothing under its path can be reached
+        open(swap, "w").close()
 
 if close:  # finetune closes its stores itself
     config = FinetuneConfig(preset="tiny", steps=3, swap_dir=swap, save_to=out)
@@ -217,17 +218,17 @@ print("saved", os.path.getsize(out) > 0)
 """
 
 
-@pytest.mark.parametrize("how", ["close", "exit"])
-def test_a_swap_directory_made_unusable_mid_run_ends_in_one_warning(tmp_path, how):
+@pytest.mark.parametrize("how, fault", [("close", "replaced"), ("exit", "replaced"), ("close", "renamed")])
+def test_a_swap_directory_made_unusable_mid_run_ends_in_one_warning(tmp_path, how, fault):
     """After step 2 the swap directory is replaced by a file (as root, chmod 000 stops nothing, and the
     interpreter here is not reachable by an unprivileged user: replacing the directory fails the same calls,
-    with ENOTDIR for EACCES). The work is saved, and the run ends with exit 0 and one warning naming the
-    directory and the swap file and lock left there, without a traceback (before: the close raised, and two
-    finalizers raised at exit)."""
+    with ENOTDIR for EACCES), or renamed. The work is saved, and the run ends with exit 0 and one warning naming
+    the directory and the swap file and lock left there, without a traceback (before: the close raised, and two
+    finalizers raised at exit; a renamed directory kept them without a word)."""
     swap, out = tmp_path / "swap", tmp_path / "out.bin"
     swap.mkdir()
     result = subprocess.run(
-        [sys.executable, "-c", UNUSABLE_SCRIPT, str(swap), str(out), how], capture_output=True, text=True,
+        [sys.executable, "-c", UNUSABLE_SCRIPT, str(swap), str(out), how, fault], capture_output=True, text=True,
         timeout=RUN_LIMIT_S, env=_run_env(), cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0 and result.stdout.splitlines()[-1] == "saved True", (result.stdout, result.stderr)
@@ -235,8 +236,9 @@ def test_a_swap_directory_made_unusable_mid_run_ends_in_one_warning(tmp_path, ho
     left = sorted(os.listdir(f"{swap}.moved"))
     assert len(left) == 2 and left[1] == "nvoffload.lock" and re.fullmatch(r"nvoffload-\d+-[0-9a-f]{12}\.swap", left[0])
     warnings = re.findall(r"UserWarning: (.*)", result.stderr)
+    where, why = (swap, "Not a directory") if fault == "replaced" else (f"{swap}.moved", f"moved there from {swap}")
     assert warnings == [
-        f"swap directory {os.path.realpath(swap)} could not be cleaned up (Not a directory): swap file {left[0]}"
+        f"swap directory {os.path.realpath(where)} could not be cleaned up ({why}): swap file {left[0]}"
         f" ({os.path.getsize(f'{swap}.moved/{left[0]}')} bytes), its lock nvoffload.lock left there: delete them"
-        " once it is usable again"
+        " by hand"
     ], result.stderr

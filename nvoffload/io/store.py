@@ -24,7 +24,7 @@ from nvoffload.io.config import IOConfig
 from nvoffload.io.engine import IOEngine, NativePart, OpenFile
 from nvoffload.io.errors import ChecksumError, StoreIOError
 from nvoffload.io.gds import GDSFile, gds_available
-from nvoffload.io.ownership import claim
+from nvoffload.io.ownership import LOCK_NAME, claim
 from nvoffload.io.staging import DEFAULT_STAGING_BYTES, Stager, wait_for_device
 from nvoffload.transfer.extents import Extents
 from nvoffload.transfer.future import Future
@@ -604,11 +604,12 @@ class TensorStore:
         return lambda buffer, at: Future(self._submit(extents, buffer, write=write, at=at), what=name)
 
     def _remove_files(self) -> None:
-        for swap in self._swaps:
+        swaps = list(self._swaps)
+        self._clean_up()  # while the files are open: one whose directory was renamed is found by its descriptor
+        for swap in swaps:
             if swap.gds is not None:
                 swap.gds.close()
             self._engine.close_file(swap.file)
-        self._clean_up()
         self._swaps = []
 
 
@@ -664,34 +665,48 @@ def _release_all(releases: list) -> None:
 
 
 def _clean_up(swaps: list[_SwapFile], releases: list) -> None:
-    """Remove the swap files, then release the directories; what a directory made unusable meanwhile (replaced
-    by a file, its permissions taken) keeps is named in one warning for it, instead of a traceback at exit."""
+    """Remove the swap files (still open), then release the directories; what a directory made unusable meanwhile
+    (replaced by a file, its permissions taken, renamed) keeps is named in one warning for it, instead of a
+    traceback at exit or nothing at all."""
     left: dict[str, list[str]] = {}
     reasons: dict[str, str] = {}
 
-    def keep(path: str, what: str, exc: OSError) -> None:
+    def keep(path: str, what: str, reason: str) -> None:
         directory = os.path.realpath(os.path.dirname(path))
         left.setdefault(directory, []).append(what)
-        reasons.setdefault(directory, exc.strerror or str(exc))
+        reasons.setdefault(directory, reason)
 
     for swap in swaps:
+        what = f"swap file {os.path.basename(swap.file.path)} ({swap.extents.end} bytes)"
         try:
             os.unlink(swap.file.path)
         except FileNotFoundError:
-            pass
+            moved = _moved_to(swap.file.fd)
+            if moved is not None:
+                keep(moved, what, f"moved there from {os.path.dirname(swap.file.path)}")
+                if os.path.exists(os.path.join(os.path.dirname(moved), LOCK_NAME)):
+                    keep(moved, f"its lock {LOCK_NAME}", "")
         except OSError as exc:
-            keep(swap.file.path, f"swap file {os.path.basename(swap.file.path)} ({swap.extents.end} bytes)", exc)
+            keep(swap.file.path, what, exc.strerror or str(exc))
     for release in releases:
         try:
             release()
         except OSError as exc:
-            keep(exc.filename or "", f"its lock {os.path.basename(exc.filename or '')}", exc)
+            keep(exc.filename or "", f"its lock {os.path.basename(exc.filename or '')}", exc.strerror or str(exc))
     for directory, items in left.items():
         warnings.warn(
             f"swap directory {directory} could not be cleaned up ({reasons[directory]}): {', '.join(items)} left"
-            " there: delete them once it is usable again",
+            " there: delete them by hand",
             stacklevel=2,
         )
+
+
+def _moved_to(fd: int) -> str | None:
+    """The path of the open file ``fd`` when it still has one (its directory was renamed), else None."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") if os.fstat(fd).st_nlink else None
+    except OSError:
+        return None
 
 
 def _settle(future: Future) -> None:
