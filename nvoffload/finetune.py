@@ -385,7 +385,8 @@ def _check_init_from(config: FinetuneConfig) -> None:
     wrong += [f"{n} is not in the model" for n in found if n not in shapes]
     if wrong:
         more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
-        raise ValueError(f"init_from: {config.init_from} does not fit the {config.preset!r} model: {'; '.join(wrong[:3])}{more}")
+        what = f"init_from: {config.init_from} does not fit the {config.preset!r} model"
+        raise ValueError(f"{what}: {'; '.join(wrong[:3])}{more}")
 
 
 def _model_shape(config: FinetuneConfig) -> ModelShape | None:
@@ -401,14 +402,14 @@ def _model_shape(config: FinetuneConfig) -> ModelShape | None:
 
 def _check_batch_memory(config: FinetuneConfig, shape: ModelShape, rows: int, seq_len: int, dev: torch.device) -> None:
     """Raise ValueError when one micro-batch (this rank's ``rows`` sequences) saves more for backward than ``dev``
-    has free: at least the planner's measure of what autograd saves, or with ``offload_activations`` twice the
-    largest saved tensor. A lower bound (logits, gradients and the rest come on top): a run it passes may still
-    run out of memory, but one it refuses never could run."""
+    has free: half the planner's measure of what autograd saves in nvoffload's GPT blocks (a model that saves less
+    is not refused), or with ``offload_activations`` twice the largest saved tensor. Logits, gradients and the rest
+    come on top: a run it passes may still run out of memory; it refuses only what is far out of reach."""
     dtype_bytes = _DTYPES[config.dtype].itemsize
     if config.offload_activations:
         need = 2 * rows * seq_len * max(shape.ffn, shape.d_model) * dtype_bytes
     else:
-        need = shape.activation_bytes(rows, seq_len, dtype_bytes)
+        need = shape.activation_bytes(rows, seq_len, dtype_bytes) // 2
     free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else _host_available_bytes()
     if need > free:
         raise ValueError(
@@ -683,7 +684,7 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                 if world > 1:  # the global batch's loss: the mean of the ranks' (equal parts)
                     total = opt.ranks.sum(total, "the step's loss") / world
                 if not math.isfinite(total):  # every rank sees the same sum: all stop here
-                    kept = f"; the checkpoints in {config.checkpoint_dir} are of steps before it" if config.checkpoint_dir else ""
+                    kept = f"; the checkpoints in {config.checkpoint_dir} are of the steps before" if config.checkpoint_dir else ""
                     raise FloatingPointError(
                         f"the loss is {total} at step {step}: training stopped, nothing of this step saved{kept}"
                         f" (lower the learning rate, or clip with max_grad_norm)"
