@@ -8,14 +8,17 @@ accumulation must be the optimizer's own: when a ``Trainer`` on the call stack
 asks for a different ``max_grad_norm`` or ``gradient_accumulation_steps``
 than the optimizer was built with, ``step()`` refuses (before anything is
 committed) rather than train unclipped. With equal settings the ``Trainer``
-trains exactly as the optimizer's recipe says.
+trains exactly as the optimizer's recipe says, and logs the optimizer's gradient
+norm (:func:`log_optimizer_grad_norm`) in place of the 0.0 that
+``clip_grad_norm_`` found.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
-__all__ = ["check_trainer_recipe"]
+__all__ = ["check_trainer_recipe", "log_optimizer_grad_norm"]
 
 
 def _driving_trainer():
@@ -33,11 +36,12 @@ def _driving_trainer():
     return None
 
 
-def check_trainer_recipe(max_grad_norm: float | None, accumulation_steps: int) -> None:
-    """Raise ValueError when a ``Trainer`` drives this step with clipping or accumulation the optimizer lacks."""
+def check_trainer_recipe(max_grad_norm: float | None, accumulation_steps: int):
+    """The ``Trainer`` driving this step (None: none does); ValueError when it clips or accumulates otherwise
+    than the optimizer."""
     trainer = _driving_trainer()
     if trainer is None:
-        return
+        return None
     args = trainer.args
     wanted = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
     problems = []
@@ -58,3 +62,39 @@ def check_trainer_recipe(max_grad_norm: float | None, accumulation_steps: int) -
             "a transformers Trainer drives an optimizer that releases gradients during backward (parameter"
             " streaming): " + "; ".join(problems)
         )
+    return trainer
+
+
+@functools.cache
+def _grad_norm_callback_type() -> type:
+    """The ``TrainerCallback`` that logs the optimizer's gradient norm (made once ``transformers`` is imported)."""
+    from transformers import TrainerCallback
+
+    class OptimizerGradNorm(TrainerCallback):
+        """Replaces the ``grad_norm`` the ``Trainer`` logs by :attr:`norm`, the norm the optimizer's last step
+        measured, before the other callbacks (printers, reporters) see the logs."""
+
+        def __init__(self) -> None:
+            self.norm: float | None = None
+
+        def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+            if logs is None or "grad_norm" not in logs or self.norm is None:
+                return
+            logs["grad_norm"] = self.norm
+            last = state.log_history[-1] if state.log_history else None
+            if last is not None and "grad_norm" in last and last.get("step") == state.global_step:
+                last["grad_norm"] = self.norm  # the Trainer copied the logs into its history before the callbacks
+
+    return OptimizerGradNorm
+
+
+def log_optimizer_grad_norm(trainer, norm: float | None) -> None:
+    """Have ``trainer`` log ``norm`` as this step's ``grad_norm``: its own ``clip_grad_norm_(model.parameters())``
+    found the released gradients gone and measured 0.0."""
+    callback_type = _grad_norm_callback_type()
+    callbacks = trainer.callback_handler.callbacks
+    callback = next((c for c in callbacks if isinstance(c, callback_type)), None)
+    if callback is None:
+        callback = callback_type()
+        callbacks.insert(0, callback)
+    callback.norm = norm

@@ -105,7 +105,7 @@ from nvoffload.distributed import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, Ranks
 from nvoffload.memory import retain_freed_host_memory
 from nvoffload.optim._chunk_io import ChunkIO, WeightHome
 from nvoffload.optim._codec import StateCodec
-from nvoffload.optim._hf_trainer import check_trainer_recipe
+from nvoffload.optim._hf_trainer import check_trainer_recipe, log_optimizer_grad_norm
 from nvoffload.optim._layout import ALIGN_NUMEL, Layout, Record
 from nvoffload.optim._pipeline import Pipeline
 from nvoffload.optim._protocol import OffloadIOError, StepProtocol
@@ -487,14 +487,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        trainer = None
         if self.config.release_grads:
             try:
-                check_trainer_recipe(self.config.max_grad_norm, self.config.gradient_accumulation_steps)
+                trainer = check_trainer_recipe(self.config.max_grad_norm, self.config.gradient_accumulation_steps)
             except ValueError:
                 self._protocol.abandon()
                 raise
         # found_inf and grad_scale are set by torch.amp.GradScaler
         self._protocol.finish(found_inf=getattr(self, "found_inf", None), grad_scale=getattr(self, "grad_scale", None))
+        if trainer is not None:
+            log_optimizer_grad_norm(trainer, self._protocol.grad_norm())
         return loss
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
