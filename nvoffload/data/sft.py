@@ -109,7 +109,7 @@ def resolve_data_path(path: str | os.PathLike) -> str:
 @dataclass(frozen=True)
 class SFTBatch:
     """Rows of a batch: ``input_ids`` and ``labels`` (the next token, or ``-100``), ``(rows, length)`` int64;
-    ``position_ids`` restart at 0 at each example (None: ``0..length-1`` in every row)."""
+    ``position_ids`` restart at 0 at each example (None: one example a row, ``0..length-1``)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -343,7 +343,8 @@ def _collate(rows: list[list[_Example]], length: int) -> SFTBatch:
             pos[r, at : at + n] = torch.arange(n)
             at += n
         pos[r, at:] = torch.arange(length - at)  # the padding: a sequence of its own, never trained
-    return SFTBatch(x, y, pos)
+    # one example a row (padding comes after it, so causal attention never sees it): plain positions
+    return SFTBatch(x, y, pos if any(len(row) > 1 for row in rows) else None)
 
 
 class SFTDataset:
