@@ -93,6 +93,9 @@ def evaluate(model: nn.Module, batches: Iterable[SFTBatch], device: torch.device
     finally:
         model.train(training)
     if not tokens:
-        raise ValueError("the evaluation data holds no target to take a loss on")
+        raise ValueError(
+            "the evaluation data has no token to take the loss on (examples longer than the rows are cut: their"
+            " completions may be lost)"
+        )
     loss = total / tokens
     return EvalResult(loss, math.exp(min(loss, 700.0)), tokens)
