@@ -41,7 +41,11 @@ PLOT_NAME = "loss.png"
 
 def plotting_available() -> bool:
     """Whether :meth:`MetricsLog.plot` can draw (``matplotlib`` is importable)."""
-    return importlib.util.find_spec("matplotlib") is not None
+    try:
+        import matplotlib.figure  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _read(path: str) -> list[dict]:
