@@ -38,7 +38,7 @@ evaluation split (``eval_data_path`` or ``eval_fraction``) is evaluated every
 ``eval_every`` steps and after the last, on the same model, its weights where
 they live (:func:`nvoffload.sft.evaluate`). The metrics of every step go to
 ``log_dir`` (:class:`nvoffload.metrics.MetricsLog`: ``metrics.jsonl``, and
-``loss.png`` at each checkpoint and at the end).
+``loss.png`` at the end and at each checkpoint, at most one drawing every 10 s).
 
 A Hugging Face model is written back as a Hugging Face directory
 (:func:`nvoffload.pretrained.save_pretrained`, with the tokenizer); a preset's
@@ -577,7 +577,7 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                     first = done.step + 1
                     if bar is not None:
                         bar.update(done.step)
-            log = None
+            log, drawn = None, -math.inf
             if config.metrics_dir is not None and rank == 0:
                 log = cleanup.enter_context(MetricsLog(config.metrics_dir, resume_step=first - 1 if first > 1 else None))
             traced = min(first + 1, config.steps) if config.trace_path is not None else None
@@ -646,8 +646,9 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                         config.checkpoint_dir, step=step, extra={"data": data.state_dict()}, keep_last=config.keep_last,
                         **state,
                     )  # fmt: skip
-                    if log is not None:
+                    if log is not None and time.monotonic() - drawn >= _REDRAW_AFTER_S:
                         log.plot()
+                        drawn = time.monotonic()
             if log is not None:
                 result = dataclasses.replace(result, metrics_path=log.path, plot_path=log.plot())
             if config.save_to is not None and rank == 0:  # every rank holds the same weights
@@ -662,6 +663,7 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
     return result
 
 
+_REDRAW_AFTER_S = 10.0  # a checkpoint redraws loss.png when it was drawn longer ago (drawing takes ~0.3 s)
 _RUN_DIR_PREFIX = "finetune-"  # a run's own swap subdirectory while another run holds the cache directory
 _ABANDONED_AFTER_S = 60.0  # an unheld run directory younger than this may be about to be claimed by its run
 

@@ -121,7 +121,7 @@ class MetricsLog:
 
         path = os.fspath(path) if path is not None else os.path.join(self.directory, PLOT_NAME)
         records = self.records()
-        fig = Figure(figsize=(7, 4), dpi=100)
+        fig = Figure(figsize=(7, 4), dpi=100, layout="constrained")
         ax = fig.add_subplot()
         for key, label, style in (("loss", "training loss", "-"), ("eval_loss", "evaluation loss", "o-")):
             points = [(r["step"], r[key]) for r in records if key in r]
@@ -132,7 +132,6 @@ class MetricsLog:
         ax.grid(alpha=0.3)
         if records:
             ax.legend()
-        fig.tight_layout()
         with _replacing(path) as f:
             fig.savefig(f, format="png")
         return path

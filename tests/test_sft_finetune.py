@@ -33,7 +33,7 @@ def _command(tmp_path, name: str, data: str, steps: int) -> list[str]:
     return [
         sys.executable, "-m", "nvoffload", "finetune", "--preset", "tiny", "--data", data, "--steps", str(steps),
         "--batch-size", "2", "--grad-accum", "2", "--max-grad-norm", "1.0", "--eval-fraction", "0.2",
-        "--eval-every", "4", "--swap-dir", str(tmp_path / f"{name}-swap"), "--checkpoint-dir",
+        "--eval-every", "3", "--swap-dir", str(tmp_path / f"{name}-swap"), "--checkpoint-dir",
         str(tmp_path / f"{name}-ckpt"), "--save-every", "1", "--resume", "--no-progress",
         "--save-to", str(tmp_path / f"{name}.safetensors"),
     ]  # fmt: skip
@@ -45,7 +45,7 @@ def _records(path) -> list[dict]:
 
 
 def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical(tmp_path):
-    steps = 12
+    steps = 6
     data = _pairs(tmp_path / "pairs.jsonl")
     for name in ("ref", "run"):
         (tmp_path / f"{name}-swap").mkdir()
@@ -56,18 +56,18 @@ def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical
     process = subprocess.Popen(_command(tmp_path, "run", data, steps), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=env)  # fmt: skip
     lines: list[str] = []
-    fifth = threading.Event()
+    third = threading.Event()
 
     def read() -> None:
         for line in process.stdout:
             lines.append(line)
-            if line.startswith("step 5:"):
-                fifth.set()
-        fifth.set()
+            if line.startswith("step 3:"):
+                third.set()
+        third.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    assert fifth.wait(240), "".join(lines)[-3000:]
+    assert third.wait(240), "".join(lines)[-3000:]
     process.send_signal(signal.SIGKILL)
     assert process.wait(60) == -signal.SIGKILL, "".join(lines)[-3000:]  # killed before it could finish
     reader.join(60)
@@ -76,7 +76,7 @@ def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical
     done = subprocess.run(_command(tmp_path, "run", data, steps), capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     resumed_at = int(done.stdout.split(":")[0].removeprefix("step "))
-    assert 5 <= resumed_at < steps  # it went on from a checkpoint at step 4 or later
+    assert 3 <= resumed_at <= steps  # it went on from a checkpoint at step 2 or later
     expected, actual = load_file(tmp_path / "ref.safetensors"), load_file(tmp_path / "run.safetensors")
     assert all(torch.equal(expected[k], actual[k]) for k in expected)
     final = f"checkpoint-{steps}/optimizer.safetensors"
@@ -87,14 +87,14 @@ def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical
     assert [r["step"] for r in run] == list(range(1, steps + 1))
     assert [r["loss"] for r in run] == [r["loss"] for r in ref]
     assert [r.get("eval_loss") for r in run] == [r.get("eval_loss") for r in ref]
-    assert [r["step"] for r in run if "eval_loss" in r] == [4, 8, 12]
+    assert [r["step"] for r in run if "eval_loss" in r] == [3, 6]
     assert (tmp_path / "run-ckpt" / "loss.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_quick_start_on_the_shipped_chat_data_records_metrics_and_draws_the_loss(tmp_path, capsys):
     """The README's quick start: the shipped chat JSONL with the default preset and byte tokens."""
     log = tmp_path / "run"
-    rc = main(["finetune", "--data", "chat", "--eval-fraction", "0.05", "--eval-every", "2", "--steps", "2",
+    rc = main(["finetune", "--data", "chat", "--eval-fraction", "0.02", "--eval-every", "2", "--steps", "2",
                "--batch-size", "2", "--swap-dir", str(tmp_path), "--log-dir", str(log), "--no-progress"])  # fmt: skip
     out = capsys.readouterr().out.splitlines()
     assert rc == 0
