@@ -252,7 +252,7 @@ def test_a_malformed_line_is_refused_naming_the_file_and_line(tmp_path):
             list(data.batches(4))
 
 
-def test_cli_refuses_a_malformed_line_before_training(tmp_path, capsys):
+def test_cli_refuses_a_malformed_line_in_one_line(tmp_path, capsys):
     from nvoffload.cli import main
 
     path = tmp_path / "bad.jsonl"
