@@ -573,7 +573,13 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                 latest = latest_training_checkpoint(config.checkpoint_dir)
                 if latest is not None:
                     done = load_training_checkpoint(latest.path, **state)
-                    data.load_state_dict(done.extra["data"])
+                    try:
+                        data.load_state_dict(done.extra["data"])
+                    except KeyError:  # a --text run's generator state for --data, or the other way round
+                        raise ValueError(
+                            f"{latest.path} holds a position in other data than {config.data_path or 'the text'}"
+                            " (--text and --data take different positions): resume with the data it was trained on"
+                        ) from None
                     first = done.step + 1
                     if bar is not None:
                         bar.update(done.step)

@@ -195,3 +195,14 @@ def test_a_hugging_face_model_streams_through_chat_data_with_its_template(tmp_pa
     assert rc == 0, out
     records = _records(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["eval_loss"] > 0
+
+
+def test_resuming_a_text_run_with_data_is_refused_naming_the_checkpoint(tmp_path, capsys):
+    data = _pairs(tmp_path / "pairs.jsonl", 10)
+    base = ["finetune", "--preset", "tiny", "--batch-size", "2", "--swap-dir", str(tmp_path), "--no-progress",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"]  # fmt: skip
+    assert main([*base, "--steps", "1"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--steps", "2", "--data", data]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'ckpt' / 'checkpoint-1'} holds a position in other data than {data}" in err
