@@ -178,10 +178,6 @@ def _file_kind(path: str) -> str:
     )
 
 
-def _where(path: str, index: int, json_lines: bool) -> str:
-    return f"{path}, line {index}" if json_lines else f"{path}, row {index}"
-
-
 def _shape_of(record: dict) -> str | None:
     for shape, keys in SHAPES.items():
         if all(record.get(k) is not None for k in keys):
@@ -508,7 +504,7 @@ class SFTDataset:
             return _bad_line(self.path, shape, cause)
         for row, record in enumerate(_open_records(self.path, self.evaluation)):
             try:
-                _check(record, shape, _where(self.path, row, False))
+                _check(record, shape, f"{self.path}, row {row}")  # from 0, as dataset[row]
             except ValueError as exc:
                 return exc
         return ValueError(f"{self.path}: {type(cause).__name__}: {cause}")
