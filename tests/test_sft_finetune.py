@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -206,3 +207,32 @@ def test_resuming_a_text_run_with_data_is_refused_naming_the_checkpoint(tmp_path
     assert main([*base, "--steps", "2", "--data", data]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'ckpt' / 'checkpoint-1'} holds a position in other data than {data}" in err
+
+
+@pytest.mark.slow
+def test_data_parallel_finetune_on_instruction_data_trains_as_one_process(tmp_path):
+    """Two ranks whose rows hold different numbers of targets: each rank's loss is divided by the global
+    batch's count, so the averaged gradients are those of one process on the whole batch (a mean per rank
+    would weigh the ranks' targets unequally)."""
+    from test_distributed import assert_trained_alike, python
+
+    with open(tmp_path / "uneven.jsonl", "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"prompt": f"{i}?", "completion": " " + "ab" * (1 + (i * 7) % 11)}) + "\n")
+    args = ["finetune", "--preset", "tiny", "--data", str(tmp_path / "uneven.jsonl"), "--no-packing", "--steps", "3",
+            "--batch-size", "4", "--grad-accum", "2", "--max-grad-norm", "0.05", "--eval-fraction", "0.2",
+            "--no-progress"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    weights, lines = {}, {}
+    for ranks in (1, 2):
+        (tmp_path / f"swap{ranks}").mkdir()
+        done = subprocess.run(
+            [*python(ranks, tmp_path / "torchrun"), "-m", "nvoffload", *args, "--swap-dir", str(tmp_path / f"swap{ranks}"),
+             "--save-to", str(tmp_path / f"{ranks}.safetensors")], capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        weights[ranks] = load_file(tmp_path / f"{ranks}.safetensors")
+        lines[ranks] = [re.findall(r"(?:loss|eval) [\d.]+", line) for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines[2]) == 3 and lines[2][-1][1].startswith("eval ")
+    assert lines[1] == lines[2]  # the step's loss and evaluation loss, to the 3 decimals printed
+    assert_trained_alike(weights[2], weights[1])
