@@ -598,8 +598,9 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                 t0 = time.perf_counter()
                 total = 0.0
                 lr = sched.get_last_lr()[0]
-                # every micro-batch of the step first: the loss is the mean over all their targets
-                batches = [_batch(data, config.batch_size) for _ in range(config.grad_accum_steps)]  # the same on every rank: each takes its rows
+                # Every micro-batch of the step first: the loss is the mean over all their targets. The batches
+                # are the same on every rank: each takes its rows.
+                batches = [_batch(data, config.batch_size) for _ in range(config.grad_accum_steps)]
                 per_rank_items = sum(b.num_items for b in batches) / world  # the ranks' gradients are averaged
                 if not per_rank_items:
                     raise ValueError(
@@ -635,7 +636,7 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                 tokens = sum(b.input_ids.numel() for b in batches)
                 stats = _step_stats(step, total, tokens, time.perf_counter() - t0, opt, dev, lr=lr, grad_norm=norm)
                 if eval_data is not None and (step == config.steps or (config.eval_every and step % config.eval_every == 0)):
-                    ev = evaluate(model, eval_data.batches(config.batch_size), dev)  # every rank all of it
+                    ev = evaluate(model, eval_data.batches(config.batch_size), dev)  # on every rank, all of it
                     stats = dataclasses.replace(stats, eval_loss=ev.loss, eval_perplexity=ev.perplexity)
                 if log is not None:
                     log.record(step, **{k: v for k, v in dataclasses.asdict(stats).items() if k in _RECORDED})
