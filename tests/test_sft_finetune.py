@@ -236,3 +236,20 @@ def test_data_parallel_finetune_on_instruction_data_trains_as_one_process(tmp_pa
     assert len(lines[2]) == 3 and lines[2][-1][1].startswith("eval ")
     assert lines[1] == lines[2]  # the step's loss and evaluation loss, to the 3 decimals printed
     assert_trained_alike(weights[2], weights[1])
+
+
+def test_tensorboard_gets_the_same_scalars_when_it_is_installed(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from nvoffload.metrics import MetricsLog
+
+    with MetricsLog(tmp_path) as log:
+        for step in range(1, 5):
+            log.record(step, loss=1.0 / step, eval_loss=0.75 if step == 2 else None)
+    with MetricsLog(tmp_path, resume_step=2) as log:  # steps 3 and 4 came after the checkpoint: done again
+        log.record(3, loss=0.125)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 0.5), (3, 0.125)]
+    assert [(e.step, e.value) for e in events.Scalars("eval_loss")] == [(2, 0.75)]
