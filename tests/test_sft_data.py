@@ -276,6 +276,8 @@ def test_parquet_and_saved_datasets_read_as_the_jsonl(tmp_path):
         assert torch.equal(got.input_ids, expected.input_ids) and torch.equal(got.labels, expected.labels), path
     held = list(SFTDataset(tmp_path / "dict", ByteTokenizer(), seq_len=64, evaluation=True).batches(4))
     assert len(held) == 1 and held[0].num_items == len(PAIRS[1][1].encode())  # the validation split
+    fraction = SFTDataset(tmp_path / "dict", ByteTokenizer(), seq_len=64, eval_fraction=0.25, evaluation=True)
+    assert next(fraction.batches(4)).num_items == len(PAIRS[3][1].encode())  # held out of the train split
     bad = datasets.Dataset.from_list([*records, {"prompt": None, "completion": "x"}])
     bad.to_parquet(str(tmp_path / "bad.parquet"))
     with pytest.raises(ValueError, match=rf"^{tmp_path / 'bad.parquet'}, row 4: expected"):

@@ -384,7 +384,9 @@ class SFTDataset:
         self.vocab_size = vocab_size
         self._encoder = _Encoder(tokenizer)
         self._lines = not _is_saved_dataset(self.path) and _file_kind(self.path) == "json"
-        self._records = _open_records(self.path, evaluation)
+        # a DatasetDict's evaluation split, unless the fraction is held out of its train split
+        self._evaluation_split = evaluation and not eval_fraction
+        self._records = _open_records(self.path, self._evaluation_split)
         first = next(iter(self._read(self._records)), None)
         if first is None:
             raise ValueError(f"{self.path} holds no records")
@@ -502,7 +504,7 @@ class SFTDataset:
         shape = getattr(self, "shape", None)
         if self._lines:
             return _bad_line(self.path, shape, cause)
-        for row, record in enumerate(_open_records(self.path, self.evaluation)):
+        for row, record in enumerate(_open_records(self.path, self._evaluation_split)):
             try:
                 _check(record, shape, f"{self.path}, row {row}")  # from 0, as dataset[row]
             except ValueError as exc:
