@@ -386,3 +386,35 @@ def test_evaluate_restores_training_mode_and_refuses_data_without_targets():
     with pytest.raises(ValueError, match="no token to take the loss on"):
         evaluate(model, [empty], "cpu")
     assert model.training
+
+
+def test_a_streamed_models_accumulation_over_the_steps_targets_equals_one_backward_over_all(tmp_path):
+    """The library's recipe (gradient_accumulation_steps and max_grad_norm in the config) with causal_lm_loss
+    over the step's count: the same weights as torch AdamW after one backward of the mean over every target
+    of the step's micro-batches, clipped."""
+    from test_streaming_recipe import LR, WD, pair, streamed
+
+    cfg, ref, model = pair()
+    path = _write_jsonl(tmp_path / "pc.jsonl", [{"prompt": p, "completion": c} for p, c in PAIRS])
+    data = SFTDataset(path, ByteTokenizer(), seq_len=cfg.seq_len, packing=False, shuffle_buffer=0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    model, opt = streamed(tmp_path, model, max_grad_norm=1.0, gradient_accumulation_steps=2)
+    try:
+        for _ in range(3):
+            batches = [data.batch(1), data.batch(3)]  # unequal micro-batches
+            n = sum(b.num_items for b in batches)
+            for b in batches:
+                opt.scale_loss(causal_lm_loss(model, b, n)).backward()
+            opt.step()
+            opt.zero_grad()
+            logits = torch.cat([ref(b.input_ids).reshape(-1, 256) for b in batches])
+            F.cross_entropy(logits, torch.cat([b.labels.reshape(-1) for b in batches])).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        state = model.state_dict()
+        for name, p in ref.state_dict().items():
+            # fp32 sums in another order: within 2e-6 (dividing each micro-batch by its own count: 2e-2)
+            torch.testing.assert_close(state[name], p, rtol=1e-4, atol=1e-5, msg=name)
+    finally:
+        opt.close()
