@@ -18,7 +18,9 @@ and ``datasets`` directories), and so is a line that is not JSON.
 
 Tokenization: a Hugging Face tokenizer (``PreTrainedTokenizerFast``) or
 :class:`~nvoffload.data.ByteTokenizer`. Text and completions end with the
-tokenizer's EOS token when it has one (trained on, as ``SFTTrainer`` does).
+tokenizer's EOS token when it has one (trained on, as ``SFTTrainer`` does); no
+BOS token is added to them (``add_special_tokens=False``; chat templates
+write their own).
 Chats use the tokenizer's own ``chat_template`` when it has one: with
 ``{% generation %}`` blocks the assistant tokens are the template's
 (``return_assistant_tokens_mask``); otherwise they are the tokens that
@@ -246,7 +248,7 @@ class _Encoder:
 
     def ids(self, text: str) -> list[int]:
         if self.bytes:
-            return list(text.encode("utf-8"))
+            return self.tokenizer.encode(text).tolist()
         return list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
     def chat(self, messages: list[dict], **kwargs) -> list[int]:
