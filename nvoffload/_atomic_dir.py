@@ -3,20 +3,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import secrets
 import shutil
+from collections.abc import Iterator
 
-__all__ = ["fsync_path", "new_sibling", "put_in_place"]
+__all__ = ["fsync_path", "naming", "new_sibling", "put_in_place"]
+
+
+@contextlib.contextmanager
+def naming(path: str) -> Iterator[None]:
+    """Give the OSError of a call that names no file (a write, an ftruncate, an fsync on a descriptor: "No space
+    left on device") the file ``path`` it was about, as its ``filename``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            exc.filename = path
+        raise
 
 
 def fsync_path(path: str) -> None:
     """fsync a file or a directory (a directory's entries: the names created or renamed in it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        with naming(path):
+            os.fsync(fd)
     finally:
         os.close(fd)
 

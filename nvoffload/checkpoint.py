@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from nvoffload._atomic_dir import fsync_path
+from nvoffload._atomic_dir import fsync_path, naming
 from nvoffload.io.checksum import crc32c
 
 __all__ = [
@@ -549,7 +549,8 @@ class SafetensorsWriter:
     final name. Leaving a ``with`` block by an exception, or :meth:`abort`,
     removes the partial file.
 
-    ``checksums`` holds the CRC-32C of each tensor's bytes (of the parts written so far).
+    ``checksums`` holds the CRC-32C of each tensor's bytes (of the parts written so far). An I/O error
+    (a full disk) is an OSError whose ``filename`` is the partial file.
 
     Args:
         path: the file to create (replaced if it exists, once complete).
@@ -573,8 +574,9 @@ class SafetensorsWriter:
         self.checksums: dict[str, int] = dict.fromkeys(self._layout, 0)  # name -> CRC-32C of its bytes so far
         self._fd: int | None = os.open(self._tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
-            _pwrite_all(self._fd, len(header).to_bytes(_LENGTH_BYTES, "little") + header, 0)
-            os.ftruncate(self._fd, self._data_start + sum(info.nbytes for info, _ in self._layout.values()))
+            with naming(self._tmp_path):
+                _pwrite_all(self._fd, len(header).to_bytes(_LENGTH_BYTES, "little") + header, 0)
+                os.ftruncate(self._fd, self._data_start + sum(info.nbytes for info, _ in self._layout.values()))
         except BaseException:
             self.abort()
             raise
@@ -624,7 +626,8 @@ class SafetensorsWriter:
         info, offset = self._layout[name]
         if tensor.numel():
             data = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-            _pwrite_all(self._fd, _bytes_of(data), self._data_start + offset + start * data.element_size())
+            with naming(self._tmp_path):
+                _pwrite_all(self._fd, _bytes_of(data), self._data_start + offset + start * data.element_size())
             self.checksums[name] = crc32c(data, self.checksums[name])
         self._written[name] = start + tensor.numel()
         if self._written[name] == math.prod(info.shape):
@@ -644,7 +647,8 @@ class SafetensorsWriter:
             shown = ", ".join(map(repr, missing[:5])) + (", ..." if len(missing) > 5 else "")
             raise CheckpointError(self.path, f"closed before {len(missing)} declared tensor(s) were written: {shown}")
         try:
-            os.fsync(self._fd)
+            with naming(self._tmp_path):
+                os.fsync(self._fd)
             os.replace(self._tmp_path, self.path)
         except BaseException:
             self.abort()

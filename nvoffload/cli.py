@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -17,15 +18,26 @@ __all__ = ["main", "build_parser"]
 
 
 def _size(text: str) -> int:
-    """``512M``, ``2G``, ``65536`` -> bytes."""
+    """``512M``, ``2G``, ``65536`` -> bytes (a finite number, at least 1)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     try:
         if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError:
+            value = int(float(t[:-1]) * units[t[-1]])
+        else:
+            value = int(t)
+    except (ValueError, OverflowError):  # not a number, nan; inf
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a size is at least 1 byte, got {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad command line as one line on stderr (``nvoffload finetune: error: ...``), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     from nvoffload.models.gpt import PRESETS
 
     d = FinetuneConfig()
-    parser = argparse.ArgumentParser(prog="nvoffload", description="Train models larger than GPU and CPU memory, state on NVMe.")
+    parser = _Parser(prog="nvoffload", description="Train models larger than GPU and CPU memory, state on NVMe.")
     sub = parser.add_subparsers(dest="command", required=True)
     ft = sub.add_parser(
         "finetune",
@@ -48,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a Hugging Face causal-LM directory (config.json + *.safetensors, tokenizer files if any) to"
                        " fine-tune instead of a preset; needs transformers (pip install 'nvoffload[hf]'). Without a"
                        " tokenizer the text is tokenized as bytes (vocabulary of at least 256)")  # fmt: skip
-    ft.add_argument("--text", dest="text_path", default=None, help="UTF-8 text file to train on (default: the shipped corpus)")
+    ft.add_argument("--text", dest="text_path", default=None, help="text file to train on (default: the shipped corpus): a regular file of at most 1/32 of this machine's memory (its tokens are held in memory)")
+    ft.add_argument("--text-encoding", default=d.text_encoding, metavar="ENC", help="the encoding of --text (default %(default)s; a byte that is not valid in it is refused, naming its offset)")
     _add_data_options(ft)
     ft.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
     ft.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch (default %(default)s)")
@@ -152,9 +165,35 @@ def _message(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
-def _error(command: str, exc: BaseException) -> int:
-    print(f"nvoffload {command}: error: {_message(exc)}", file=sys.stderr)
+def _error(command: str, exc: BaseException, flags: dict[str, str] | None = None) -> int:
+    """Print ``exc`` as one line (``flags``: with the configuration's field names as those flags); returns 2."""
+    print(f"nvoffload {command}: error: {_as_flags(_message(exc), flags or {})}", file=sys.stderr)
     return 2
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
+def _finetune_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """``finetune``'s options by the :class:`~nvoffload.finetune.FinetuneConfig` field each sets
+    (``{"cpu_memory_bytes": "--cpu-memory", ...}``)."""
+    actions = _subparser(parser, "finetune")._actions
+    return {a.dest: a.option_strings[0] for a in actions if a.option_strings and a.dest != "help"}
+
+
+def _as_flags(message: str, flags: dict[str, str]) -> str:
+    """``message`` in the command line's words: a field name with an underscore (``cpu_memory_bytes``) wherever it
+    stands outside a path, and any field name that leads the message, become the flag that sets it."""
+    words = [re.escape(name) for name in flags if "_" in name]
+    if words:
+        pattern = r"(?<![\w/.-])(" + "|".join(words) + r")(?![\w/.-])"
+        message = re.sub(pattern, lambda m: flags[m.group(0)], message)
+    lead = re.match(r"\w+", message)
+    if lead is not None and lead.group(0) in flags:
+        message = flags[lead.group(0)] + message[lead.end() :]
+    return message
 
 
 def _plan_request(args):
@@ -227,7 +266,10 @@ def _print_plan(result) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nvoffload`` command; returns the exit status (2 for a bad configuration, file or
     swap directory, with a one-line message on stderr; ``plan`` also for a request that cannot fit)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's parser, as its other errors are
+        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "calibrate":
         return _calibrate(args)
     if args.command == "plan":
@@ -250,7 +292,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nvoffload.memory import MemoryBudgetError
         from nvoffload.optim.offload import OffloadIOError
 
+        flags = _finetune_flags(parser)
         fields = {k: v for k, v in vars(args).items() if k not in ("command", "no_progress", "plan", "profile")}
+        if args.profile is not None and args.plan is None:
+            return _error("finetune", ValueError("--profile is for --plan auto: give both, or neither"))
         if args.plan == "auto":
             from nvoffload.planner import plan
 
@@ -258,9 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.stream, args.offload_activations, args.sizes = None, None, None
                 chosen = plan(_plan_request(args), _profile(args.profile), recompute=False)  # finetune cannot
             except (ValueError, OSError) as exc:
-                return _error("finetune", exc)
+                return _error("finetune", exc, flags)
             if not chosen.fits:
-                return _error("finetune", ValueError("the plan does not fit: " + "; ".join(chosen.reasons)))
+                return _error("finetune", ValueError("the plan does not fit: " + "; ".join(chosen.reasons)), flags)
             fields.update(stream=chosen.stream, offload_activations=chosen.offload_activations,
                           activation_memory_bytes=chosen.activation_memory_bytes)  # fmt: skip
             print(f"plan: stream {chosen.stream}, offload activations {chosen.offload_activations};"
@@ -268,8 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             config = FinetuneConfig(**fields)
         except ValueError as exc:
-            print(f"nvoffload finetune: error: {exc}", file=sys.stderr)
-            return 2
+            return _error("finetune", exc, flags)
         import torch
 
         dev = torch.device(config.device)
@@ -279,10 +323,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             result = finetune(config, progress=not args.no_progress, on_step=on_step)
         # budgets too small, a checkpoint that does not fit the model, a missing file or swap directory, a --save-to
-        # that cannot be written, I/O errors, transformers missing for --model
-        except (ValueError, KeyError, MemoryBudgetError, OSError, OffloadIOError, ImportError) as exc:
-            print(f"nvoffload finetune: error: {_message(exc)}", file=sys.stderr)
-            return 2
+        # that cannot be written, I/O errors (a saved activation's write too), transformers missing for --model, a
+        # loss that is not finite
+        except (ValueError, KeyError, MemoryBudgetError, OSError, OffloadIOError, ImportError, FloatingPointError) as exc:
+            return _error("finetune", exc, flags)
+        except KeyboardInterrupt:  # the run unwound: its swap files are gone, the checkpoints written stay
+            print("nvoffload finetune: interrupted (Ctrl-C); the last checkpoint written is the one to --resume",
+                  file=sys.stderr)  # fmt: skip
+            return 130
         if not lead:
             return 0
         if not result.steps:

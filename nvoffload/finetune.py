@@ -55,9 +55,11 @@ Example::
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
 import datetime
+import errno
 import math
 import os
 import resource
@@ -79,10 +81,13 @@ from nvoffload.data.sft import LOSS_ON, SFTBatch, SFTDataset, resolve_data_path
 from nvoffload.device import cuda_available
 from nvoffload.distributed import DEFAULT_TIMEOUT_S, rank_swap_dirs
 from nvoffload.io.ownership import SwapDirectoryInUse, claim
+from nvoffload.io.store import swap_directories
 from nvoffload.metrics import MetricsLog
 from nvoffload.models import GPT, GPTConfig
 from nvoffload.optim import LossScaling
 from nvoffload.optim.offload import NVMeAdamW, OffloadOptimizer
+from nvoffload.planner.calibrate import _host_available_bytes
+from nvoffload.planner.cost import ModelShape
 from nvoffload.sft import causal_lm_loss, evaluate
 from nvoffload.pretrained import (
     _dtype_kwargs,
@@ -94,12 +99,13 @@ from nvoffload.pretrained import (
 from nvoffload.training import OffloadConfig, initialize
 from nvoffload.training_checkpoint import (
     check_checkpoint_directory,
+    claim_checkpoint_directory,
     latest_training_checkpoint,
     load_training_checkpoint,
     save_training_checkpoint,
 )
 
-__all__ = ["FinetuneConfig", "FinetuneResult", "StepStats", "default_swap_root", "finetune"]
+__all__ = ["FinetuneConfig", "FinetuneResult", "StepStats", "default_swap_root", "finetune", "max_text_bytes"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HF_SEQ_LEN = 128  # default tokens per sequence for a Hugging Face model (at most its context)
@@ -127,6 +133,9 @@ class FinetuneConfig:
             without one, as UTF-8 bytes (ids 0-255), which only makes sense for
             a model trained on bytes, and is refused for a vocabulary under 256.
             ``seq_len`` defaults to 128 tokens (at most the model's context).
+        text_path: the text to train on (None: the shipped corpus), a regular file of at most
+            1/32 of this machine's memory (:func:`max_text_bytes`), decoded as ``text_encoding``
+            (a byte not valid in it is refused, naming its offset).
         dtype: parameters on the device: float32, bfloat16 or float16 (fp32
             master on NVMe; float16 with dynamic loss scaling: a
             ``torch.amp.GradScaler``, or with ``stream`` the optimizer's).
@@ -176,6 +185,7 @@ class FinetuneConfig:
     preset: str = "small"
     model_dir: str | None = None
     text_path: str | None = None  # None: the shipped corpus
+    text_encoding: str = "utf-8"
     steps: int = 150
     batch_size: int = 8
     seq_len: int | None = None  # None: the preset's
@@ -215,8 +225,9 @@ class FinetuneConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.save_every is not None and self.save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {self.save_every}")
-        if (self.save_every is not None or self.resume) and self.checkpoint_dir is None:
-            raise ValueError("save_every and resume need a checkpoint_dir")
+        for name in ("save_every", "resume"):
+            if getattr(self, name) not in (None, False) and self.checkpoint_dir is None:
+                raise ValueError(f"{name} needs a checkpoint_dir")
         if self.trace_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.trace_path))):
             raise ValueError(f"trace_path: the directory of {self.trace_path} does not exist")
         if self.activation_memory_bytes is not None and self.activation_memory_bytes < 1:
@@ -234,17 +245,26 @@ class FinetuneConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if device.type == "cuda" and not cuda_available():
             raise ValueError(f"device {self.device}: no CUDA GPU is usable here (torch {torch.__version__}); use --device cpu")
+        if not -(1 << 63) <= self.seed < 1 << 64:
+            raise ValueError(f"seed must be in [-2**63, 2**64) (torch's range), got {self.seed}")
+        try:
+            codecs.lookup(self.text_encoding)
+        except LookupError:
+            raise ValueError(f"text_encoding: unknown encoding {self.text_encoding!r}") from None
+        _check_memory_sizes(self, device)
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be positive and finite, got {self.lr}")
-        if self.warmup_steps < 0 or self.weight_decay < 0:
-            raise ValueError("warmup_steps and weight_decay must be >= 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"weight_decay must be finite and >= 0, got {self.weight_decay}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
             raise ValueError(f"max_grad_norm must be positive and finite, got {self.max_grad_norm}")
         if self.model_dir is not None:
             if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
-                raise ValueError(f"model: {self.model_dir} is not a Hugging Face model directory (no config.json)")
+                raise ValueError(f"model_dir: {self.model_dir} is not a Hugging Face model directory (no config.json)")
             if self.init_from is not None:
                 raise ValueError("init_from is for presets: a Hugging Face model starts from its directory's weights")
         if self.init_from is not None and not os.path.exists(self.init_from):
@@ -285,6 +305,54 @@ class FinetuneConfig:
         if self.seq_len is None:
             return base
         return GPTConfig(**{**base.__dict__, "seq_len": self.seq_len})
+
+
+def _host_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def max_text_bytes() -> int:
+    """The largest text ``finetune`` reads: 1/32 of this machine's memory (its tokens are held in memory, as int64
+    ids: 8 bytes a byte for a preset's byte tokenizer)."""
+    return _host_memory_bytes() // 32
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.3g} GiB"
+
+
+@contextlib.contextmanager
+def _host_budgets_named(config: FinetuneConfig):
+    """An allocation the host refuses (``OSError(ENOMEM)``, no more than "Cannot allocate memory") raised again
+    naming the budgets asked and the memory this machine has available."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.ENOMEM:
+            raise
+        asked = [("cpu_memory_bytes", config.cpu_memory_bytes)]
+        if config.offload_activations and config.activation_memory_bytes is not None:
+            asked.append(("activation_memory_bytes", config.activation_memory_bytes))
+        named = " and ".join(f"{name} {n} ({_gib(n)})" for name, n in asked)
+        free = _host_available_bytes()
+        raise OSError(errno.ENOMEM, f"cannot allocate the host memory asked, {named}: {free} ({_gib(free)}) of this"
+                      f" machine's {_gib(_host_memory_bytes())} is available") from None  # fmt: skip
+
+
+def _check_memory_sizes(config: FinetuneConfig, device: torch.device) -> None:
+    """Raise ValueError for a memory budget larger than what this machine has (host memory; with ``stream``, the
+    device budget against the device's memory), naming the field, the size asked and the machine's."""
+    host = _host_memory_bytes()
+    sizes = [("cpu_memory_bytes", config.cpu_memory_bytes, host, "this machine's memory")]
+    if config.activation_memory_bytes is not None:
+        sizes.append(("activation_memory_bytes", config.activation_memory_bytes, host, "this machine's memory"))
+    if config.stream:
+        on_device = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else host
+        sizes.append(("device_memory_bytes", config.device_memory_bytes, on_device, f"the memory of {device}"))
+    for name, asked, has, what in sizes:
+        if asked > has:
+            raise ValueError(f"{name} {asked} ({_gib(asked)}) is more than {what}, {has} ({_gib(has)})")
 
 
 class _HFModel:
@@ -336,11 +404,12 @@ class _HFModel:
         return build_meta_model(self.config, dtype=dtype)
 
 
-def _data(config: FinetuneConfig, hf: _HFModel | None) -> tuple[TokenDataset | SFTDataset, SFTDataset | None]:
+def _data(
+    config: FinetuneConfig, hf: _HFModel | None, seq_len: int
+) -> tuple[TokenDataset | SFTDataset, SFTDataset | None]:
     """The training data (random windows of a text, or examples of ``data_path``) and the evaluation data."""
-    seq_len = hf.seq_len if hf is not None else config.model_config.seq_len
     if config.data_path is None:
-        text = load_text(config.text_path)
+        text = load_text(config.text_path, encoding=config.text_encoding, max_bytes=max_text_bytes())
         tokens = hf.encode(text) if hf is not None else ByteTokenizer().encode(text)
         return TokenDataset(tokens, seq_len, seed=config.seed), None
     tokenizer = hf.text_tokenizer() if hf is not None else ByteTokenizer()
@@ -365,14 +434,82 @@ def _check_save_to(config: FinetuneConfig) -> None:
     if config.model_dir is not None:
         check_save_directory(config.save_to)
         return
-    if os.path.isdir(config.save_to):
-        raise IsADirectoryError(f"save_to: {config.save_to} is a directory, not a safetensors file")
-    directory = os.path.dirname(os.path.abspath(config.save_to))
+    _check_writable(config.save_to, "save_to", "a safetensors file")
+
+
+def _check_writable(path: str, field: str, kind: str) -> None:
+    """Raise OSError, naming ``field``, when the file ``path`` (``kind``) cannot be written: a directory is there, or
+    its directory takes no new file (probed with a temporary file, removed)."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{field}: {path} is a directory, not {kind}")
+    directory = os.path.dirname(os.path.abspath(path))
     try:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".nvoffload-probe-"):
             pass
     except OSError as exc:
-        raise type(exc)(exc.errno, f"cannot write {config.save_to}: {exc.strerror} in {directory}") from None
+        raise type(exc)(exc.errno, f"{field}: cannot write {path}: {exc.strerror} in {directory}") from None
+
+
+def _check_init_from(config: FinetuneConfig) -> None:
+    """Raise ValueError when ``init_from`` is damaged (:class:`~nvoffload.checkpoint.CheckpointError`) or holds
+    tensors the preset's model lacks or shapes it differs in, before anything is built (what it lacks is named
+    when it is loaded)."""
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in GPT(config.model_config).state_dict().items()}
+    with open_checkpoint(config.init_from) as ckpt:
+        found = {name: tuple(ckpt.info(name).shape) for name in ckpt.keys()}
+    wrong = [f"{n} has shape {s} (the model's {shapes[n]})" for n, s in found.items() if shapes.get(n, s) != s]
+    wrong += [f"{n} is not in the model" for n in found if n not in shapes]
+    if wrong:
+        more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+        raise ValueError(f"init_from: {config.init_from} does not fit the {config.preset!r} model: {'; '.join(wrong[:3])}{more}")
+
+
+def _model_shape(config: FinetuneConfig) -> ModelShape | None:
+    """The model's sizes as the planner sees them; None for a Hugging Face configuration the planner does not know
+    (its checks below are then skipped rather than guessed)."""
+    if config.model_dir is None:
+        return ModelShape.from_preset(config.preset)
+    try:
+        return ModelShape.from_hf_config(config.model_dir)
+    except (ValueError, TypeError):
+        return None
+
+
+def _check_batch_memory(config: FinetuneConfig, shape: ModelShape, rows: int, seq_len: int, dev: torch.device) -> None:
+    """Raise ValueError when one micro-batch (this rank's ``rows`` sequences) saves more for backward than ``dev``
+    has free: at least the planner's measure of what autograd saves, or with ``offload_activations`` twice the
+    largest saved tensor. A lower bound (logits, gradients and the rest come on top): a run it passes may still
+    run out of memory, but one it refuses never could run."""
+    dtype_bytes = _DTYPES[config.dtype].itemsize
+    if config.offload_activations:
+        need = 2 * rows * seq_len * max(shape.ffn, shape.d_model) * dtype_bytes
+    else:
+        need = shape.activation_bytes(rows, seq_len, dtype_bytes)
+    free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else _host_available_bytes()
+    if need > free:
+        raise ValueError(
+            f"batch_size {config.batch_size}: a micro-batch of {rows} x {seq_len} tokens saves at least {need} bytes"
+            f" ({_gib(need)}) for backward, more than the {free} ({_gib(free)}) free on {dev}: lower batch_size or"
+            f" seq_len{'' if config.offload_activations else ', or set offload_activations'}"
+        )
+
+
+def _check_swap_space(config: FinetuneConfig, shape: ModelShape | None, rows: int, seq_len: int, swap_dir: str) -> None:
+    """Raise OSError before anything is written when ``swap_dir`` is missing, not a writable directory, or has too
+    little free space for this rank's optimizer state (two generations of fp32 master weights and moments; with
+    ``stream`` the weights too) and, with ``offload_activations``, one micro-batch's activations."""
+    needed, what = 0, []
+    if shape is not None:
+        dtype_bytes = _DTYPES[config.dtype].itemsize
+        per_param = 2 * 12 + (dtype_bytes if config.stream else 0)
+        needed = -(-shape.params // _rank()[1]) * per_param
+        what.append(f"the optimizer state{' and the weights' if config.stream else ''} ({needed} bytes)")
+        if config.offload_activations:
+            activations = shape.activation_bytes(rows, seq_len, dtype_bytes)
+            needed += activations
+            what.append(f"a micro-batch's offloaded activations ({activations} bytes)")
+    swap_directories([swap_dir], needed_bytes=needed, what=" and ".join(what))
 
 
 @dataclass(frozen=True)
@@ -391,7 +528,9 @@ class StepStats:
     read_bytes: int = 0  # read from NVMe during the step
     written_bytes: int = 0
     lr: float | None = None  # the learning rate of the step
-    grad_norm: float | None = None  # the global gradient norm (before clipping; inf or nan: a skipped fp16 step)
+    # The global gradient norm (before clipping; inf or nan: a skipped fp16 step). A model not streamed: only
+    # when the run records metrics (its norm waits for the device).
+    grad_norm: float | None = None
     eval_loss: float | None = None  # after this step, when it evaluated
     eval_perplexity: float | None = None
 
@@ -527,12 +666,24 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
     dev = torch.device(config.device)
     if dev.type == "cuda" and world > 1:
         dev = torch.device("cuda", torch.cuda.current_device())
+    # Every check before anything is created (the checkpoint directory, the default swap directory, swap files).
     if rank == 0:
         _check_save_to(config)
     if config.checkpoint_dir is not None:
         check_checkpoint_directory(config.checkpoint_dir)
+    if config.trace_path is not None:
+        _check_writable(config.trace_path, "trace_path", "a trace file")
     hf = _HFModel(config) if config.model_dir is not None else None
-    data, eval_data = _data(config, hf)
+    if hf is not None:
+        with open_checkpoint(config.model_dir):  # a damaged or truncated file, named before from_pretrained reads it
+            pass
+    if config.init_from is not None:
+        _check_init_from(config)
+    seq_len = hf.seq_len if hf is not None else config.model_config.seq_len
+    data, eval_data = _data(config, hf, seq_len)
+    shape = _model_shape(config)
+    if shape is not None:
+        _check_batch_memory(config, shape, rows.stop - rows.start, seq_len, dev)
 
     owned_dir = release = None
     swap_dir = config.swap_dir
@@ -549,15 +700,20 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
             owned_dir = swap_dir = tempfile.mkdtemp(prefix=_RUN_DIR_PREFIX, dir=swap_dir)
         else:
             _remove_abandoned_run_dirs(swap_dir)
-    bar = None
+    bar = checkpoint_release = None
     try:
-        model, opt = _build(config, swap_dir, hf)
+        _check_swap_space(config, shape, rows.stop - rows.start, seq_len, swap_dir)
+        if config.checkpoint_dir is not None and rank == 0:  # held until the run ends: a second run on it is refused
+            checkpoint_release = claim_checkpoint_directory(config.checkpoint_dir)  # created once every check passed
+        with _host_budgets_named(config):
+            model, opt = _build(config, swap_dir, hf)
         with opt, contextlib.ExitStack() as cleanup:
             result = FinetuneResult(config, sum(p.numel() for p in model.parameters()))
             session = opt.session
             activations = contextlib.nullcontext()
             if config.offload_activations and session is None:  # streaming sends them through the session
-                activations = cleanup.enter_context(contextlib.closing(offload_activations(swap_dir, host_memory_bytes=config.activation_memory_bytes)))
+                with _host_budgets_named(config):
+                    activations = cleanup.enter_context(contextlib.closing(offload_activations(swap_dir, host_memory_bytes=config.activation_memory_bytes)))
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (config.warmup_steps + 1)))
             if progress and rank == 0:
                 from tqdm import tqdm
@@ -572,12 +728,12 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
             if config.resume:
                 latest = latest_training_checkpoint(config.checkpoint_dir)
                 if latest is not None:
-                    done = load_training_checkpoint(latest.path, **state)
+                    done = load_training_checkpoint(config.checkpoint_dir, keep_last=config.keep_last, **state)  # the newest that loads
                     try:
                         data.load_state_dict(done.extra["data"])
                     except KeyError:  # a --text run's generator state for --data, or the other way round
                         raise ValueError(
-                            f"{latest.path} holds a position in other data than {config.data_path or 'the text'}"
+                            f"{done.path} holds a position in other data than {config.data_path or 'the text'}"
                             " (--text and --data take different positions): resume with the data it was trained on"
                         ) from None
                     first = done.step + 1
@@ -596,7 +752,7 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                     cleanup.callback(trace.stop)  # an error in the step ends the trace too (stop() again: no-op)
                     trace.start()
                 t0 = time.perf_counter()
-                total = 0.0
+                total = torch.zeros((), device=dev)
                 lr = sched.get_last_lr()[0]
                 # Every micro-batch of the step first: the loss is the mean over all their targets. The batches
                 # are the same on every rank: each takes its rows.
@@ -605,19 +761,20 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                 if not per_rank_items:
                     raise ValueError(
                         f"step {step}: its examples have no token to take the loss on; examples longer than seq_len"
-                        f" + 1 = {batches[0].input_ids.shape[1] + 1} tokens are cut there: raise seq_len, or loss_on='all'"
+                        f" + 1 = {batches[0].input_ids.shape[1] + 1} tokens are cut there: raise seq_len, or train on every"
+                        " token (loss_on all)"
                     )
                 for b in batches:
                     with activations:
                         loss = causal_lm_loss(model, b.select(rows).to(dev), per_rank_items)
-                    total += loss.detach().item()
+                    total += loss.detach().float()
                     if scaler is not None:
                         loss = scaler.scale(loss)
                     elif session is not None:
                         loss = opt.scale_loss(loss)  # the loss itself without loss_scaling
                     loss.backward()
                 norm = None
-                if session is None:  # the gradients are there until zero_grad()
+                if session is None and log is not None:  # from the gradients, there until zero_grad(): a host wait
                     norm = opt.grad_norm()
                     norm = norm / scaler.get_scale() if scaler is not None and norm is not None else norm
                 if scaler is not None:
@@ -629,8 +786,15 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                     norm = opt.grad_norm()  # measured as backward consumed them: the norm the step clipped against
                 sched.step()
                 opt.zero_grad()
+                total = total.item()  # the step's one wait for the device
                 if world > 1:  # the global batch's loss: the sum of the ranks' parts
                     total = opt.ranks.sum(total, "the step's loss") / world
+                if not math.isfinite(total):  # every rank sees the same sum: all stop here
+                    kept = f"; the checkpoints in {config.checkpoint_dir} are of steps before it" if config.checkpoint_dir else ""
+                    raise FloatingPointError(
+                        f"the loss is {total} at step {step}: training stopped, nothing of this step saved{kept}"
+                        f" (lower the learning rate, or clip with max_grad_norm)"
+                    )
                 if step == traced:
                     trace.stop(config.trace_path)
                 tokens = sum(b.input_ids.numel() for b in batches)
@@ -667,6 +831,8 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
             shutil.rmtree(owned_dir, ignore_errors=True)
         if release is not None:
             release()
+        if checkpoint_release is not None:
+            checkpoint_release()
     return result
 
 

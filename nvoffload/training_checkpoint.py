@@ -29,8 +29,13 @@ One checkpoint is a directory ``<directory>/checkpoint-<step>/`` holding:
 Atomic as a whole: everything is written into a hidden sibling directory,
 fsynced, and renamed to ``checkpoint-<step>`` only when complete, so a crash
 (or ``kill -9``) at any moment leaves the previous checkpoints intact and at
-most a hidden partial directory, which the next save removes. Only the last
-``keep_last`` complete checkpoints are kept. One run writes to a directory at a time.
+most a hidden partial directory, which the next run on the directory removes. Only the last
+``keep_last`` complete checkpoints are kept.
+
+One run writes to a directory at a time: a save holds the directory's lock (the swap directories' lock,
+:mod:`nvoffload.io.ownership`) while it writes, and :func:`claim_checkpoint_directory` holds it for a whole
+run; a directory another live run holds is refused. A write error (a full disk) names its file. Loading a
+directory of checkpoints takes the newest one that loads, warning about the damaged ones it skipped.
 
 Nothing is gathered in memory beyond one tensor of the model (on its device)
 and one chunk of the optimizer state (in the optimizer's own host buffers).
@@ -42,6 +47,8 @@ parameters up to 16 MiB of fp32 unless the budget cuts them smaller).
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import math
 import os
@@ -49,21 +56,24 @@ import random
 import re
 import shutil
 import sys
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import torch
 from torch import nn
 
-from nvoffload._atomic_dir import fsync_path, new_sibling, put_in_place
+from nvoffload._atomic_dir import fsync_path, naming, new_sibling, put_in_place
 from nvoffload.checkpoint import (
     CheckpointError,
     CheckpointReader,
     SafetensorsWriter,
     open_checkpoint,
 )
-from nvoffload.distributed import Ranks
+from nvoffload.distributed import Ranks, RankTimeoutError
 from nvoffload.io.checksum import crc32c
+from nvoffload.io.ownership import claim
 from nvoffload.optim.offload import OffloadOptimizer
 from nvoffload.pretrained import save_pretrained, saved_tensors, shard_files
 
@@ -71,6 +81,7 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "TrainingCheckpoint",
     "check_checkpoint_directory",
+    "claim_checkpoint_directory",
     "latest_training_checkpoint",
     "load_training_checkpoint",
     "save_training_checkpoint",
@@ -97,15 +108,62 @@ class TrainingCheckpoint:
 
 
 def check_checkpoint_directory(directory: str | os.PathLike) -> str:
-    """Create ``directory`` if needed and check that checkpoints can be written in it, before any training;
-    returns its absolute path. Raises OSError (naming the directory) when it cannot."""
+    """Check, before any training and creating nothing, that checkpoints can be written in ``directory`` (or,
+    when it does not exist yet, that it can be created: a directory can be made in its nearest existing parent);
+    returns its absolute path. Raises OSError (naming the directory) when they cannot."""
     root = os.path.abspath(os.fspath(directory))
+    missing = _missing(root)
+    existing = os.path.dirname(missing[-1]) if missing else root
     try:
-        os.makedirs(root, exist_ok=True)
-        os.rmdir(new_sibling(os.path.join(root, "checkpoint"), "probe"))
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, f"{existing} is not a directory")
+        os.rmdir(new_sibling(os.path.join(existing, "checkpoint"), "probe"))
     except OSError as exc:
         raise type(exc)(exc.errno, f"cannot write training checkpoints in {root}: {exc.strerror}") from None
     return root
+
+
+def claim_checkpoint_directory(directory: str | os.PathLike) -> Callable[[], None]:
+    """Take ``directory`` (created if needed) for this run until the release returned is called: its lock
+    (:mod:`nvoffload.io.ownership`, as a swap directory's) refuses other live runs; a killed run's lock is taken
+    over, and what its saves left (hidden partial checkpoints, and old ones being deleted) is removed, with a
+    warning. The saves of the process that holds it go on (they take the lock again). The release removes the
+    directories the claim created if nothing was saved in them (a run refused later leaves nothing).
+
+    Raises:
+        SwapDirectoryInUse: another live run holds it (``errno.EBUSY``; the message names the lock to delete
+            if that run is gone).
+        OSError: it cannot be written (naming it).
+    """
+    root = check_checkpoint_directory(directory)
+    created = _missing(root)
+    os.makedirs(root, exist_ok=True)
+    unlock = claim(root, "checkpoint directory")
+
+    def release() -> None:
+        unlock()
+        for made in created:
+            try:
+                os.rmdir(made)
+            except OSError:  # not empty (a checkpoint was saved), or already gone
+                return
+    left = _remove_partial(root)
+    if left:
+        warnings.warn(
+            f"{root}: removed {len(left)} partial checkpoint(s) left by a run killed while saving or deleting one:"
+            f" {', '.join(left)}",
+            stacklevel=2,
+        )
+    return release
+
+
+def _missing(path: str) -> list[str]:
+    """``path`` and those of its parents that do not exist, deepest first."""
+    missing = []
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
 
 
 def latest_training_checkpoint(directory: str | os.PathLike) -> TrainingCheckpoint | None:
@@ -159,60 +217,70 @@ def save_training_checkpoint(
     _check_between_steps(optimizer, "save")
     ranks = _ranks_of(optimizer)
     lead = ranks is None or ranks.rank == 0  # writes the model, the state file and the manifest
-    with _Together(ranks, "saving the training checkpoint"):
-        if lead:
-            root = check_checkpoint_directory(directory)
-            _remove_partial(root)
-            target = os.path.join(root, f"checkpoint-{step}")
-            tmp = new_sibling(target, "tmp")
-    root, target, tmp = _share(ranks, (root, target, tmp) if lead else None)
+    release = None
     try:
         with _Together(ranks, "saving the training checkpoint"):
-            tensors: dict[str, dict[str, int]] = {}  # file -> tensor -> CRC-32C
             if lead:
-                model_checksums: dict[str, dict[str, int]] = {}
-                save_pretrained(
-                    model, os.path.join(tmp, "model"), read=_weights(optimizer, write=False), checksums=model_checksums
-                )  # fmt: skip
-                tensors.update({f"model/{name}": crcs for name, crcs in model_checksums.items()})
-            skeleton, files = _save_optimizer(optimizer, tmp, max_shard_bytes, ranks)
-            tensors.update(files)
-        every = _gather(ranks, (tensors, skeleton, _rng_state()))
-        with _Together(ranks, "saving the training checkpoint"):
+                release = claim_checkpoint_directory(directory)  # released at the end
+                root = os.path.abspath(os.fspath(directory))
+                target = os.path.join(root, f"checkpoint-{step}")
+                tmp = new_sibling(target, "tmp")
+        root, target, tmp = _share(ranks, (root, target, tmp) if lead else None)
+        try:
+            with _Together(ranks, "saving the training checkpoint"):
+                tensors: dict[str, dict[str, int]] = {}  # file -> tensor -> CRC-32C
+                if lead:
+                    model_checksums: dict[str, dict[str, int]] = {}
+                    save_pretrained(
+                        model, os.path.join(tmp, "model"), read=_weights(optimizer, write=False), checksums=model_checksums
+                    )  # fmt: skip
+                    tensors.update({f"model/{name}": crcs for name, crcs in model_checksums.items()})
+                skeleton, files = _save_optimizer(optimizer, tmp, max_shard_bytes, ranks)
+                tensors.update(files)
+            every = _gather(ranks, (tensors, skeleton, _rng_state()))
+            with _Together(ranks, "saving the training checkpoint"):
+                if lead:
+                    tensors = {f: crcs for t, _, _ in every for f, crcs in t.items()}
+                    state = {
+                        "optimizer": _merge_pieces([sk for _, sk, _ in every]),
+                        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                        "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
+                        "rng": every[0][2],
+                        "rng_of_ranks": [rng for _, _, rng in every],
+                        "extra": extra if extra is not None else {},
+                    }
+                    state_path = os.path.join(tmp, STATE_FILE)
+                    _write(state_path, functools.partial(torch.save, state))
+                    manifest = {
+                        "format": _FORMAT,
+                        "version": _VERSION,
+                        "step": step,
+                        "world_size": len(every),
+                        "files": _sizes(tmp),
+                        "tensors": tensors,
+                        "trainer_state_crc32c": _file_crc32c(state_path),
+                    }
+                    text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+                    _write(os.path.join(tmp, MANIFEST), lambda f: f.write(text.encode()))
+                    fsync_path(tmp)
+                    put_in_place(tmp, target)
+        except BaseException:
             if lead:
-                tensors = {f: crcs for t, _, _ in every for f, crcs in t.items()}
-                state = {
-                    "optimizer": _merge_pieces([sk for _, sk, _ in every]),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
-                    "rng": every[0][2],
-                    "rng_of_ranks": [rng for _, _, rng in every],
-                    "extra": extra if extra is not None else {},
-                }
-                state_path = os.path.join(tmp, STATE_FILE)
-                torch.save(state, state_path)
-                fsync_path(state_path)
-                manifest = {
-                    "format": _FORMAT,
-                    "version": _VERSION,
-                    "step": step,
-                    "world_size": len(every),
-                    "files": _sizes(tmp),
-                    "tensors": tensors,
-                    "trainer_state_crc32c": _file_crc32c(state_path),
-                }
-                _write_json(os.path.join(tmp, MANIFEST), manifest)
-                fsync_path(tmp)
-                put_in_place(tmp, target)
-    except BaseException:
-        if lead:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if lead and keep_last is not None:
-        for _, old in _complete(root)[:-keep_last]:
-            if old != target:
-                _remove(old)
-    return TrainingCheckpoint(target, step, extra if extra is not None else {})
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if lead and keep_last is not None:
+            _prune(root, keep_last, target)
+        return TrainingCheckpoint(target, step, extra if extra is not None else {})
+    finally:
+        if release is not None:
+            release()
+
+
+def _prune(root: str, keep_last: int, keep: str) -> None:
+    """Remove the complete checkpoints of ``root`` but the last ``keep_last``, and never ``keep``."""
+    for _, old in _complete(root)[:-keep_last]:
+        if old != keep:
+            _remove(old)
 
 
 def _remove(checkpoint: str) -> None:
@@ -232,13 +300,20 @@ def load_training_checkpoint(
     scheduler=None,
     grad_scaler: torch.amp.GradScaler | None = None,
     restore_rng: bool = True,
+    keep_last: int | None = None,
 ) -> TrainingCheckpoint:
     """Load a checkpoint into ``model``, ``optimizer``, ``scheduler`` and ``grad_scaler`` (and the RNGs).
 
-    ``path`` is one checkpoint (``checkpoint-<step>``) or a directory of them (the latest complete one is
-    loaded). The objects must be built as for the run that saved it (the same model, parameter groups and
+    ``path`` is one checkpoint (``checkpoint-<step>``) or a directory of them: the newest complete one that
+    loads is loaded, with a warning naming each newer one skipped and why (a damaged file, or one that does
+    not fit). The objects must be built as for the run that saved it (the same model, parameter groups and
     kinds of scheduler and scaler); the budgets may differ. Every tensor's CRC-32C is checked as it is read.
     Call it before training, or between steps.
+
+    Args:
+        keep_last: with a directory, remove its complete checkpoints but the last ``keep_last`` (never the
+            one loaded) once one is loaded, as a save does: a resume that has no step left to do leaves the
+            directory as its last save would have.
 
     Returns:
         The checkpoint loaded: its path, step and ``extra``.
@@ -246,13 +321,54 @@ def load_training_checkpoint(
     Raises:
         FileNotFoundError: no complete checkpoint at ``path``.
         CheckpointError: a file is missing, truncated or corrupt (a checksum mismatch), or the checkpoint
-            does not fit the model or optimizer. The model and optimizer may then be partly loaded: load
-            another checkpoint (the one before) into them.
+            does not fit the model or optimizer (with a directory: none of its checkpoints loads; the error
+            names each and why). The model and optimizer may then be partly loaded: load another checkpoint
+            (the one before) into them.
     """
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
     _check_between_steps(optimizer, "load")
     ranks = _ranks_of(optimizer)
+    objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "grad_scaler": grad_scaler}
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return _load(path, objects, ranks, restore_rng)
+    candidates = [ckpt_dir for _, ckpt_dir in reversed(_complete(path))]
+    if not candidates:
+        raise _not_found(path)
+    skipped = []  # "<checkpoint>: <why>", newest first
+    for ckpt_dir in candidates:
+        try:
+            done = _load(ckpt_dir, objects, ranks, restore_rng)
+        except Exception as exc:
+            if not _damaged(exc, ranks):
+                raise
+            skipped.append(f"{ckpt_dir}: {exc}")
+            continue
+        if skipped:
+            warnings.warn("".join(f"skipped {why}; " for why in skipped) + f"loaded {ckpt_dir}", stacklevel=2)
+        if keep_last is not None and (ranks is None or ranks.rank == 0):
+            release = claim_checkpoint_directory(path)
+            try:
+                _prune(path, keep_last, ckpt_dir)
+            finally:
+                release()
+        return done
+    raise CheckpointError(path, f"no checkpoint in it loads: {'; '.join(skipped)}")
+
+
+def _damaged(error: Exception, ranks: Ranks | None) -> bool:
+    """Whether a checkpoint failed to load for what its files hold (on every rank where it failed: the ranks
+    agree, so that they all go on to the one before, or all raise)."""
+    mine = isinstance(error, (CheckpointError, _FailedOnAnotherRank))
+    return mine if ranks is None else all(_gather(ranks, mine))
+
+
+def _load(ckpt_dir: str, objects: dict, ranks: Ranks | None, restore_rng: bool) -> TrainingCheckpoint:
+    """Load the checkpoint ``ckpt_dir`` into ``objects`` (see :func:`load_training_checkpoint`)."""
+    model, optimizer = objects["model"], objects["optimizer"]
     with _Together(ranks, "loading the training checkpoint"):
-        ckpt_dir, manifest, state_path = _open(path)
+        ckpt_dir, manifest, state_path = _open(ckpt_dir)
         state = torch.load(state_path, weights_only=True)
     if ranks is not None:
         ranks.same(int(manifest["step"]), "the step of the training checkpoint each rank found")
@@ -260,12 +376,12 @@ def load_training_checkpoint(
         checks = _Checks(ckpt_dir, manifest["tensors"])
         _load_model(model, optimizer, os.path.join(ckpt_dir, "model"), checks)
         _load_optimizer(optimizer, state["optimizer"], ckpt_dir, manifest["tensors"], checks)
-    for what, obj in (("scheduler", scheduler), ("grad_scaler", grad_scaler)):
-        if obj is None:
-            continue
-        if state[what] is None:
-            raise CheckpointError(ckpt_dir, f"the checkpoint has no {what} state, but a {what} was given")
-        obj.load_state_dict(state[what])
+        for what in ("scheduler", "grad_scaler"):
+            if objects[what] is None:
+                continue
+            if state[what] is None:
+                raise CheckpointError(ckpt_dir, f"the checkpoint has no {what} state, but a {what} was given")
+            objects[what].load_state_dict(state[what])
     if restore_rng:
         of_ranks = state.get("rng_of_ranks", [])
         same_ranks = ranks is not None and len(of_ranks) == ranks.world_size
@@ -541,12 +657,13 @@ def _complete(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def _remove_partial(root: str) -> None:
+def _remove_partial(root: str) -> list[str]:
     """Remove what saves killed before their end left: hidden ``.checkpoint-<step>.<what>-<random>`` directories
-    (a checkpoint being written, or an old one being deleted)."""
-    for entry in os.listdir(root):
-        if entry.startswith(".checkpoint-") and os.path.isdir(os.path.join(root, entry)):
-            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+    (a checkpoint being written, or an old one being deleted); returns their names."""
+    left = sorted(e for e in os.listdir(root) if e.startswith(".checkpoint-") and os.path.isdir(os.path.join(root, e)))
+    for entry in left:
+        shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+    return left
 
 
 def _open(path: str | os.PathLike) -> tuple[str, dict, str]:
@@ -564,8 +681,12 @@ def _resolve(path: str) -> str:
         return os.path.abspath(path)
     latest = latest_training_checkpoint(path)
     if latest is None:
-        raise FileNotFoundError(f"no complete training checkpoint at {path} (no {MANIFEST} in it or in a checkpoint-<step> in it)")
+        raise _not_found(path)
     return latest.path
+
+
+def _not_found(path: str) -> FileNotFoundError:
+    return FileNotFoundError(f"no complete training checkpoint at {path} (no {MANIFEST} in it or in a checkpoint-<step> in it)")
 
 
 def _read_manifest(ckpt_dir: str) -> dict:
@@ -599,9 +720,10 @@ def _sizes(directory: str) -> dict[str, int]:
     return dict(sorted(sizes.items()))
 
 
-def _write_json(path: str, value: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(value, indent=1, sort_keys=True) + "\n")
+def _write(path: str, put: Callable[[BinaryIO], object]) -> None:
+    """Create the file ``path`` with ``put(file)`` and fsync it; an OSError (a full disk) names it."""
+    with naming(path), open(path, "wb") as f:
+        put(f)
         f.flush()
         os.fsync(f.fileno())
 
@@ -614,9 +736,13 @@ def _ranks_of(optimizer: torch.optim.Optimizer) -> Ranks | None:
     return optimizer.ranks if isinstance(optimizer, OffloadOptimizer) else None
 
 
+class _FailedOnAnotherRank(RuntimeError):
+    """What the ranks of a :class:`_Together` stretch that did not fail raise: names the failed ranks' errors."""
+
+
 class _Together:
     """A stretch of a checkpoint's save or load that fails on every rank when it fails on one (a no-op in one
-    process): the failed rank raises its error, the others a RuntimeError naming it."""
+    process): the failed rank raises its error, the others a :class:`_FailedOnAnotherRank` naming it."""
 
     def __init__(self, ranks: Ranks | None, what: str):
         self._ranks, self._what = ranks, what
@@ -626,7 +752,12 @@ class _Together:
 
     def __exit__(self, kind, error, tb) -> bool:
         if self._ranks is not None and (error is None or isinstance(error, Exception)):
-            self._ranks.agree(error, self._what)
+            try:
+                self._ranks.agree(error, self._what)
+            except RuntimeError as exc:
+                if exc is error or isinstance(exc, RankTimeoutError):
+                    raise
+                raise _FailedOnAnotherRank(*exc.args) from None
         return False
 
 

@@ -106,6 +106,7 @@ def main() -> None:
     stats = opt.memory_stats()  # with the checkpoint's reads, when one was saved
     state = opt.state_dict()  # gathered from every rank's share
     if args.mode == "optimizer":  # and scattered again: a new optimizer takes its share of the whole state
+        opt.close()  # first: a parameter belongs to one open optimizer
         again = NVMeAdamW(model.parameters(), lr=3e-3, swap_dir=swap, cpu_memory_bytes=4 * MiB, chunk_bytes=16 << 10)
         again.load_state_dict(state)
         reloaded = again.state_dict()

@@ -247,6 +247,32 @@ def test_failure_keeps_the_previous_checkpoint(tmp_path):
     assert torch.equal(load_file(path)["a"], torch.ones(2))
 
 
+_WRITE_PAST_THE_FILE_SIZE_LIMIT = """
+import json, os, resource, signal, sys, torch
+from nvoffload.checkpoint import save_file
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the kernel's EFBIG instead of the signal
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    save_file({"a": torch.ones(1 << 20)}, sys.argv[1])
+except OSError as exc:
+    print(json.dumps({"errno": exc.errno, "filename": exc.filename, "message": str(exc)}))
+"""
+
+
+def test_a_write_past_the_file_size_limit_names_the_file_and_leaves_nothing(tmp_path):
+    """A real write error on a real file (RLIMIT_FSIZE: EFBIG, as a full disk's ENOSPC) names the file."""
+    import errno
+    import subprocess
+    import sys
+
+    path = tmp_path / "w.safetensors"
+    done = subprocess.run([sys.executable, "-c", _WRITE_PAST_THE_FILE_SIZE_LIMIT, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert got == {"errno": errno.EFBIG, "filename": f"{path}.tmp", "message": f"[Errno 27] File too large: '{path}.tmp'"}
+    assert os.listdir(tmp_path) == []
+
+
 def test_abort(tmp_path):
     path = tmp_path / "w.safetensors"
     writer = SafetensorsWriter(path, {"a": (torch.float32, (2,))})

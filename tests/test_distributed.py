@@ -108,6 +108,29 @@ def test_a_checkpoint_of_two_ranks_resumes_on_another_number_of_ranks(trained, s
     assert_trained_alike(resumed[0]["weights"], two[0]["weights"])
 
 
+@pytest.mark.parametrize("trained", ["optimizer"], indirect=True)
+def test_one_ranks_damaged_piece_makes_every_rank_resume_from_the_checkpoint_before(trained, saved, tmp_path):
+    """The latest checkpoint's optimizer state fails its checksum in rank 1's piece only: rank 0 hears of it from
+    rank 1, the ranks agree to skip it, and both resume from the one before, as a resume from it does."""
+    import shutil
+
+    mode, _, _, two = trained
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved / "checkpoint-5", ckpt / "checkpoint-5")
+    shutil.copytree(saved / "checkpoint-5", ckpt / "checkpoint-6")
+    piece = ckpt / "checkpoint-6" / "optimizer-rank00001-of-00002.safetensors"
+    with open(piece, "r+b") as f:
+        f.seek(piece.stat().st_size - 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    resumed = run(mode, tmp_path / "out", tmp_path / "swap", 2, "--ckpt", str(ckpt), "--resume")
+    assert [len(r["losses"]) for r in resumed] == [5, 5]  # steps 6 to 10: from checkpoint-5
+    for rank, expected in zip(resumed, two):
+        assert rank["losses"] == expected["losses"][-5:]
+        assert all(torch.equal(rank["weights"][k], v) for k, v in expected["weights"].items())
+
+
 # TORCH_GLOO_EXIT: a process that exits right after a gloo collective (here: just after the ranks agreed on an
 # error) can abort (SIGABRT, "terminate called without an active exception") instead of exiting 1: gloo's
 # thread releases the finished collective during interpreter finalization, takes the GIL, and is ended inside

@@ -55,7 +55,7 @@ def test_config_validation(tmp_path):
     with pytest.raises(ValueError, match="save_to: the directory"):
         FinetuneConfig(save_to=str(tmp_path / "absent" / "out.safetensors"))
     for bad in ({"resume": True}, {"save_every": 5}):
-        with pytest.raises(ValueError, match="need a checkpoint_dir"):
+        with pytest.raises(ValueError, match="needs a checkpoint_dir"):
             FinetuneConfig(**bad)
     with pytest.raises(ValueError, match="save_every must be >= 1"):
         FinetuneConfig(checkpoint_dir=str(tmp_path), save_every=0)
@@ -199,7 +199,7 @@ def test_streamed_and_in_memory_finetune_agree(tmp_path):
 def test_cli_streamed_budget_too_small(tmp_path, capsys):
     rc = main(["finetune", "--preset", "tiny", "--steps", "1", "--swap-dir", str(tmp_path), "--stream",
                "--device-memory", "64K", "--no-progress"])  # fmt: skip
-    assert rc == 2 and "device_memory_bytes must be at least" in capsys.readouterr().err
+    assert rc == 2 and "--device-memory must be at least" in capsys.readouterr().err  # the flag, not the field
 
 
 def test_cli_checkpoint_of_another_model(tmp_path, capsys):
@@ -327,3 +327,147 @@ def test_cli_hugging_face_errors(hf_dirs, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
     assert main([*base, "--model", str(hf_dirs["gpt2"])]) == 2
     assert "pip install 'nvoffload[hf]'" in capsys.readouterr().err
+
+
+# -- faults at the command line's boundary (issue 36) ----------------------------------------------------------------
+
+
+def test_a_loss_that_is_not_finite_stops_the_run_naming_the_step_and_saves_nothing_of_it(tmp_path, capsys):
+    """--lr 1e30 trained to nan and exited 0: now the step whose loss is not finite stops the run (one line, exit
+    2) before its checkpoint, so the last checkpoint is the last good step's."""
+    from nvoffload.training_checkpoint import latest_training_checkpoint
+
+    swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
+    swap.mkdir()
+    rc = main(["finetune", "--preset", "tiny", "--steps", "6", "--batch-size", "2", "--lr", "1e30", "--swap-dir",
+               str(swap), "--checkpoint-dir", str(ckpt), "--save-every", "1", "--no-progress"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out.splitlines()[0].startswith("step 1: loss 5.")
+    assert "step 2:" not in captured.out and captured.err.count("\n") == 1
+    assert captured.err.startswith("nvoffload finetune: error: the loss is nan at step 2: training stopped")
+    assert latest_training_checkpoint(ckpt).step == 1 and not any(n.startswith("checkpoint-2") for n in os.listdir(ckpt))
+    assert os.listdir(swap) == []
+
+
+def test_text_is_read_as_its_encoding_and_a_bad_byte_is_named_with_its_offset(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes("déjà vu ".encode("latin-1") * 3)
+    with pytest.raises(ValueError, match=rf"{path} is not valid utf-8: byte 0xe9 at offset 1 .*--text-encoding"):
+        load_text(path)  # was decoded with replacement characters without a word
+    assert load_text(path, encoding="latin-1") == "déjà vu " * 3
+    with pytest.raises(ValueError, match=rf"{path} is 24 bytes, more than the 23 a text may have here"):
+        load_text(path, encoding="latin-1", max_bytes=23)
+    with pytest.raises(ValueError, match="/dev/zero is not a regular file"):
+        load_text("/dev/zero")  # was read until memory ran out
+
+
+def _unshare_tmpfs(root, size: str) -> list[str] | None:
+    """The command prefix that runs in a private mount namespace with a ``size`` tmpfs at ``root``; None where
+    unshare or the mount is not allowed."""
+    import shutil
+    import subprocess
+
+    prefix = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c"]
+    mount = f"mount -t tmpfs -o size={size} tmpfs {root}"
+    if shutil.which("unshare") is None or subprocess.run([*prefix, mount], capture_output=True).returncode:
+        return None
+    return [*prefix, f'{mount} && exec "$0" "$@"']
+
+
+def test_too_little_space_for_the_offloaded_activations_is_refused_before_anything_is_written(tmp_path):
+    """A real small file system (a tmpfs in a private mount namespace) that holds the optimizer state but not it and
+    a micro-batch's activations: refused up front, naming both, with nothing written. The free-space check counted
+    only the optimizer state."""
+    import subprocess
+
+    swap = tmp_path / "small"
+    swap.mkdir()
+    prefix = _unshare_tmpfs(swap, "180m")  # the optimizer state is 78 MB (and a reserve), the activations 126 MB
+    if prefix is None:
+        pytest.skip("cannot mount a small tmpfs in a private mount namespace here (unshare --user --mount)")
+    argv = ["finetune", "--preset", "small", "--steps", "1", "--batch-size", "16", "--swap-dir", str(swap),
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--no-progress"]  # fmt: skip
+    cmd = [*prefix, sys.executable, "-m", "nvoffload", *argv, "--offload-activations"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"nvoffload finetune: error: swap directory {swap} needs")
+    assert "a micro-batch's offloaded activations (125829120 bytes)" in done.stderr  # 4 x 16 x 128 x (7 x 256 + 2 x 1024) x 4
+    assert os.listdir(tmp_path) == ["small"]
+    # the same run without offloaded activations fits there
+    done = subprocess.run([*prefix, sys.executable, "-m", "nvoffload", *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("step 1: loss"), done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("mode", [[], ["--stream", "--cpu-memory", "256M"]], ids=["optimizer", "stream"])
+def test_a_write_error_under_offloaded_activations_is_one_line_and_the_last_checkpoint_stays(tmp_path, mode):
+    """A real write error while activations are written (a file size limit, RLIMIT_FSIZE, in the child: EFBIG as a
+    full disk's ENOSPC): one line naming the tensor and the swap file, exit 2, the swap files gone, the checkpoint
+    of the step before intact. It was a 42-line RuntimeError traceback, exit 1."""
+    import resource
+    import subprocess
+
+    from nvoffload.training_checkpoint import latest_training_checkpoint
+
+    swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
+    swap.mkdir()
+    argv = ["finetune", "--preset", "small", "--batch-size", "16", "--swap-dir", str(swap), "--checkpoint-dir",
+            str(ckpt), "--no-progress", *mode]  # fmt: skip
+    assert main([*argv, "--steps", "1"]) == 0
+
+    def limit_file_size():  # above the optimizer's swap file (39 MB), below the activations' (126 MB a micro-batch)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
+
+    cmd = [sys.executable, "-m", "nvoffload", *argv, "--steps", "2", "--resume", "--offload-activations"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stderr.startswith("nvoffload finetune: error: writing saved activation #")
+    assert "File too large" in done.stderr and f"{swap}/nvoffload-" in done.stderr
+    assert os.listdir(swap) == [] and latest_training_checkpoint(ckpt).step == 1
+
+
+def test_ctrl_c_is_one_line_exit_130_and_removes_the_swap_files(tmp_path):
+    """SIGINT mid-run: 'interrupted', exit 130, no KeyboardInterrupt traceback; the swap file and lock are gone."""
+    import queue
+    import signal
+    import subprocess
+    import threading
+
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    cmd = [sys.executable, "-m", "nvoffload", "finetune", "--preset", "tiny", "--steps", "100000", "--batch-size", "2",
+           "--swap-dir", str(swap), "--no-progress"]  # fmt: skip
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        lines: queue.Queue = queue.Queue()
+        reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
+        reader.start()
+        try:
+            while not lines.get(timeout=120).startswith("step 2:"):  # the run is in its steps
+                pass
+            proc.send_signal(signal.SIGINT)
+            rc = proc.wait(timeout=120)
+        finally:
+            proc.kill()
+        err = proc.stderr.read()
+        reader.join(timeout=60)  # at the end of its output
+    assert rc == 130 and err == "nvoffload finetune: interrupted (Ctrl-C); the last checkpoint written is the one to --resume\n"
+    assert os.listdir(swap) == []
+
+
+def test_host_memory_refused_by_the_system_names_the_budget_and_what_is_available(tmp_path):
+    """--cpu-memory within the machine's memory that the system still refuses (here an address-space limit,
+    RLIMIT_AS, in the child): the error names the flag, the size and the memory available. It said only 'Cannot
+    allocate memory'."""
+    import resource
+    import subprocess
+
+    def limit_address_space():  # below the 8 GiB slab asked, whatever the interpreter and torch take
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    cmd = [sys.executable, "-m", "nvoffload", "finetune", "--preset", "tiny", "--steps", "1", "--no-progress",
+           "--swap-dir", str(tmp_path), "--stream", "--cpu-memory", "8G"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=limit_address_space)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stderr.startswith(
+        "nvoffload finetune: error: cannot allocate the host memory asked, --cpu-memory 8589934592 (8 GiB): "
+    ) and "GiB is available" in done.stderr
+    assert os.listdir(tmp_path) == []

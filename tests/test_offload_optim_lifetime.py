@@ -1,5 +1,6 @@
 """The NVMe optimizer's lifetime: after close(), when dropped without close(), at exit, and when its worker dies."""
 
+import copy
 import ctypes
 import gc
 import subprocess
@@ -8,6 +9,7 @@ import textwrap
 import threading
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
@@ -201,3 +203,76 @@ def test_exit_without_close_stops_the_worker_first(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "workers=0 swaps=0", out.stdout + out.stderr[-2000:]
     assert not list(swap.glob("*.swap"))
+
+
+def train_both(model, opt, ref, ref_opt, steps=2):
+    """``steps`` steps of ``model``/``opt`` and of ``ref``/``ref_opt`` on the same batches."""
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        x = torch.randn(4, 32, generator=gen)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+
+
+def assert_trains_as_torch(model, swap_dir):
+    """A new NVMeAdamW over ``model`` trains exactly as torch's fused AdamW from the same weights."""
+    ref = copy.deepcopy(model)
+    with NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=swap_dir) as opt:
+        train_both(model, opt, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_second_optimizer_over_parameters_an_open_one_holds_is_refused(tmp_path):
+    # The first optimizer, referenced by its LR scheduler only, would go on updating the weights from its
+    # hooks in every backward of the second: a second one over any of its parameters is refused until the
+    # first is closed, and add_param_group of such a parameter too (the group is not added).
+    model = small_model()
+    (tmp_path / "a").mkdir()
+    first = NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path / "a")
+    sched = torch.optim.lr_scheduler.LambdaLR(first, lambda step: 1.0)
+    train_step(model, first)
+    del first
+    weights = [p.detach().clone() for p in model.parameters()]
+    (tmp_path / "b").mkdir()
+    held = r"held by another OffloadOptimizer that is still open.*Close that one first \(opt\.close\(\)"
+    with pytest.raises(ValueError, match=held):
+        NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path / "b")
+    with pytest.raises(ValueError, match=held):
+        OffloadOptimizer(torch.optim.AdamW([model[2].bias], lr=1e-2), swap_dir=tmp_path / "b")
+    other = nn.Linear(4, 4)
+    with NVMeAdamW(other.parameters(), lr=1e-2, swap_dir=tmp_path / "b") as second:
+        with pytest.raises(ValueError, match=held):
+            second.add_param_group({"params": [model[0].weight]})
+        assert len(second.param_groups) == 1 and len(second.inner.param_groups) == 1
+    assert not list((tmp_path / "b").glob("*.swap"))  # nothing was written for the refused ones
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    sched.optimizer.close()
+    assert_trains_as_torch(model, tmp_path / "b")
+
+
+@pytest.mark.parametrize("cycle", [False, True], ids=["dropped", "dropped-in-a-reference-cycle"])
+def test_a_dropped_optimizer_does_not_hold_its_parameters(tmp_path, cycle):
+    # Garbage does not block: dropped (collected at once) or unreachable in a reference cycle (collected
+    # when the second optimizer finds it), its hooks are gone and the new optimizer trains as torch does.
+    model = small_model()
+    first = NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path)
+    train_step(model, first)
+    if cycle:
+        first.cycle = first
+    ref = weakref.ref(first)
+    del first
+    assert (ref() is None) != cycle
+    assert_trains_as_torch(model, tmp_path)
+    assert ref() is None
+
+
+def test_a_closed_optimizer_does_not_hold_its_parameters(tmp_path):
+    # The pattern of scripts that rebuild their optimizer: close, then build another over the same model.
+    model = small_model()
+    for _ in range(2):
+        with NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path) as opt:
+            train_step(model, opt)
+    assert_trains_as_torch(model, tmp_path)

@@ -12,6 +12,7 @@ from test_streaming import config
 
 import nvoffload
 from nvoffload.checkpoint import CheckpointError
+from nvoffload.memory import MemoryBudgetError
 from nvoffload.models import GPT, GPTConfig
 from nvoffload.optim import NVMeAdamW
 from nvoffload.training_checkpoint import MANIFEST
@@ -141,7 +142,10 @@ def test_keeps_the_last_complete_checkpoints_and_removes_partial_ones(tmp_path):
     (root / ".checkpoint-9.tmp-dead").mkdir(parents=True)  # a save killed before its end
     (root / ".checkpoint-9.tmp-dead" / "optimizer.safetensors").write_bytes(b"partial")
     (root / ".checkpoint-1.old-dead").mkdir()  # one killed while it was being deleted
-    for _ in range(4):
+    run.train(1)
+    with pytest.warns(UserWarning, match=r"removed 2 partial checkpoint\(s\) .*: \.checkpoint-1\.old-dead, \.checkpoint-9\.tmp-dead"):
+        run.save(root, keep_last=2)
+    for _ in range(3):
         run.train(1)
         run.save(root, keep_last=2)
     assert sorted(os.listdir(root)) == ["checkpoint-3", "checkpoint-4"]  # nothing hidden left either
@@ -219,4 +223,201 @@ def test_refuses_between_backward_and_step_and_bad_arguments(tmp_path):
     with pytest.raises(OSError, match="cannot write training checkpoints"):
         nvoffload.save_training_checkpoint(tmp_path / "file" / "ckpt", step=1, model=run.model, optimizer=run.opt)
     assert not os.path.exists(tmp_path / "ckpt")
+    run.close()
+
+
+# -- resume after faults: a killed save, a second run, a full disk, a damaged checkpoint -------------------------
+
+
+def test_a_resume_with_nothing_to_do_prunes_to_keep_last_and_removes_what_a_killed_save_left(tmp_path):
+    """A run killed while its last save removed the oldest checkpoint leaves that one under a hidden name (being
+    deleted) and keep_last + 1 checkpoints; the next resume, with no step left to do, cleans both up."""
+    from nvoffload.finetune import FinetuneConfig, finetune
+
+    root = tmp_path / "ckpt"
+    kw = {"preset": "tiny", "steps": 3, "batch_size": 2, "swap_dir": str(tmp_path), "checkpoint_dir": str(root)}
+    finetune(FinetuneConfig(**kw, save_every=1, keep_last=3), progress=False)
+    os.rename(root / "checkpoint-1", root / ".checkpoint-1.old-0123abcd")  # killed between rename and rmtree
+    os.remove(root / ".checkpoint-1.old-0123abcd" / MANIFEST)
+    (root / ".checkpoint-4.tmp-4567cdef").mkdir()  # and one killed while writing
+    with pytest.warns(UserWarning, match=r"removed 2 partial checkpoint\(s\) left by a run killed while saving"):
+        result = finetune(FinetuneConfig(**kw, keep_last=1, resume=True), progress=False)
+    assert result.steps == []  # nothing to do
+    assert sorted(os.listdir(root)) == ["checkpoint-3"]
+
+
+_HOLD = """
+import sys
+from nvoffload.training_checkpoint import claim_checkpoint_directory
+claim_checkpoint_directory(sys.argv[1])
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_checkpoint_directory_another_live_run_holds_is_refused_and_a_killed_runs_is_taken_over(tmp_path):
+    import errno
+    import signal
+    import subprocess
+    import sys
+
+    from nvoffload.finetune import FinetuneConfig, finetune
+    from nvoffload.training_checkpoint import claim_checkpoint_directory
+
+    root = tmp_path / "ckpt"
+    other = subprocess.Popen([sys.executable, "-c", _HOLD, str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline() == "held\n"
+        (root / ".checkpoint-7.tmp-89abcdef").mkdir()  # the other run's save in progress
+        run = Run("torch", tmp_path / "swap")
+        run.train(1)
+        refused = rf"checkpoint directory {root} is in use by process {other.pid} on .*: give each run its own"
+        with pytest.raises(OSError, match=refused) as info:
+            run.save(root)
+        assert info.value.errno == errno.EBUSY
+        with pytest.raises(OSError, match=refused):
+            finetune(FinetuneConfig(preset="tiny", steps=1, batch_size=2, swap_dir=str(tmp_path), checkpoint_dir=str(root)), progress=False)
+        assert sorted(os.listdir(root)) == [".checkpoint-7.tmp-89abcdef", "nvoffload.lock"]  # untouched
+    finally:
+        other.send_signal(signal.SIGKILL)
+        other.communicate()
+    with pytest.warns(UserWarning, match=rf"removed 1 partial checkpoint\(s\) left by a run killed while saving.*\.checkpoint-7\.tmp-89abcdef"):
+        release = claim_checkpoint_directory(root)
+    assert sorted(os.listdir(root)) == ["nvoffload.lock"]
+    assert run.save(root).step == 1  # this process holds it: the save goes on
+    release()
+    assert sorted(os.listdir(root)) == ["checkpoint-1"]
+    run.close()
+
+
+def test_check_checkpoint_directory_creates_nothing_and_a_run_refused_after_its_claim_leaves_nothing(tmp_path):
+    from nvoffload.finetune import FinetuneConfig, finetune
+    from nvoffload.training_checkpoint import check_checkpoint_directory, claim_checkpoint_directory
+
+    assert check_checkpoint_directory(tmp_path / "a" / "b") == str(tmp_path / "a" / "b")
+    assert os.listdir(tmp_path) == []
+    release = claim_checkpoint_directory(tmp_path / "a" / "b")
+    assert os.listdir(tmp_path / "a" / "b") == ["nvoffload.lock"]
+    release()  # nothing was saved: the directories it made go
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "mine").mkdir()
+    claim_checkpoint_directory(tmp_path / "mine")()
+    assert os.listdir(tmp_path) == ["mine"]  # not made by the claim: kept
+    os.rmdir(tmp_path / "mine")
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    ckpt = tmp_path / "new" / "ckpt"
+    with pytest.raises(MemoryBudgetError):  # refused while the model is built, once the directory is claimed
+        finetune(FinetuneConfig(preset="tiny", steps=1, swap_dir=str(swap), checkpoint_dir=str(ckpt), stream=True,
+                                device_memory_bytes=64 << 10), progress=False)  # fmt: skip
+    assert os.listdir(tmp_path) == ["swap"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match=rf"cannot write training checkpoints in {tmp_path}/file/c: {tmp_path}/file is not a directory"):
+        check_checkpoint_directory(tmp_path / "file" / "c")
+    assert sorted(os.listdir(tmp_path)) == ["file", "swap"]
+
+
+_FILL_AND_SAVE = """
+import json, os, sys
+from test_training_checkpoint import Run
+from nvoffload.training_checkpoint import claim_checkpoint_directory
+
+root, where = sys.argv[1], sys.argv[2]
+ckpt = os.path.join(root, "ckpt")
+run = Run("torch", os.path.join(root, "swap"))
+run.train(1)
+first = run.save(ckpt, keep_last=None)
+if where != "lock":
+    claim_checkpoint_directory(ckpt)  # its lock written before the disk fills
+pages = lambda rel: -(-os.path.getsize(os.path.join(first.path, rel)) // 4096)
+before = {"lock": [], "model": [], "trainer_state": ["model/model.safetensors", "optimizer.safetensors"]}[where]
+free = os.statvfs(root)
+with open(os.path.join(root, "filler"), "wb") as f:  # leaves the pages of the files written before the target
+    f.write(bytes((free.f_bavail - sum(map(pages, before))) * free.f_frsize))
+run.train(1)
+try:
+    run.save(ckpt, keep_last=None)
+except OSError as exc:
+    print(json.dumps({"errno": exc.errno, "filename": exc.filename, "message": str(exc), "left": sorted(os.listdir(ckpt))}))
+"""
+
+
+@pytest.mark.parametrize("where", ["lock", "model", "trainer_state"])
+def test_a_full_disk_while_saving_names_the_file_and_leaves_the_last_checkpoint(tmp_path, where):
+    """A real full file system: a small tmpfs mounted in a private mount namespace (skipped where unshare or the
+    mount is not allowed); the save fails on the file named, nothing of it is left, checkpoint-1 is intact."""
+    import errno
+    import shutil
+    import subprocess
+    import sys
+
+    unshare = ["unshare", "--user", "--map-root-user", "--mount"]
+    root = tmp_path / "small"
+    root.mkdir()
+    mount = f"mount -t tmpfs -o size=4m tmpfs {root}"
+    if shutil.which("unshare") is None or subprocess.run([*unshare, "sh", "-c", mount], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs in a private mount namespace here (unshare --user --mount)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    script = f"{mount} && exec {sys.executable} -c '{_FILL_AND_SAVE}' {root} {where}"
+    done = subprocess.run([*unshare, "sh", "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    held = [] if where == "lock" else ["nvoffload.lock"]  # the script's own claim (a lock is not left behind)
+    assert got["errno"] == errno.ENOSPC and got["left"] == ["checkpoint-1", *held]  # nothing of checkpoint-2 left
+    name = {"lock": "nvoffload.lock", "model": "model.safetensors.tmp", "trainer_state": "trainer_state.pt"}[where]
+    assert os.path.basename(got["filename"]) == name
+    assert got["filename"].startswith(f"{root}/ckpt/" if where == "lock" else f"{root}/ckpt/.checkpoint-2.tmp-")
+    assert got["message"] == f"[Errno 28] No space left on device: {got['filename']!r}"
+
+
+def _flip_a_byte(path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "stream"])
+def test_a_damaged_latest_checkpoint_is_skipped_for_the_newest_one_that_loads(tmp_path, mode):
+    """The latest checkpoint's optimizer state fails its checksum after the model was loaded from it: the resume
+    warns, names it and why, loads the one before into the same objects and trains bit-identical from there."""
+    whole = Run(mode, tmp_path / "a")
+    whole.train(STEPS)
+    expected_weights, expected_losses = whole.weights(), whole.losses
+    whole.close()
+
+    first = Run(mode, tmp_path / "b")
+    first.train(SAVE_AT - 1)
+    first.save(tmp_path / "ckpt")
+    first.train(1)
+    damaged = first.save(tmp_path / "ckpt")
+    first.close()
+    _flip_a_byte(os.path.join(damaged.path, "optimizer.safetensors"))
+
+    resumed = Run(mode, tmp_path / "c", seed=7)
+    skipped = rf"skipped {damaged.path}: {damaged.path}/optimizer.safetensors, tensor .*: checksum mismatch"
+    with pytest.warns(UserWarning, match=skipped):
+        done = resumed.load(tmp_path / "ckpt")
+    assert done.step == SAVE_AT - 1 and done.path == str(tmp_path / "ckpt" / f"checkpoint-{SAVE_AT - 1}")
+    resumed.train(STEPS - done.step)
+    assert resumed.losses == expected_losses
+    _assert_equal(resumed.weights(), expected_weights)
+    resumed.close()
+
+
+def test_when_no_checkpoint_loads_the_error_names_each_and_why(tmp_path):
+    run = Run("torch", tmp_path / "swap")
+    paths = []
+    for _ in range(2):
+        run.train(1)
+        paths.append(run.save(tmp_path / "ckpt").path)
+    _flip_a_byte(os.path.join(paths[1], "model", "model.safetensors"))
+    os.truncate(os.path.join(paths[0], "optimizer.safetensors"), 100)
+    with pytest.raises(CheckpointError, match="no checkpoint in it loads") as info:
+        run.load(tmp_path / "ckpt")
+    message = str(info.value)
+    assert f"{paths[1]}: {paths[1]}/model/model.safetensors, tensor" in message and "checksum mismatch" in message
+    assert f"{paths[0]}: {paths[0]}/optimizer.safetensors: 100 bytes: the manifest says" in message
+    assert message.index(paths[1]) < message.index(paths[0])  # newest first
     run.close()

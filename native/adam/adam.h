@@ -19,16 +19,20 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kNone = 3 };
 enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
 
 // Per-call constants, already rounded to fp32 exactly where torch rounds them,
-// so every variant reproduces torch.optim.Adam(W)'s single-tensor arithmetic:
+// so every variant reproduces the arithmetic of torch's fused CPU Adam(W)
+// (torch.optim.AdamW(fused=True)) bit for bit:
 //   g  = grad * grad_scale;  g = -g if maximize
 //   p  = p * decay                   (decoupled weight decay, AdamW)
 //   g  = fma(p, l2, g)               (L2 weight decay, Adam)
 //   m  = lerp(m, g, 1 - beta1)       (torch's lerp: fma form)
-//   v  = fma((1 - beta2) * g, g, v * beta2)
+//   v  = fma((1 - beta2) * g, g, v * beta2)       (torch's vector loop)
+//   v  = fma(v, beta2, (1 - beta2) * g * g)       (its scalar tail: elements from tail_from on)
 //   vm = max(vmax, v)                (amsgrad only; stored back to vmax)
 //   d  = sqrt(v or vm) / bias_correction2_sqrt + eps
 //   p  = p + (-step_size * m) / d
 //   out = round_nearest_even(p)      (optional bf16/fp16 copy)
+// Every multiply-add the compiler could fuse would change a rounding: the
+// kernel is built with -ffp-contract=off, and its FMAs are the explicit ones.
 struct AdamArgs {
   float* param;
   const void* grad;
@@ -51,6 +55,7 @@ struct AdamArgs {
   float bias_correction2_sqrt;
   float eps;
   float neg_step_size;
+  size_t tail_from;       // first element (of [0, numel)) of torch's tail: the tensor's last numel % 8
   size_t prefetch_elems;  // software prefetch distance (0: none)
 };
 

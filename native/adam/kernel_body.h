@@ -81,9 +81,14 @@ struct Consts {
         neg_step_size(V::set1(a.neg_step_size)) {}
 };
 
+// Which of torch's two formulas an element gets (see adam.h): its vector loop's,
+// or its scalar tail's (the last numel % 8 elements of a tensor), which fuses
+// the other multiplication of exp_avg_sq's update into the multiply-add.
+enum class Part { kBody, kTail };
+
 // One register's worth of elements at the given (already offset) pointers;
 // returns the updated weights for the low-precision copy.
-template <class V, DType G>
+template <class V, DType G, Part P>
 inline typename V::R update(const Consts<V>& c, float* p_ptr, const unsigned char* g_ptr, float* m_ptr, float* v_ptr,
                             float* vmax_ptr) {
   using R = typename V::R;
@@ -102,7 +107,12 @@ inline typename V::R update(const Consts<V>& c, float* p_ptr, const unsigned cha
     m = V::fma(V::neg(V::sub(g, m)), c.one_minus_lerp, g);
   }
   V::store(m_ptr, m);
-  R v = V::fma(V::mul(c.one_minus_beta2, g), g, V::mul(V::load(v_ptr), c.beta2));
+  R v;
+  if constexpr (P == Part::kBody) {
+    v = V::fma(V::mul(c.one_minus_beta2, g), g, V::mul(V::load(v_ptr), c.beta2));
+  } else {
+    v = V::fma(V::load(v_ptr), c.beta2, V::mul(V::mul(c.one_minus_beta2, g), g));
+  }
   V::store(v_ptr, v);
   if (vmax_ptr != nullptr) {
     v = V::max_nan(V::load(vmax_ptr), v);
@@ -112,6 +122,39 @@ inline typename V::R update(const Consts<V>& c, float* p_ptr, const unsigned cha
   p = V::add(p, V::div(V::mul(c.neg_step_size, m), denom));
   V::store(p_ptr, p);
   return p;
+}
+
+// Elements [i, end) one register at a time with formula P, the last partial
+// register through the same vector code on zero-padded copies, so that it
+// rounds exactly like a whole one.
+template <class V, DType G, DType O, Part P>
+void adam_registers(const AdamArgs& a, const Consts<V>& c, size_t i, size_t end) {
+  constexpr size_t W = V::W;
+  constexpr size_t gs = dtype_size(G);
+  constexpr size_t os = dtype_size(O);
+  float* const vmax = a.max_exp_avg_sq;
+  const auto* const grad = static_cast<const unsigned char*>(a.grad);
+  auto* const out = static_cast<unsigned char*>(a.param_out);
+  for (; i + W <= end; i += W) {
+    const typename V::R p = update<V, G, P>(c, a.param + i, grad + i * gs, a.exp_avg + i, a.exp_avg_sq + i,
+                                            vmax != nullptr ? vmax + i : nullptr);
+    if constexpr (O != DType::kNone) store_out<V, O>(out + i * os, p);
+  }
+  const size_t rest = end - i;
+  if (rest == 0) return;
+  alignas(64) float pb[W] = {}, mb[W] = {}, vb[W] = {}, xb[W] = {};
+  alignas(64) unsigned char gb[W * 4] = {}, ob[W * 4] = {};
+  std::memcpy(pb, a.param + i, rest * 4);
+  std::memcpy(mb, a.exp_avg + i, rest * 4);
+  std::memcpy(vb, a.exp_avg_sq + i, rest * 4);
+  std::memcpy(gb, grad + i * gs, rest * gs);
+  if (vmax != nullptr) std::memcpy(xb, vmax + i, rest * 4);
+  store_out<V, O>(ob, update<V, G, P>(c, pb, gb, mb, vb, vmax != nullptr ? xb : nullptr));
+  std::memcpy(a.param + i, pb, rest * 4);
+  std::memcpy(a.exp_avg + i, mb, rest * 4);
+  std::memcpy(a.exp_avg_sq + i, vb, rest * 4);
+  if (vmax != nullptr) std::memcpy(vmax + i, xb, rest * 4);
+  if constexpr (O != DType::kNone) std::memcpy(out + i * os, ob, rest * os);
 }
 
 template <class V, DType G, DType O>
@@ -127,6 +170,7 @@ void adam_range_typed(const AdamArgs& a, size_t begin, size_t end) {
   const auto* const grad = static_cast<const unsigned char*>(a.grad);
   auto* const out = static_cast<unsigned char*>(a.param_out);
   const size_t pf = a.prefetch_elems;
+  const size_t tail = a.tail_from < begin ? begin : (a.tail_from < end ? a.tail_from : end);
   size_t i = begin;
   // Two registers and whole cache lines (16 floats) per iteration, optionally
   // prefetching pf elements ahead: the update's divisions and square root keep
@@ -134,7 +178,7 @@ void adam_range_typed(const AdamArgs& a, size_t begin, size_t end) {
   constexpr size_t kLine = 16;
   constexpr size_t kStep = 2 * W > kLine ? 2 * W : kLine;
   static_assert(kStep % kLine == 0 && kStep % (2 * W) == 0, "vectors must tile cache lines");
-  for (; i + kStep <= end; i += kStep) {
+  for (; i + kStep <= tail; i += kStep) {
     if (pf != 0 && i + pf + kStep <= end) {
       for (size_t l = 0; l < kStep; l += kLine) {
         __builtin_prefetch(param + i + pf + l, 1);
@@ -145,35 +189,15 @@ void adam_range_typed(const AdamArgs& a, size_t begin, size_t end) {
     }
     for (size_t j = i; j < i + kStep; j += 2 * W) {
       const size_t k = j + W;
-      const typename V::R p0 = update<V, G>(c, param + j, grad + j * gs, exp_avg + j, exp_avg_sq + j,
-                                            vmax != nullptr ? vmax + j : nullptr);
-      const typename V::R p1 = update<V, G>(c, param + k, grad + k * gs, exp_avg + k, exp_avg_sq + k,
-                                            vmax != nullptr ? vmax + k : nullptr);
+      const typename V::R p0 = update<V, G, Part::kBody>(c, param + j, grad + j * gs, exp_avg + j, exp_avg_sq + j,
+                                                         vmax != nullptr ? vmax + j : nullptr);
+      const typename V::R p1 = update<V, G, Part::kBody>(c, param + k, grad + k * gs, exp_avg + k, exp_avg_sq + k,
+                                                         vmax != nullptr ? vmax + k : nullptr);
       if constexpr (O != DType::kNone) store_out_pair<V, O>(out + j * os, p0, p1);
     }
   }
-  for (; i + W <= end; i += W) {
-    const typename V::R p = update<V, G>(c, param + i, grad + i * gs, exp_avg + i, exp_avg_sq + i,
-                                         vmax != nullptr ? vmax + i : nullptr);
-    if constexpr (O != DType::kNone) store_out<V, O>(out + i * os, p);
-  }
-  const size_t rest = end - i;
-  if (rest == 0) return;
-  // The tail goes through the same vector code on zero-padded copies, so it
-  // rounds exactly like the body.
-  alignas(64) float pb[W] = {}, mb[W] = {}, vb[W] = {}, xb[W] = {};
-  alignas(64) unsigned char gb[W * 4] = {}, ob[W * 4] = {};
-  std::memcpy(pb, param + i, rest * 4);
-  std::memcpy(mb, exp_avg + i, rest * 4);
-  std::memcpy(vb, exp_avg_sq + i, rest * 4);
-  std::memcpy(gb, grad + i * gs, rest * gs);
-  if (vmax != nullptr) std::memcpy(xb, vmax + i, rest * 4);
-  store_out<V, O>(ob, update<V, G>(c, pb, gb, mb, vb, vmax != nullptr ? xb : nullptr));
-  std::memcpy(param + i, pb, rest * 4);
-  std::memcpy(exp_avg + i, mb, rest * 4);
-  std::memcpy(exp_avg_sq + i, vb, rest * 4);
-  if (vmax != nullptr) std::memcpy(vmax + i, xb, rest * 4);
-  if constexpr (O != DType::kNone) std::memcpy(out + i * os, ob, rest * os);
+  adam_registers<V, G, O, Part::kBody>(a, c, i, tail);
+  adam_registers<V, G, O, Part::kTail>(a, c, tail, end);
 }
 
 template <class V, DType G, DType O>

@@ -147,10 +147,13 @@ T* pointer(uintptr_t address, const char* name, size_t numel) {
 }
 
 void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t max_exp_avg_sq,
-               uintptr_t param_out, size_t numel, int grad_dtype, int out_dtype, int64_t step, double lr, double beta1,
-               double beta2, double eps, double weight_decay, bool decoupled_weight_decay, double grad_scale,
-               bool maximize) {
+               uintptr_t param_out, size_t numel, size_t tail_from, int grad_dtype, int out_dtype, int64_t step,
+               double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled_weight_decay,
+               double grad_scale, bool maximize) {
   if (step < 1) throw std::invalid_argument("step must be >= 1 (1-based, as in torch), got " + std::to_string(step));
+  if (tail_from > numel) {
+    throw std::invalid_argument("tail_from " + std::to_string(tail_from) + " is past numel " + std::to_string(numel));
+  }
   require_finite(lr, "lr");
   require_finite(beta1, "beta1");
   require_finite(beta2, "beta2");
@@ -167,8 +170,8 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
   a.out_dtype = dtype_from(out_dtype, "param_out", true);
   if (a.out_dtype == DType::kFloat32) throw std::invalid_argument("param_out must be bfloat16 or float16");
   a.param_out = a.out_dtype == DType::kNone ? nullptr : pointer<void>(param_out, "param_out", numel);
-  // Scalars exactly as torch's _single_tensor_adam computes them (Python
-  // floats, i.e. doubles), rounded to fp32 where torch's kernels round them.
+  // Scalars exactly as torch computes them (in doubles: its fused kernel's, or
+  // _single_tensor_adam's Python floats), rounded to fp32 where torch rounds them.
   const double s = static_cast<double>(step);
   const double bias_correction1 = 1.0 - std::pow(beta1, s);
   const double bias_correction2 = 1.0 - std::pow(beta2, s);
@@ -187,6 +190,7 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
   a.bias_correction2_sqrt = static_cast<float>(bias_correction2_sqrt);
   a.eps = static_cast<float>(eps);
   a.neg_step_size = static_cast<float>(-step_size);
+  a.tail_from = tail_from;
   a.prefetch_elems = g_prefetch.load();
   const AdamFn fn = adam_fn(current_isa());
   nvo_py::ReleaseGil release;  // safe in a daemon thread at interpreter exit
@@ -250,10 +254,11 @@ PYBIND11_MODULE(_adam, m) {
   m.attr("FLOAT16") = static_cast<int>(DType::kFloat16);
   m.attr("NONE") = static_cast<int>(DType::kNone);
   m.def("adam_step", &adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
-        py::arg("max_exp_avg_sq"), py::arg("param_out"), py::arg("numel"), py::arg("grad_dtype"),
+        py::arg("max_exp_avg_sq"), py::arg("param_out"), py::arg("numel"), py::arg("tail_from"), py::arg("grad_dtype"),
         py::arg("out_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("decoupled_weight_decay"), py::arg("grad_scale"), py::arg("maximize"),
-        "One fused Adam/AdamW step over numel elements at the given addresses (GIL released).");
+        "One fused Adam/AdamW step over numel elements at the given addresses, those from tail_from on with the"
+        " arithmetic of torch's scalar tail (GIL released).");
   m.def("stream_probe", &stream_probe, py::arg("a"), py::arg("b"), py::arg("c"), py::arg("grad"), py::arg("out"),
         py::arg("numel"), py::arg("grad_dtype"), py::arg("out_dtype"),
         "Bandwidth probe with the update's memory traffic: a, b, c += grad; out = a (GIL released).");

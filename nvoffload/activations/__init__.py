@@ -8,6 +8,6 @@ counts what saved tensors hold, for comparisons with other strategies.
 
 from .config import ActivationOffloadConfig, OffloadStats
 from .counting import SavedTensorCounter
-from .offload import offload_activations
+from .offload import ActivationIOError, offload_activations
 
-__all__ = ["offload_activations", "ActivationOffloadConfig", "OffloadStats", "SavedTensorCounter"]
+__all__ = ["offload_activations", "ActivationIOError", "ActivationOffloadConfig", "OffloadStats", "SavedTensorCounter"]

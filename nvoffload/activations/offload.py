@@ -21,7 +21,25 @@ from ._ledger import ModuleBuffers, StorageLedger
 from ._tier import Load, Tier, Write
 from .config import ActivationOffloadConfig, OffloadStats
 
-__all__ = ["offload_activations"]
+__all__ = ["offload_activations", "ActivationIOError"]
+
+
+class ActivationIOError(OSError, RuntimeError):
+    """A saved activation's write or read failed on an OSError: its errno and file kept, the tensor named; a
+    RuntimeError too, as backward's other failures are."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def _failed(what: str, e: Exception) -> RuntimeError:
+    """The error that ``what`` failed because of ``e`` (its cause): an :class:`ActivationIOError` for an OSError."""
+    if isinstance(e, OSError):
+        error = ActivationIOError(e.errno, f"{what} failed: {e}", e.filename)
+    else:
+        error = RuntimeError(f"{what} failed: {e}")
+    error.__cause__ = e
+    return error
 
 _instance_ids = itertools.count()
 
@@ -530,8 +548,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         try:
             write.future.result()
         except Exception as e:  # the I/O error surfaces when backward needs this tensor
-            record.error = RuntimeError(f"writing {record.describe()} failed: {e}")
-            record.error.__cause__ = e
+            record.error = _failed(f"writing {record.describe()}", e)
         if self._tier.store is None and record.error is None:
             record.host = write.host
         else:
@@ -608,8 +625,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 try:
                     self._tier.engine.wait(record.load.future)  # compute reads the device tensor after its copy
                 except Exception as e:
-                    record.error = RuntimeError(f"reading {record.describe()} back failed: {e}")
-                    record.error.__cause__ = e
+                    record.error = _failed(f"reading {record.describe()} back", e)
                     for other in self._records.values():  # what is on disk may be damaged: a tensor saved
                         other.shareable = False  # again (a reused input) is written anew, not shared with these
                     raise record.error from e

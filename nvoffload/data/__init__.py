@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import os
+import stat
 from importlib import resources
 
 import torch
@@ -26,20 +27,37 @@ __all__ = ["ByteTokenizer", "TokenDataset", "load_text", "CORPUS_NAME"]
 CORPUS_NAME = "corpus.txt"
 
 
-def load_text(path: str | os.PathLike | None = None) -> str:
-    """The text of ``path`` (UTF-8), or of the shipped corpus when ``path`` is None.
+def load_text(path: str | os.PathLike | None = None, *, encoding: str = "utf-8", max_bytes: int | None = None) -> str:
+    """The text of ``path`` (decoded as ``encoding``), or of the shipped corpus when ``path`` is None.
+
+    ``max_bytes`` bounds what is read: a larger file is refused before it is read.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the text is empty.
+        ValueError: ``path`` is not a regular file (a directory, a device such as ``/dev/zero``, a pipe), is
+            larger than ``max_bytes``, holds a byte that is not valid in ``encoding`` (naming its offset), or
+            the text is empty.
     """
     if path is None:
         text = resources.files(__name__).joinpath(CORPUS_NAME).read_text(encoding="utf-8")
         source = f"the shipped {CORPUS_NAME}"
     else:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
         source = os.fspath(path)
+        with open(path, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError(f"{source} is not a regular file: give a text file")
+            if max_bytes is not None and info.st_size > max_bytes:
+                raise ValueError(f"{source} is {info.st_size} bytes, more than the {max_bytes} a text may have here")
+            data = f.read(info.st_size)  # the size it had when opened, however it grows
+        try:
+            text = data.decode(encoding)
+        except UnicodeDecodeError as exc:
+            bad = data[exc.start : exc.start + 1].hex()
+            raise ValueError(
+                f"{source} is not valid {encoding}: byte 0x{bad} at offset {exc.start} ({exc.reason}); give the"
+                " file's encoding (finetune --text-encoding)"
+            ) from None
     if not text:
         raise ValueError(f"{source} is empty: nothing to train on")
     return text

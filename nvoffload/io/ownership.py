@@ -6,7 +6,8 @@ with :class:`SwapDirectoryInUse` -- give each run its own directory (a
 subdirectory will do). A lock whose process no longer runs on this host is
 stale: its swap files are removed, with a warning naming what was freed, and
 the directory is taken over. A process killed with SIGKILL leaves its lock and
-swap files behind; the next run on that directory cleans them up.
+swap files behind; the next run on that directory cleans them up. Training
+checkpoint directories take the same lock (``claim(d, "checkpoint directory")``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import time
 import warnings
 from collections.abc import Callable
 
+from nvoffload._atomic_dir import naming
+
 __all__ = ["LOCK_NAME", "SwapDirectoryInUse", "claim"]
 
 LOCK_NAME = "nvoffload.lock"
@@ -33,8 +36,9 @@ class SwapDirectoryInUse(OSError):
     """A swap directory held by another process (``errno.EBUSY``)."""
 
 
-def claim(directory: str) -> Callable[[], None]:
-    """Take ``directory`` for this process (again, if it holds it already); returns the release.
+def claim(directory: str, what: str = "swap directory") -> Callable[[], None]:
+    """Take ``directory`` (a ``what``, in the refusal) for this process (again, if it holds it already); returns
+    the release.
 
     Raises:
         SwapDirectoryInUse: another live process, or a process on another host, holds it.
@@ -51,14 +55,18 @@ def claim(directory: str) -> Callable[[], None]:
             except FileExistsError:
                 owner = _owner(path)
                 if not _stale(path, owner):
-                    raise _in_use(key, path, owner) from None
+                    raise _in_use(key, path, owner, what) from None
                 _clean(key, path, owner)
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(f"{os.getpid()} {socket.gethostname()}\n")
+            try:
+                with naming(path), os.fdopen(fd, "w") as f:
+                    f.write(f"{os.getpid()} {socket.gethostname()}\n")
+            except BaseException:
+                os.unlink(path)  # a full disk: no empty lock left behind
+                raise
             _claims[key] = 1
             return functools.partial(_release, key)
-        raise _in_use(key, path, _owner(path))
+        raise _in_use(key, path, _owner(path), what)
 
 
 def _release(key: str) -> None:
@@ -126,11 +134,11 @@ def _clean(directory: str, path: str, owner: tuple[int, str] | None) -> None:
         )
 
 
-def _in_use(directory: str, path: str, owner: tuple[int, str] | None) -> SwapDirectoryInUse:
+def _in_use(directory: str, path: str, owner: tuple[int, str] | None, what: str) -> SwapDirectoryInUse:
     who = f"process {owner[0]} on {owner[1]}" if owner is not None else "a process that is writing its lock"
     return SwapDirectoryInUse(
         errno.EBUSY,
-        f"swap directory {directory} is in use by {who}: give each run its own directory (a subdirectory will do);"
+        f"{what} {directory} is in use by {who}: give each run its own directory (a subdirectory will do);"
         f" if that process is gone, delete {path}",
         directory,
     )

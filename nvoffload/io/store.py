@@ -37,13 +37,26 @@ def _share_bytes(total_bytes: int, count: int) -> int:
     return round_up(math.ceil(total_bytes / count))
 
 
+def spare_bytes(needed_bytes: int) -> int:
+    """The room the free-space check asks for beyond ``needed_bytes``: 1/64 of it, at least 64 MiB.
+
+    A tensor being replaced holds its old extents until its new copy is written (a block of weights written
+    back while the optimizer's two generations are at their peak, measured one block over the count), and the
+    file system's own blocks (ext4's extent tree) come out of the same free space. Other writers on the file
+    system are not counted: when they take the room, the store's put fails with ENOSPC naming the swap file and
+    the bytes.
+    """
+    return max(needed_bytes // 64, 64 << 20)
+
+
 def swap_directories(swap_dirs, *, needed_bytes: int = 0, what: str = "swap files") -> list[str]:
     """The directories ``swap_dirs`` names, checked before anything is written to them.
 
     Args:
         swap_dirs: one path (``str`` or ``os.PathLike``) or a sequence of them.
         needed_bytes: bytes that will be spread evenly over the directories; each
-            file system must have free space for the shares of the directories on it.
+            file system must have free space for the shares of the directories on it,
+            and :func:`spare_bytes` more.
         what: what needs the space, for the error message.
 
     Raises:
@@ -80,12 +93,13 @@ def swap_directories(swap_dirs, *, needed_bytes: int = 0, what: str = "swap file
             by_fs.setdefault(os.stat(d).st_dev, []).append(d)
         for group in by_fs.values():
             free = shutil.disk_usage(group[0]).free
-            if free < share * len(group):
+            spare = spare_bytes(share * len(group))
+            if free < share * len(group) + spare:
                 names = ("swap directory " if len(group) == 1 else "swap directories ") + ", ".join(group)
                 raise OSError(
                     errno.ENOSPC,
                     f"{names} {'needs' if len(group) == 1 else 'need'} {share * len(group)} bytes for {what}"
-                    f" but the file system has only {free} bytes free",
+                    f" and {spare} to spare but the file system has only {free} bytes free",
                     group[0],
                 )
     return dirs
@@ -188,7 +202,9 @@ class TensorStore:
         except BaseException:
             _release_all(releases)
             raise
-        self._release_dirs = weakref.finalize(self, _release_all, releases)  # after the files go (made first)
+        self._swaps: list[_SwapFile] = []
+        # A store never closed (the script ends without close(), or drops it) still removes its files.
+        self._clean_up = weakref.finalize(self, _clean_up, self._swaps, releases)
         for d in dirs:
             _warn_about_orphans(d)
         _exit_cleanly_on_sigterm()
@@ -202,16 +218,11 @@ class TensorStore:
         self._next_dir = 0
         self._seq = 0
         self._dirs = dirs
-        self._swaps: list[_SwapFile] = []
         self._closed = False
-        # A store never closed (the script ends without close(), or drops it) still removes its files.
-        paths: list[str] = []
-        self._unlink_at_exit = weakref.finalize(self, _unlink, paths)
         try:
             for d in dirs:
                 path = os.path.join(d, f"nvoffload-{os.getpid()}-{uuid.uuid4().hex[:12]}.swap")
                 swap = _SwapFile(self._engine.open(path, create=True), share)
-                paths.append(path)
                 self._swaps.append(swap)
                 if share:
                     self._engine.allocate(swap.file, 0, share)
@@ -488,33 +499,70 @@ class TensorStore:
             n = len(self._swaps)
             order = [self._swaps[(self._next_dir + i) % n] for i in range(n)]
             self._next_dir = (self._next_dir + 1) % n
-            fits = [s for s in order if s.extents.fits(round_up(nbytes))]
-            targets = [((fits or order)[0], nbytes)]
+            aligned = round_up(nbytes)
+            fits = [s for s in order if s.extents.fits(aligned)]
+            holds = [s for s in order if s.extents.free_bytes >= aligned]
+            targets = [((fits or holds or order)[0], nbytes)]
         extents: list[_Extent] = []
         try:
             for swap, size in targets:
-                extents.append(self._take(swap, size))
+                extents += self._take(swap, size)
         except OSError:
             self._free(extents)
             raise
         return extents
 
-    def _take(self, swap: _SwapFile, data_bytes: int) -> _Extent:
+    def _take(self, swap: _SwapFile, data_bytes: int) -> list[_Extent]:
+        """Extents of ``swap`` for ``data_bytes``: one free range that holds them, else the free ranges (largest
+        first) and, for the rest, a growth of the file. The file never grows while its free ranges hold the
+        tensor, so it stays as large as the peak of the bytes stored at once (what the free-space check counts),
+        however fragmented the free ranges are."""
         nbytes = round_up(data_bytes)
         offset = swap.extents.take(nbytes)
-        if offset is None:
-            if swap.capacity_bytes is not None:
-                raise OSError(
-                    errno.ENOSPC,
-                    f"the store's swap file {swap.file.path} is full: {nbytes} bytes needed, "
-                    f"{swap.extents.free_bytes} free in pieces of its {swap.capacity_bytes} bytes "
-                    "(raise capacity_bytes, or pass None to grow)",
-                    swap.file.path,
-                )
-            offset = swap.extents.end
+        if offset is not None:
+            return [_Extent(swap, offset, data_bytes, nbytes)]
+        if swap.capacity_bytes is not None and swap.extents.free_bytes < nbytes:
+            raise OSError(
+                errno.ENOSPC,
+                f"the store's swap file {swap.file.path} is full: {nbytes} bytes needed, "
+                f"{swap.extents.free_bytes} free of its {swap.capacity_bytes} bytes "
+                "(raise capacity_bytes, or pass None to grow)",
+                swap.file.path,
+            )
+        pieces = swap.extents.take_pieces(nbytes)
+        grow = nbytes - sum(size for _, size in pieces)
+        if grow:
+            try:
+                self._grow(swap, grow)
+            except OSError:
+                for offset, size in pieces:
+                    swap.extents.give(offset, size)
+                raise
+            pieces.append((swap.extents.end - grow, grow))
+        padding = nbytes - data_bytes  # at the end of the last piece
+        return [
+            _Extent(swap, offset, size - (padding if i == len(pieces) - 1 else 0), size)
+            for i, (offset, size) in enumerate(pieces)
+        ]
+
+    def _grow(self, swap: _SwapFile, nbytes: int) -> None:
+        """Add ``nbytes`` to the end of the swap file (raises ENOSPC naming the file and the bytes)."""
+        offset = swap.extents.end
+        try:
             self._engine.allocate(swap.file, offset, nbytes)
-            swap.extents.end += nbytes
-        return _Extent(swap, offset, data_bytes, nbytes)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            stat = os.fstatvfs(swap.file.fd)
+            free = stat.f_bavail * stat.f_frsize
+            raise OSError(
+                errno.ENOSPC,
+                f"No space left on device: growing the swap file from {offset} to {offset + nbytes} bytes needs"
+                f" {nbytes} bytes and its file system has {free} free (other files took the room counted when"
+                " the swap directories were checked)",
+                swap.file.path,
+            ) from None
+        swap.extents.end += nbytes
 
     def _free(self, extents: list[_Extent]) -> None:
         for e in extents:
@@ -560,10 +608,8 @@ class TensorStore:
             if swap.gds is not None:
                 swap.gds.close()
             self._engine.close_file(swap.file)
-        _unlink([swap.file.path for swap in self._swaps])
+        self._clean_up()
         self._swaps = []
-        self._unlink_at_exit.detach()
-        self._release_dirs()
 
 
 _SWAP_NAME = re.compile(r"nvoffload-(\d+)-[0-9a-f]{12}\.swap")
@@ -617,12 +663,35 @@ def _release_all(releases: list) -> None:
         release()
 
 
-def _unlink(paths: list[str]) -> None:
-    for path in paths:
+def _clean_up(swaps: list[_SwapFile], releases: list) -> None:
+    """Remove the swap files, then release the directories; what a directory made unusable meanwhile (replaced
+    by a file, its permissions taken) keeps is named in one warning for it, instead of a traceback at exit."""
+    left: dict[str, list[str]] = {}
+    reasons: dict[str, str] = {}
+
+    def keep(path: str, what: str, exc: OSError) -> None:
+        directory = os.path.realpath(os.path.dirname(path))
+        left.setdefault(directory, []).append(what)
+        reasons.setdefault(directory, exc.strerror or str(exc))
+
+    for swap in swaps:
         try:
-            os.unlink(path)
+            os.unlink(swap.file.path)
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            keep(swap.file.path, f"swap file {os.path.basename(swap.file.path)} ({swap.extents.end} bytes)", exc)
+    for release in releases:
+        try:
+            release()
+        except OSError as exc:
+            keep(exc.filename or "", f"its lock {os.path.basename(exc.filename or '')}", exc)
+    for directory, items in left.items():
+        warnings.warn(
+            f"swap directory {directory} could not be cleaned up ({reasons[directory]}): {', '.join(items)} left"
+            " there: delete them once it is usable again",
+            stacklevel=2,
+        )
 
 
 def _settle(future: Future) -> None:

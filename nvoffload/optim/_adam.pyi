@@ -13,6 +13,7 @@ def adam_step(
     max_exp_avg_sq: int,
     param_out: int,
     numel: int,
+    tail_from: int,
     grad_dtype: int,
     out_dtype: int,
     step: int,

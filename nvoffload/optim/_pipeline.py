@@ -9,7 +9,7 @@ worker) while the thread runs.
 
 No wait on the worker is unbounded: each raises a RuntimeError naming what it
 waited for as soon as the worker thread ends, or when the worker made no
-progress for :data:`WAIT_LIMIT_S`.
+progress for :data:`~nvoffload.transfer.WAIT_LIMIT_S` (``NVOFFLOAD_WAIT_LIMIT_S``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from nvoffload import trace
 from nvoffload.optim._chunk_io import ChunkIO
 from nvoffload.optim._layout import LOW_PRECISION, Chunk, Slot
 from nvoffload.optim._updates import Request, Update
-from nvoffload.transfer import Future
+from nvoffload.transfer import WAIT_LIMIT_S, Future  # longest time without progress before a wait reports it stuck
 
-WAIT_LIMIT_S = 600.0  # longest time without progress of the worker before a wait reports it stuck
 _POLL_S = 0.005  # while chunks can be read ahead, the worker looks for requests this often
 THREAD_NAME = "nvoffload-optimizer"
 
@@ -131,7 +130,10 @@ class Pipeline:
             return
         self._thread.join(WAIT_LIMIT_S)
         if self._thread.is_alive():
-            raise RuntimeError(f"nvoffload: the optimizer's worker thread did not stop within {WAIT_LIMIT_S:g} s")
+            raise RuntimeError(
+                f"nvoffload: the optimizer's worker thread did not stop within {WAIT_LIMIT_S:g} s"
+                " (NVOFFLOAD_WAIT_LIMIT_S)"
+            )
         self._run_then()
         if self._then_error is not None:
             raise self._then_error
@@ -149,7 +151,7 @@ class Pipeline:
                 if not self._lock.wait_for(lambda seen=seen: done() or self._ended or self._progress != seen, WAIT_LIMIT_S):
                     raise RuntimeError(
                         f"nvoffload: the optimizer's worker thread made no progress for {WAIT_LIMIT_S:g} s"
-                        f" while waiting for {what}; it is stuck (in I/O?)"
+                        f" (NVOFFLOAD_WAIT_LIMIT_S) while waiting for {what}; it is stuck (in I/O?)"
                     )
             if done():
                 return

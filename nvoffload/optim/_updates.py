@@ -120,6 +120,7 @@ class AdamUpdate(Update):
             grad_scale=req.grad_scale, maximize=hp.get("maximize", False),
             param_out=out if low else None,
             max_exp_avg_sq=rows[3] if hp.get("amsgrad", False) else None,
+            offset=req.chunk.start, tensor_numel=req.chunk.record.param.numel(),
         )  # fmt: skip
 
     def row_keys(self, rec: Record, nrows: int) -> tuple[str, ...]:

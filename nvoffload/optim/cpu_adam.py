@@ -147,8 +147,9 @@ class CPUAdamW(_FusedStep, torch.optim.AdamW):
     """``torch.optim.AdamW`` for fp32 CPU parameters, stepped by the fused native kernel.
 
     Same arguments, defaults, validation, ``state_dict`` and scheduler behaviour
-    as ``torch.optim.AdamW`` (results agree with its ``foreach=False`` path to
-    within fp32 rounding); ``amsgrad`` and ``maximize`` are supported. Also
+    as ``torch.optim.AdamW`` (results equal ``AdamW(fused=True)``'s bit for bit, and
+    its default path's to within fp32 rounding: see :mod:`nvoffload.optim.kernels`);
+    ``amsgrad`` and ``maximize`` are supported. Also
     rejects NaN/inf hyperparameters with ``ValueError``; sparse gradients raise
     ``ValueError`` and non-fp32 or non-CPU parameters ``TypeError`` at ``step``.
     A tensor ``lr`` (1 element) is read as a float at each step.

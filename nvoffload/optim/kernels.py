@@ -4,12 +4,17 @@
 place from an fp32, bf16 or fp16 gradient, with AdamW's decoupled weight decay
 or Adam's L2 penalty, bias correction, a gradient scale factor (loss-scale
 unscaling, clipping) and an optional bf16/fp16 copy of the updated weights,
-all fused in one multi-threaded, vectorized pass. The arithmetic reproduces
-``torch.optim.AdamW`` / ``torch.optim.Adam`` (``foreach=False``) operation by
-operation (same fp32 roundings, same fused multiply-adds), so results are bit
-for bit those of torch's formula with a correctly rounded square root, and
-within fp32 rounding of torch itself (whose CPU ``sqrt`` on large tensors goes
-through MKL and is sometimes an ulp off).
+all fused in one multi-threaded, vectorized pass. The arithmetic is that of
+torch's fused CPU kernel, operation by operation (same fp32 roundings, same
+fused multiply-adds), so results equal ``torch.optim.AdamW(fused=True)`` /
+``torch.optim.Adam(fused=True)`` bit for bit, for every tensor size: torch
+runs a vector loop of 8 floats (its AVX2 kernel, also on AVX-512 CPUs) and a
+scalar loop over the last ``numel % 8`` elements of each tensor, which rounds
+``exp_avg_sq`` differently, and the kernel does the same for those elements
+(``offset``/``tensor_numel`` place a slice in its tensor). Against torch's
+default CPU path (``foreach=False``) the weights and moments agree to within a
+few fp32 ulps: that path rounds the tail like the rest, and its ``sqrt`` on
+large tensors goes through MKL, sometimes an ulp off.
 
 The instruction set (AVX-512, AVX2+FMA+F16C, NEON or scalar) is chosen at run
 time from the CPU's features; the work runs on a persistent native thread pool
@@ -49,6 +54,8 @@ __all__ = [
 ]
 
 _GRAD_DTYPES = {torch.float32: _adam.FLOAT32, torch.bfloat16: _adam.BFLOAT16, torch.float16: _adam.FLOAT16}
+# Floats per vector of torch's fused CPU Adam: its last numel % 8 elements of a tensor take the scalar loop.
+_TORCH_VECTOR_FLOATS = 8
 _OUT_DTYPES = {torch.bfloat16: _adam.BFLOAT16, torch.float16: _adam.FLOAT16}
 
 
@@ -133,6 +140,8 @@ def adam_step(
     maximize: bool = False,
     param_out: torch.Tensor | None = None,
     max_exp_avg_sq: torch.Tensor | None = None,
+    offset: int = 0,
+    tensor_numel: int | None = None,
 ) -> None:
     """One fused Adam/AdamW update of ``param``, ``exp_avg`` and ``exp_avg_sq`` in place.
 
@@ -152,11 +161,15 @@ def adam_step(
             weights rounded to nearest even, in the same pass.
         max_exp_avg_sq: the AMSGrad running maximum (fp32, same numel); when
             given, the update is AMSGrad's, as ``torch.optim.AdamW(amsgrad=True)``.
+        offset, tensor_numel: the buffers are the flat elements ``[offset, offset + numel)`` of a tensor
+            of ``tensor_numel`` elements (default: the whole tensor), so that the tensor's last
+            ``tensor_numel % 8`` elements get the arithmetic torch gives them.
 
     Raises:
         TypeError: a buffer is not a tensor or has the wrong dtype.
         ValueError: a buffer is non-contiguous, sparse, off the CPU, of another
-            size or overlapping another; a hyperparameter is NaN/inf or out of range.
+            size or overlapping another; a hyperparameter is NaN/inf or out of range;
+            ``offset``/``tensor_numel`` that cannot hold the buffers.
     """
     buffers = _check_buffers(param, grad, exp_avg, exp_avg_sq, param_out, max_exp_avg_sq)
     n = param.numel()
@@ -171,8 +184,14 @@ def adam_step(
     for name, beta in (("beta1", beta1), ("beta2", beta2)):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {beta}")
+    offset, total = operator.index(offset), n if tensor_numel is None else operator.index(tensor_numel)
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    if offset + n > total:
+        raise ValueError(f"offset {offset} + {n} elements exceeds tensor_numel {total}")
     if n == 0:
         return
+    tail_from = min(max(total - total % _TORCH_VECTOR_FLOATS - offset, 0), n)
     _adam.adam_step(
         param.data_ptr(),
         grad.data_ptr(),
@@ -181,6 +200,7 @@ def adam_step(
         0 if max_exp_avg_sq is None else max_exp_avg_sq.data_ptr(),
         0 if param_out is None else param_out.data_ptr(),
         n,
+        tail_from,
         _GRAD_DTYPES[grad.dtype],
         _adam.NONE if param_out is None else _OUT_DTYPES[param_out.dtype],
         step,

@@ -53,15 +53,18 @@ interchangeable with the wrapped optimizer's own state dict;
 ``load_state_dict()`` streams it back. ``optimizer.state`` stays empty: the
 state is in the store.
 
-Lifetime: :meth:`OffloadOptimizer.close` (or ``with``) lets the worker thread
-finish, deletes the state from the store and ends the thread. An optimizer
-that is never closed does the same when it is garbage-collected (the worker
-does not hold it), and at interpreter exit its worker is stopped and joined
-before the interpreter finalizes. After ``close()``, ``step``, ``zero_grad``,
-``synchronize``, the state dict methods, ``add_param_group`` and
-``set_weight_home`` raise ``RuntimeError("the OffloadOptimizer is closed")``.
-No wait on the worker hangs: it raises as soon as the worker thread ends, or
-when the worker made no progress for ten minutes.
+Lifetime: a parameter belongs to one open offload optimizer at a time (its
+hooks update the parameter during backward): building another over it, or
+``add_param_group`` with it, raises ValueError until the first is closed or
+collected (an unreachable one is collected then). :meth:`OffloadOptimizer.close`
+(or ``with``) lets the worker thread finish, deletes the state from the store
+and ends the thread. An optimizer that is never closed does the same when it is
+garbage-collected (the worker does not hold it), and at interpreter exit its
+worker is stopped and joined before the interpreter finalizes. After
+``close()``, ``step``, ``zero_grad``, ``synchronize``, the state dict methods,
+``add_param_group`` and ``set_weight_home`` raise ``RuntimeError("the
+OffloadOptimizer is closed")``. No wait on the worker hangs: it raises as soon
+as the worker thread ends, or when the worker made no progress for ten minutes.
 
 The pieces: :mod:`~nvoffload.optim._layout` (records, chunks, store names,
 chunk sizes), :mod:`~nvoffload.optim._chunk_io` (chunk state to and from the
@@ -88,6 +91,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import itertools
 import math
 import sys
@@ -112,6 +116,7 @@ from nvoffload.transfer import TransferEngine
 __all__ = ["OffloadOptimizerConfig", "OffloadOptimizer", "NVMeAdamW", "OffloadIOError", "MemoryStats", "WeightHome"]
 
 _INSTANCES = itertools.count()
+_OPEN: weakref.WeakSet[OffloadOptimizer] = weakref.WeakSet()  # not closed: each one's hooks update its parameters
 OffloadIOError.__module__ = WeightHome.__module__ = __name__  # their public home (tracebacks, pickles, docs)
 
 
@@ -259,8 +264,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             parameters on several devices, an unsupported optimizer or option,
             parameters that differ between the ranks,
             an optimizer whose state is not shaped like its parameters (found by a
-            trial step on a small stand-in; the state is named), or
-            ``cpu_memory_bytes`` too small for one chunk.
+            trial step on a small stand-in; the state is named),
+            ``cpu_memory_bytes`` too small for one chunk, or a parameter that another
+            open ``OffloadOptimizer`` holds (close that one first: both would update it).
     """
 
     _step_supports_amp_scaling = True  # GradScaler passes grad_scale/found_inf instead of unscaling grads
@@ -342,6 +348,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._finalizer = weakref.finalize(self, _stop_worker, self._pipeline, release, exit_hook)
         self._finalizer.atexit = False  # exit_hook joins the worker at exit instead
         atexit.register(exit_hook)
+        _OPEN.add(self)
         for g in self.param_groups:
             for p in g["params"]:
                 self._add_record(p, g)
@@ -361,7 +368,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.inner.add_param_group(param_group)
         self.param_groups = self.inner.param_groups
         group = self.param_groups[-1]
-        self._check_groups([group])
+        try:
+            self._check_groups([group])
+        except ValueError:
+            self.param_groups.pop()  # refused: the optimizer stays as it was
+            raise
         for p in group["params"]:
             self._add_record(p, group)
 
@@ -380,7 +391,27 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         " master weights are float32)"
                     )
             self._update.check_group(g)
+        if self._held_elsewhere(groups) is not None:
+            gc.collect()  # an unreachable optimizer not collected yet (a reference cycle) holds nothing
+        held = self._held_elsewhere(groups)
+        if held is not None:
+            raise ValueError(
+                f"a parameter of shape {tuple(held.shape)} ({held.dtype}) is held by another OffloadOptimizer that"
+                " is still open: its hooks would update it in every backward as well. Close that one first"
+                " (opt.close(), or build it in a with block)"
+            )
         return next(iter(devices)) if devices else torch.device("cpu")
+
+    def _held_elsewhere(self, groups: list[dict]) -> torch.Tensor | None:
+        """A parameter of ``groups`` that another open offload optimizer holds, or None."""
+        mine = {id(p) for g in groups for p in g["params"]}  # all alive while we look: ids are unique
+        for other in list(_OPEN):
+            if other is not self:
+                for g in other.param_groups:
+                    for p in g["params"]:
+                        if id(p) in mine:
+                            return p
+        return None
 
     def _shard(self, process_group, device: torch.device) -> Sharding | None:
         """This rank's share of the state over ``process_group``'s ranks (None: one process)."""
@@ -621,6 +652,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._closed:
             return False
         self._closed = True
+        _OPEN.discard(self)
         self._finalizer()
         self._pipeline.join()
         return True

@@ -29,6 +29,25 @@ class Extents:
                 return offset
         return None
 
+    def take_pieces(self, nbytes: int) -> list[tuple[int, int]]:
+        """Free ranges, largest first, for up to ``nbytes``: ``(offset, nbytes)`` pieces whose sizes add up to
+        ``nbytes``, or to less when the free ranges hold less (the space must grow by the rest)."""
+        pieces, left = [], nbytes
+        for offset, size in sorted(self._free, key=lambda r: -r[1]):
+            if left == 0:
+                break
+            piece = min(size, left)
+            pieces.append((offset, piece))
+            left -= piece
+        for offset, piece in pieces:
+            i = bisect.bisect_left(self._free, (offset, 0))
+            size = self._free[i][1]
+            if size == piece:
+                del self._free[i]
+            else:
+                self._free[i] = (offset + piece, size - piece)
+        return pieces
+
     def give(self, offset: int, nbytes: int) -> None:
         i = bisect.bisect(self._free, (offset, nbytes))
         self._free.insert(i, (offset, nbytes))
