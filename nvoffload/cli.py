@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                        " tokenizer the text is tokenized as bytes (vocabulary of at least 256)")  # fmt: skip
     ft.add_argument("--text", dest="text_path", default=None, help="text file to train on (default: the shipped corpus): a regular file of at most 1/32 of this machine's memory (its tokens are held in memory)")
     ft.add_argument("--text-encoding", default=d.text_encoding, metavar="ENC", help="the encoding of --text (default %(default)s; a byte that is not valid in it is refused, naming its offset)")
+    _add_data_options(ft)
     ft.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
     ft.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch (default %(default)s)")
     ft.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's; 128 for --model)")
@@ -113,6 +114,26 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-checksum", dest="checksum", action="store_false", help="plan for checksum=False (the store's CRC-32C off)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
+
+
+def _add_data_options(ft: argparse.ArgumentParser) -> None:
+    """finetune's options for instruction and chat data (nvoffload.data.sft) and what a run records."""
+    ft.add_argument("--data", dest="data_path", default=None, metavar="PATH",
+                    help="instruction or chat data instead of --text: JSONL of {\"text\"}, {\"prompt\", \"completion\"} or"
+                    " {\"messages\"} records, Parquet, or a datasets save_to_disk directory (local, streamed; needs"
+                    " pip install 'nvoffload[hf]'); 'chat': the small chat JSONL shipped with the package")
+    ft.add_argument("--loss-on", choices=["completion", "all"], default="completion",
+                    help="with --data: the loss on the completion's or assistant's tokens only (default), or on all")
+    ft.add_argument("--no-packing", dest="packing", action="store_false",
+                    help="with --data: one example a row, padded, instead of examples packed into --seq-len")
+    ft.add_argument("--eval-data", dest="eval_data_path", default=None, metavar="PATH", help="evaluation data, as --data")
+    ft.add_argument("--eval-fraction", type=float, default=None, metavar="F",
+                    help="hold out this fraction of --data's examples for evaluation (instead of --eval-data)")
+    ft.add_argument("--eval-every", type=int, default=None, metavar="N",
+                    help="evaluate every N steps (and after the last; default: after the last only)")
+    ft.add_argument("--log-dir", default=None, metavar="DIR",
+                    help="write each step's metrics there (metrics.jsonl; loss.png at each checkpoint and at the end,"
+                    " with matplotlib; TensorBoard when installed; default: --checkpoint-dir)")  # fmt: skip
 
 
 def _builtin_profiles() -> list[str]:
@@ -320,7 +341,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{result.num_parameters / 1e6:.2f}M parameters, {len(result.steps)} steps:"
             f" loss {result.losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)})"
         )
+        _print_records(result)
     return 0
+
+
+def _print_records(result) -> None:
+    """The last evaluation, and where the metrics and the loss curves went."""
+    last = next((s for s in reversed(result.steps) if s.eval_loss is not None), None)
+    if last is not None:
+        print(f"evaluation loss {last.eval_loss:.3f} (perplexity {last.eval_perplexity:.2f}) after step {last.step}")
+    if result.metrics_path is not None:
+        print(f"metrics: {result.metrics_path}")
+        if result.plot_path is not None:
+            print(f"loss curves: {result.plot_path}")
+        else:
+            print("no loss curves: matplotlib is not installed (pip install 'nvoffload[bench]')")
 
 
 def _calibrate(args) -> int:

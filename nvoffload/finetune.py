@@ -29,6 +29,17 @@ split between the ranks, each keeps its share of the optimizer state in its own
 ``save_to``; checkpoints are written by all ranks together and resume on any
 number of ranks.
 
+Instruction and chat data (``data_path``: JSONL of ``{"text"}``,
+``{"prompt", "completion"}`` or ``{"messages"}``, Parquet, or a ``datasets``
+directory; :mod:`nvoffload.data.sft`) train with the loss on the completion's
+or assistant's tokens, packed to ``seq_len``; each step's loss is the mean over
+every target of its micro-batches (:func:`nvoffload.sft.causal_lm_loss`). An
+evaluation split (``eval_data_path`` or ``eval_fraction``) is evaluated every
+``eval_every`` steps and after the last, on the same model, its weights where
+they live (:func:`nvoffload.sft.evaluate`). The metrics of every step go to
+``log_dir`` (:class:`nvoffload.metrics.MetricsLog`: ``metrics.jsonl``, and
+``loss.png`` at the end and at each checkpoint, at most one drawing every 10 s).
+
 A Hugging Face model is written back as a Hugging Face directory
 (:func:`nvoffload.pretrained.save_pretrained`, with the tokenizer); a preset's
 as one safetensors file.
@@ -46,6 +57,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import dataclasses
 import datetime
 import errno
 import math
@@ -65,15 +77,18 @@ from nvoffload import trace
 from nvoffload.activations import offload_activations
 from nvoffload.checkpoint import open_checkpoint, save_file
 from nvoffload.data import ByteTokenizer, TokenDataset, load_text
+from nvoffload.data.sft import LOSS_ON, SFTBatch, SFTDataset, resolve_data_path
 from nvoffload.device import cuda_available
 from nvoffload.distributed import DEFAULT_TIMEOUT_S, rank_swap_dirs
 from nvoffload.io.ownership import SwapDirectoryInUse, claim
 from nvoffload.io.store import swap_directories
+from nvoffload.metrics import MetricsLog
 from nvoffload.models import GPT, GPTConfig
 from nvoffload.optim import LossScaling
 from nvoffload.optim.offload import NVMeAdamW, OffloadOptimizer
 from nvoffload.planner.calibrate import _host_available_bytes
 from nvoffload.planner.cost import ModelShape
+from nvoffload.sft import causal_lm_loss, evaluate
 from nvoffload.pretrained import (
     _dtype_kwargs,
     build_meta_model,
@@ -156,6 +171,15 @@ class FinetuneConfig:
         resume: go on from the latest complete checkpoint in ``checkpoint_dir``
             (from the start when there is none yet): the run ends as if it had
             never stopped, bit for bit.
+        data_path: instruction or chat data instead of ``text_path``: a JSONL, Parquet or ``datasets``
+            directory, or ``chat`` (the shipped chat data); see :class:`nvoffload.data.sft.SFTDataset`.
+        loss_on: with ``data_path``, ``completion`` (the completion's or the assistant's tokens) or ``all``.
+        packing: with ``data_path``, pack examples into rows of ``seq_len`` (else one a row, padded).
+        eval_data_path, eval_fraction: the evaluation data: another file, or this fraction of
+            ``data_path``'s examples held out from training.
+        eval_every: evaluate every this many steps (and after the last; None: after the last only).
+        log_dir: write the metrics of every step there (``metrics.jsonl``, ``loss.png``; TensorBoard when
+            installed); None: ``checkpoint_dir`` when given, else none.
     """
 
     preset: str = "small"
@@ -186,6 +210,13 @@ class FinetuneConfig:
     resume: bool = False
     trace_path: str | None = None
     seed: int = 0
+    data_path: str | None = None
+    loss_on: str = "completion"
+    packing: bool = True
+    eval_data_path: str | None = None
+    eval_fraction: float | None = None
+    eval_every: int | None = None
+    log_dir: str | None = None
 
     def __post_init__(self):
         GPTConfig.preset(self.preset)  # raises for an unknown preset
@@ -238,10 +269,35 @@ class FinetuneConfig:
                 raise ValueError("init_from is for presets: a Hugging Face model starts from its directory's weights")
         if self.init_from is not None and not os.path.exists(self.init_from):
             raise ValueError(f"init_from: no such file or directory: {self.init_from}")
+        self._check_data()
         parent = os.path.dirname(os.path.abspath(self.save_to)) if self.save_to is not None else None
         if parent is not None and not os.path.isdir(parent):
             what = "is not a directory" if os.path.exists(parent) else "does not exist"
             raise ValueError(f"save_to: the directory of {self.save_to} {what}")
+
+    def _check_data(self) -> None:
+        if self.data_path is not None and self.text_path is not None:
+            raise ValueError("data_path and text_path: one or the other")
+        if self.loss_on not in LOSS_ON:
+            raise ValueError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
+        for name in ("data_path", "eval_data_path"):
+            path = getattr(self, name)
+            if path is not None and not os.path.exists(resolve_data_path(path)):
+                raise ValueError(f"{name}: no such file or directory: {path}")
+        evaluated = self.eval_data_path is not None or self.eval_fraction is not None
+        if evaluated and self.data_path is None:
+            raise ValueError("eval_data_path and eval_fraction need a data_path")
+        if self.eval_data_path is not None and self.eval_fraction is not None:
+            raise ValueError("eval_data_path and eval_fraction: one or the other")
+        if self.eval_fraction is not None and not 0 < self.eval_fraction < 1:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.eval_every is not None and (self.eval_every < 1 or not evaluated):
+            raise ValueError(f"eval_every must be >= 1 and needs eval_data_path or eval_fraction, got {self.eval_every}")
+
+    @property
+    def metrics_dir(self) -> str | None:
+        """Where the metrics go: ``log_dir``, else ``checkpoint_dir``."""
+        return self.log_dir if self.log_dir is not None else self.checkpoint_dir
 
     @property
     def model_config(self) -> GPTConfig:
@@ -315,14 +371,20 @@ class _HFModel:
         has_tokenizer = any(os.path.exists(os.path.join(self.dir, f)) for f in _TOKENIZER_FILES)
         self.tokenizer = self.tf.AutoTokenizer.from_pretrained(self.dir) if has_tokenizer else None
 
-    def encode(self, text: str) -> torch.Tensor:
+    def text_tokenizer(self):
+        """The directory's tokenizer, or bytes (refused for a vocabulary under 256)."""
         if self.tokenizer is None:
             if self.vocab_size < ByteTokenizer.vocab_size:
                 raise ValueError(
                     f"{self.dir} has no tokenizer, and its vocabulary of {self.vocab_size} is too small for the"
                     f" byte-level fallback ({ByteTokenizer.vocab_size} ids): add the model's tokenizer files"
                 )
-            return ByteTokenizer().encode(text)
+            return ByteTokenizer()
+        return self.tokenizer
+
+    def encode(self, text: str) -> torch.Tensor:
+        if self.tokenizer is None:
+            return self.text_tokenizer().encode(text)
         ids = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         ids = torch.tensor(ids, dtype=torch.int64)
         if ids.numel() and int(ids.max()) >= self.vocab_size:
@@ -342,12 +404,27 @@ class _HFModel:
         return build_meta_model(self.config, dtype=dtype)
 
 
-def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, hf: bool) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``model`` on inputs ``x`` and targets ``y``."""
-    if not hf:
-        return model(x, y)
-    logits = model(input_ids=x, use_cache=False).logits
-    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+def _data(
+    config: FinetuneConfig, hf: _HFModel | None, seq_len: int
+) -> tuple[TokenDataset | SFTDataset, SFTDataset | None]:
+    """The training data (random windows of a text, or examples of ``data_path``) and the evaluation data."""
+    if config.data_path is None:
+        text = load_text(config.text_path, encoding=config.text_encoding, max_bytes=max_text_bytes())
+        tokens = hf.encode(text) if hf is not None else ByteTokenizer().encode(text)
+        return TokenDataset(tokens, seq_len, seed=config.seed), None
+    tokenizer = hf.text_tokenizer() if hf is not None else ByteTokenizer()
+    vocab = hf.vocab_size if hf is not None else config.model_config.vocab_size
+    common = dict(tokenizer=tokenizer, seq_len=seq_len, packing=config.packing, loss_on=config.loss_on,
+                  seed=config.seed, vocab_size=vocab, eval_fraction=config.eval_fraction or 0.0)  # fmt: skip
+    train = SFTDataset(config.data_path, **common)
+    if config.eval_data_path is not None:
+        return train, SFTDataset(config.eval_data_path, **{**common, "eval_fraction": 0.0}, evaluation=True)
+    return train, SFTDataset(config.data_path, **common, evaluation=True) if config.eval_fraction else None
+
+
+def _batch(data: TokenDataset | SFTDataset, batch_size: int) -> SFTBatch:
+    drawn = data.batch(batch_size)
+    return drawn if isinstance(drawn, SFTBatch) else SFTBatch(*drawn)
 
 
 def _check_save_to(config: FinetuneConfig) -> None:
@@ -449,6 +526,14 @@ class StepStats:
     device_bytes: int  # streaming: peak of the device budget in use; else GPU memory allocated (0 on the CPU)
     nvme_bytes: int  # bytes in the swap directory
     io_gb_per_s: float  # bytes read + written per second of step
+    read_bytes: int = 0  # read from NVMe during the step
+    written_bytes: int = 0
+    lr: float | None = None  # the learning rate of the step
+    # The global gradient norm (before clipping; inf or nan: a skipped fp16 step). A model not streamed: only
+    # when the run records metrics (its norm waits for the device).
+    grad_norm: float | None = None
+    eval_loss: float | None = None  # after this step, when it evaluated
+    eval_perplexity: float | None = None
 
 
 @dataclass(frozen=True)
@@ -456,6 +541,8 @@ class FinetuneResult:
     config: FinetuneConfig
     num_parameters: int
     steps: list[StepStats] = field(default_factory=list)
+    metrics_path: str | None = None  # the metrics of every step (JSON lines), with ``metrics_dir``
+    plot_path: str | None = None  # the loss curves (PNG); None without matplotlib or ``metrics_dir``
 
     @property
     def losses(self) -> list[float]:
@@ -593,12 +680,8 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
             pass
     if config.init_from is not None:
         _check_init_from(config)
-    text = load_text(config.text_path, encoding=config.text_encoding, max_bytes=max_text_bytes())
-    if hf is not None:
-        tokens, seq_len = hf.encode(text), hf.seq_len
-    else:
-        tokens, seq_len = ByteTokenizer().encode(text), config.model_config.seq_len
-    data = TokenDataset(tokens, seq_len, seed=config.seed)
+    seq_len = hf.seq_len if hf is not None else config.model_config.seq_len
+    data, eval_data = _data(config, hf, seq_len)
     shape = _model_shape(config)
     if shape is not None:
         _check_batch_memory(config, shape, rows.stop - rows.start, seq_len, dev)
@@ -637,7 +720,6 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                 from tqdm import tqdm
 
                 bar = tqdm(total=config.steps, desc="finetune", unit="step", dynamic_ncols=True)
-            tokens_per_step = config.batch_size * config.grad_accum_steps * seq_len
             # float16: dynamic loss scaling, by a GradScaler, or by the optimizer when gradients are released
             scaler = None
             if config.dtype == "float16" and session is None:
@@ -648,10 +730,19 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                 latest = latest_training_checkpoint(config.checkpoint_dir)
                 if latest is not None:
                     done = load_training_checkpoint(config.checkpoint_dir, keep_last=config.keep_last, **state)  # the newest that loads
-                    data.load_state_dict(done.extra["data"])
+                    try:
+                        data.load_state_dict(done.extra["data"])
+                    except KeyError:  # a --text run's generator state for --data, or the other way round
+                        raise ValueError(
+                            f"{done.path} holds a position in other data than {config.data_path or 'the text'}"
+                            " (--text and --data take different positions): resume with the data it was trained on"
+                        ) from None
                     first = done.step + 1
                     if bar is not None:
                         bar.update(done.step)
+            log, drawn = None, -math.inf
+            if config.metrics_dir is not None and rank == 0:
+                log = cleanup.enter_context(MetricsLog(config.metrics_dir, resume_step=first - 1 if first > 1 else None))
             traced = min(first + 1, config.steps) if config.trace_path is not None else None
             for step in range(first, config.steps + 1):
                 if session is not None:
@@ -663,25 +754,41 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                     trace.start()
                 t0 = time.perf_counter()
                 total = torch.zeros((), device=dev)
-                for _ in range(config.grad_accum_steps):
-                    x, y = data.batch(config.batch_size)  # the same on every rank: each takes its rows
+                lr = sched.get_last_lr()[0]
+                # Every micro-batch of the step first: the loss is the mean over all their targets. The batches
+                # are the same on every rank: each takes its rows.
+                batches = [_batch(data, config.batch_size) for _ in range(config.grad_accum_steps)]
+                per_rank_items = sum(b.num_items for b in batches) / world  # the ranks' gradients are averaged
+                if not per_rank_items:
+                    raise ValueError(
+                        f"step {step}: its examples have no token to take the loss on; examples longer than seq_len"
+                        f" + 1 = {batches[0].input_ids.shape[1] + 1} tokens are cut there: raise seq_len, or train on every"
+                        " token (loss_on all)"
+                    )
+                for b in batches:
                     with activations:
-                        loss = _loss(model, x[rows].to(dev), y[rows].to(dev), hf is not None) / config.grad_accum_steps
+                        loss = causal_lm_loss(model, b.select(rows).to(dev), per_rank_items)
                     total += loss.detach().float()
                     if scaler is not None:
                         loss = scaler.scale(loss)
                     elif session is not None:
                         loss = opt.scale_loss(loss)  # the loss itself without loss_scaling
                     loss.backward()
+                norm = None
+                if session is None and log is not None:  # from the gradients, there until zero_grad(): a host wait
+                    norm = opt.grad_norm()
+                    norm = norm / scaler.get_scale() if scaler is not None and norm is not None else norm
                 if scaler is not None:
                     scaler.step(opt)
                     scaler.update()
                 else:
                     opt.step()
+                if session is not None:
+                    norm = opt.grad_norm()  # measured as backward consumed them: the norm the step clipped against
                 sched.step()
                 opt.zero_grad()
                 total = total.item()  # the step's one wait for the device
-                if world > 1:  # the global batch's loss: the mean of the ranks' (equal parts)
+                if world > 1:  # the global batch's loss: the sum of the ranks' parts
                     total = opt.ranks.sum(total, "the step's loss") / world
                 if not math.isfinite(total):  # every rank sees the same sum: all stop here
                     kept = f"; the checkpoints in {config.checkpoint_dir} are of the steps before" if config.checkpoint_dir else ""
@@ -691,7 +798,13 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                     )
                 if step == traced:
                     trace.stop(config.trace_path)
-                stats = _step_stats(step, total, tokens_per_step, time.perf_counter() - t0, opt, dev)
+                tokens = sum(b.input_ids.numel() for b in batches)
+                stats = _step_stats(step, total, tokens, time.perf_counter() - t0, opt, dev, lr=lr, grad_norm=norm)
+                if eval_data is not None and (step == config.steps or (config.eval_every and step % config.eval_every == 0)):
+                    ev = evaluate(model, eval_data.batches(config.batch_size), dev)  # on every rank, all of it
+                    stats = dataclasses.replace(stats, eval_loss=ev.loss, eval_perplexity=ev.perplexity)
+                if log is not None:
+                    log.record(step, **{k: v for k, v in dataclasses.asdict(stats).items() if k in _RECORDED})
                 result.steps.append(stats)
                 if bar is not None:
                     bar.set_postfix_str(_postfix(stats, dev), refresh=False)
@@ -705,6 +818,11 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                         config.checkpoint_dir, step=step, extra={"data": data.state_dict()}, keep_last=config.keep_last,
                         **state,
                     )  # fmt: skip
+                    if log is not None and time.monotonic() - drawn >= _REDRAW_AFTER_S:
+                        log.plot()
+                        drawn = time.monotonic()
+            if log is not None:
+                result = dataclasses.replace(result, metrics_path=log.path, plot_path=log.plot())
             if config.save_to is not None and rank == 0:  # every rank holds the same weights
                 _save(model, opt, config.save_to, hf)
     finally:
@@ -719,6 +837,7 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
     return result
 
 
+_REDRAW_AFTER_S = 10.0  # a checkpoint redraws loss.png when it was drawn longer ago (drawing takes ~0.3 s)
 _RUN_DIR_PREFIX = "finetune-"  # a run's own swap subdirectory while another run holds the cache directory
 _ABANDONED_AFTER_S = 60.0  # an unheld run directory younger than this may be about to be claimed by its run
 
@@ -738,7 +857,13 @@ def _remove_abandoned_run_dirs(root: str) -> None:
         shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def _step_stats(step: int, loss: float, tokens: int, step_s: float, opt: OffloadOptimizer, dev: torch.device) -> StepStats:
+_RECORDED = ("loss", "eval_loss", "eval_perplexity", "lr", "grad_norm", "tokens_per_s", "step_s", "read_bytes", "written_bytes")
+
+
+def _step_stats(
+    step: int, loss: float, tokens: int, step_s: float, opt: OffloadOptimizer, dev: torch.device, *,
+    lr: float | None = None, grad_norm: float | None = None,
+) -> StepStats:  # fmt: skip
     if opt.session is not None:
         tiers = opt.session.memory_stats()
         read, written = opt.session.io_bytes()
@@ -758,13 +883,18 @@ def _step_stats(step: int, loss: float, tokens: int, step_s: float, opt: Offload
         device_bytes=device,
         nvme_bytes=nvme,
         io_gb_per_s=(read + written) / step_s / 1e9,
+        read_bytes=read,
+        written_bytes=written,
+        lr=lr,
+        grad_norm=grad_norm,
     )
 
 
 def _postfix(s: StepStats, dev: torch.device) -> str:
     mib = 1 << 20
     device = f" device {s.device_bytes / mib:.0f}M" if s.device_bytes else ""
+    evaluated = f" | eval {s.eval_loss:.3f}" if s.eval_loss is not None else ""
     return (
-        f"loss {s.loss:.3f} | {s.tokens_per_s:,.0f} tok/s |{device} cpu {s.host_rss_bytes / mib:.0f}M"
+        f"loss {s.loss:.3f}{evaluated} | {s.tokens_per_s:,.0f} tok/s |{device} cpu {s.host_rss_bytes / mib:.0f}M"
         f" (held {s.host_held_bytes / mib:.0f}M) nvme {s.nvme_bytes / mib:.0f}M | io {s.io_gb_per_s:.2f} GB/s"
     )

@@ -61,6 +61,11 @@ def test_config_validation(tmp_path):
         FinetuneConfig(checkpoint_dir=str(tmp_path), save_every=0)
 
 
+def _checkpoints(directory) -> list[str]:
+    """The checkpoints in ``directory`` (beside them: the run's metrics.jsonl and loss.png)."""
+    return sorted(e for e in os.listdir(directory) if e.startswith("checkpoint-"))
+
+
 def test_cli_checkpoints_resume_and_refuse_an_unwritable_directory(tmp_path, capsys):
     swap = tmp_path / "swap"
     swap.mkdir()
@@ -71,12 +76,12 @@ def test_cli_checkpoints_resume_and_refuse_an_unwritable_directory(tmp_path, cap
     assert rc == 2 and captured.out == "" and "cannot write training checkpoints in" in captured.err  # no step ran
     ckpt = tmp_path / "ckpt"
     assert main([*base, "--steps", "3", "--checkpoint-dir", str(ckpt), "--save-every", "1", "--keep-last", "1"]) == 0
-    assert os.listdir(ckpt) == ["checkpoint-3"]
+    assert _checkpoints(ckpt) == ["checkpoint-3"]
     capsys.readouterr()
     assert main([*base, "--steps", "5", "--checkpoint-dir", str(ckpt), "--resume"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("step 4:") and "step 5:" in out  # went on from step 3
-    assert sorted(os.listdir(ckpt)) == ["checkpoint-3", "checkpoint-5"]
+    assert _checkpoints(ckpt) == ["checkpoint-3", "checkpoint-5"]
     assert main([*base, "--steps", "5", "--checkpoint-dir", str(ckpt), "--resume"]) == 0
     assert "nothing to do: the checkpoint" in capsys.readouterr().out
 

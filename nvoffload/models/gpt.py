@@ -8,6 +8,11 @@ With targets, the loss over a large vocabulary is computed a few hundred rows
 of logits at a time (:func:`lm_head_loss`), so the ``(batch * seq, vocab)``
 logits, their log-softmax and their gradients are never in memory whole: for
 GPT-2 124M at 1024 tokens that is 4 x 206 MB fp32 less at the peak.
+
+Packed sequences (several examples in one row, :mod:`nvoffload.data.sft`) keep
+to themselves when ``position_ids`` restart at 0 at each example: positions
+are embedded per example and attention is causal within each (a
+block-diagonal mask), as ``transformers`` does for packed rows.
 """
 
 from __future__ import annotations
@@ -85,11 +90,15 @@ class Block(nn.Module):
         for residual_out in (self.proj, self.fc_out):
             residual_out.residual_out = True  # initialized with a depth-scaled std
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: ``(batch, 1, seq, seq)`` bool, True where a position may attend (None: causal)."""
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln_1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
         return x + self.fc_out(F.gelu(self.fc(self.ln_2(x))))
 
@@ -116,27 +125,54 @@ class GPT(nn.Module):
         if isinstance(module, nn.LayerNorm):
             module.reset_parameters()
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits of shape ``(batch, seq, vocab)``; with ``targets``, the mean cross-entropy loss."""
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, position_ids: torch.Tensor | None = None,
+        num_items_in_batch: int | float | torch.Tensor | None = None,
+    ):  # fmt: skip
+        """Logits of shape ``(batch, seq, vocab)``; with ``targets`` (-100: no loss), the cross-entropy loss.
+
+        ``position_ids`` (``(batch, seq)``, restarting at 0 at each packed
+        example; None: ``0..seq-1``): each example's positions and attention
+        are its own. ``num_items_in_batch``: the loss is the sum over the
+        targets divided by this (the targets of a whole step of micro-batches,
+        as ``transformers`` takes it) instead of their mean.
+        """
         t = idx.shape[1]
         if t > self.config.seq_len:
             raise ValueError(f"sequence length {t} exceeds the model's seq_len {self.config.seq_len}")
-        pos = torch.arange(t, device=idx.device)
+        mask = None
+        if position_ids is None:
+            pos = torch.arange(t, device=idx.device)
+        else:
+            pos, mask = position_ids, document_mask(position_ids)
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         h = self.ln_f(x)
         if targets is None:
             return F.linear(h, self.tok_emb.weight)
-        return lm_head_loss(h, self.tok_emb.weight, targets)
+        return lm_head_loss(h, self.tok_emb.weight, targets, num_items=num_items_in_batch)
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """The ``(batch, 1, seq, seq)`` attention mask of packed rows: causal within each example, an example
+    starting wherever the position is not the previous one's plus one (built on the device, no host wait)."""
+    starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+    doc = starts.cumsum(-1)
+    t = position_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    return ((doc.unsqueeze(2) == doc.unsqueeze(1)) & causal).unsqueeze(1)
 
 
 def lm_head_loss(
     h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
-    chunk_elements: int = LOSS_CHUNK_ELEMENTS,
+    chunk_elements: int = LOSS_CHUNK_ELEMENTS, num_items: int | float | torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``F.cross_entropy(F.linear(h, weight).view(-1, vocab), targets.reshape(-1), ignore_index=ignore_index)``
     without the whole logits in memory.
+
+    With ``num_items`` the loss is the sum over the targets (``reduction="sum"``)
+    divided by ``num_items``: 0, with zero gradients, when every target is ignored.
 
     When the logits fit in ``chunk_elements`` this is exactly that expression.
     Otherwise the rows are taken ``chunk_elements // vocab`` at a time: each
@@ -153,17 +189,21 @@ def lm_head_loss(
     t = targets.reshape(-1)
     rows = max(1, chunk_elements // vocab)
     if h2.shape[0] <= rows:
-        return F.cross_entropy(F.linear(h, weight).view(-1, vocab), t, ignore_index=ignore_index)
+        logits = F.linear(h, weight).view(-1, vocab)
+        if num_items is None:
+            return F.cross_entropy(logits, t, ignore_index=ignore_index)
+        return F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="sum") / num_items
     if torch.is_grad_enabled() and (h2.requires_grad or weight.requires_grad):
-        return _ChunkedLMHeadLoss.apply(h2, weight, t, ignore_index, rows)
-    return _chunked_loss(h2, weight, t, ignore_index, rows, grads=False)[0]
+        return _ChunkedLMHeadLoss.apply(h2, weight, t, ignore_index, rows, num_items)
+    return _chunked_loss(h2, weight, t, ignore_index, rows, num_items, grads=False)[0]
 
 
-def _chunked_loss(h, weight, t, ignore_index, rows, *, grads):
-    """The mean cross-entropy and, with ``grads``, its gradients w.r.t. ``h`` and ``weight``."""
+def _chunked_loss(h, weight, t, ignore_index, rows, num_items, *, grads):
+    """The cross-entropy (mean, or sum over ``num_items``) and, with ``grads``, its gradients w.r.t. ``h`` and
+    ``weight``."""
     acc = torch.promote_types(h.dtype, torch.float32)  # softmax and sums in fp32 at least
     valid = t != ignore_index
-    count = valid.sum().to(acc)
+    count = valid.sum().to(acc) if num_items is None else torch.as_tensor(num_items, dtype=acc, device=h.device)
     total = torch.zeros((), dtype=acc, device=h.device)
     grad_h = torch.empty_like(h) if grads else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if grads else None
@@ -188,12 +228,12 @@ def _chunked_loss(h, weight, t, ignore_index, rows, *, grads):
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, t, ignore_index, rows):
-        loss, grad_h, grad_w = _chunked_loss(h, weight, t, ignore_index, rows, grads=True)
+    def forward(ctx, h, weight, t, ignore_index, rows, num_items):
+        loss, grad_h, grad_w = _chunked_loss(h, weight, t, ignore_index, rows, num_items, grads=True)
         # Kept on ctx, not saved: they are results, not activations for an offload hook to move.
         ctx.grads = (grad_h, grad_w.to(weight.dtype))
         ctx.save_for_backward(h, weight, t)
-        ctx.ignore_index, ctx.rows = ignore_index, rows
+        ctx.ignore_index, ctx.rows, ctx.num_items = ignore_index, rows, num_items
         return loss
 
     @staticmethod
@@ -201,9 +241,9 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
     def backward(ctx, grad_loss):
         if ctx.grads is None:  # a second backward through a retained graph
             h, weight, t = ctx.saved_tensors
-            _, grad_h, grad_w = _chunked_loss(h, weight, t, ctx.ignore_index, ctx.rows, grads=True)
+            _, grad_h, grad_w = _chunked_loss(h, weight, t, ctx.ignore_index, ctx.rows, ctx.num_items, grads=True)
             grad_w = grad_w.to(weight.dtype)
         else:
             (grad_h, grad_w), ctx.grads = ctx.grads, None  # the graph holds them no longer
         g = grad_loss.to(grad_h.dtype)
-        return grad_h.mul_(g), grad_w.mul_(g), None, None, None
+        return grad_h.mul_(g), grad_w.mul_(g), None, None, None, None

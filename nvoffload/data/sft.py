@@ -1,0 +1,530 @@
+"""Supervised fine-tuning data as people have it: JSONL, Parquet or a ``datasets`` directory, to packed batches.
+
+A file is read through the ``datasets`` library (the ``[hf]`` extra), streamed
+(never loaded whole, never downloaded): ``*.jsonl``/``*.json`` and
+``*.parquet`` files, or a directory written by ``Dataset.save_to_disk`` (of a
+``DatasetDict``: its ``train`` split for training, its ``validation`` or
+``test`` split for evaluation). Each record has one of three shapes, chosen
+by the keys of the first record, as ``trl``'s ``SFTTrainer`` takes them:
+
+- ``{"text": ...}``: language modelling, the loss on every token;
+- ``{"prompt": ..., "completion": ...}`` (strings): the loss on the completion's tokens;
+- ``{"messages": [{"role": ..., "content": ...}, ...]}``: rendered by the chat
+  template, the loss on the assistant's tokens.
+
+``loss_on="all"`` trains on every token of every shape. A record of another
+shape than the first is refused naming the file and line (row, for Parquet
+and ``datasets`` directories), and so is a line that is not JSON.
+
+Tokenization: a Hugging Face tokenizer (``PreTrainedTokenizerFast``) or
+:class:`~nvoffload.data.ByteTokenizer`. Text and completions end with the
+tokenizer's EOS token when it has one (trained on, as ``SFTTrainer`` does); no
+BOS token is added to them (``add_special_tokens=False``; chat templates
+write their own).
+Chats use the tokenizer's own ``chat_template`` when it has one: with
+``{% generation %}`` blocks the assistant tokens are the template's
+(``return_assistant_tokens_mask``); otherwise they are the tokens that
+rendering each assistant turn adds to the conversation before it (with
+``add_generation_prompt``), which needs a template that renders a
+conversation's beginning as a prefix of the whole (one that rewrites earlier
+turns is refused). Without a template (bytes, or a tokenizer that has none)
+the default is :data:`DEFAULT_CHAT_TEMPLATE`, ChatML-like::
+
+    <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello!<|im_end|>\\n
+
+each piece tokenized on its own; an assistant turn's trained tokens are its
+content and ``<|im_end|>\\n`` (so the model learns to stop), never the
+``<|im_start|>assistant\\n`` header.
+
+Batches (:class:`SFTBatch`) hold inputs, targets (the next token, ``-100``
+where no loss is taken, as torch and Hugging Face do) and position ids. With
+``packing`` (the default) whole examples are placed one after the other in
+rows of ``seq_len`` positions, in order, a row closed when the next example
+does not fit (its rest is padding, not trained); each example's positions
+restart at 0, which is how a model keeps attention within an example: the GPT
+preset (:class:`nvoffload.models.GPT`) builds a block-diagonal causal mask
+from them, and so do Hugging Face models whose masks come from
+``transformers``' ``create_causal_mask`` (Llama, GPT-2, Mistral, Qwen, ... with
+sdpa, eager or flash attention) when no ``attention_mask`` is given; a model
+that ignores ``position_ids`` attends across the examples of a row. Without
+packing each row holds one example, padded at the end to the batch's
+longest. An example longer than ``seq_len + 1`` tokens is truncated to its
+first ``seq_len + 1``.
+
+Training order: shuffled with a buffer of ``shuffle_buffer`` examples (seeded
+by ``seed`` and the epoch; 0 keeps the file's order), epoch after epoch. The
+position in the data (epoch and example) is :meth:`SFTDataset.state_dict`,
+so a resumed run goes on at the exact next example.
+
+Example::
+
+    from nvoffload.data.sft import SFTDataset
+
+    data = SFTDataset("chat.jsonl", tokenizer, seq_len=512)
+    batch = data.batch(8)                              # the next 8 packed rows
+    loss = causal_lm_loss(model, batch, batch.num_items)   # nvoffload.sft
+    for batch in SFTDataset("eval.jsonl", tokenizer, seq_len=512).batches(8):   # one pass, in order
+        ...
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+from nvoffload.data import ByteTokenizer
+
+__all__ = [
+    "CHAT_DATA_NAME",
+    "DEFAULT_CHAT_TEMPLATE",
+    "IGNORE_INDEX",
+    "SFTBatch",
+    "SFTDataset",
+    "resolve_data_path",
+    "tokenize_record",
+]
+
+IGNORE_INDEX = -100  # targets without loss, as torch.nn.functional.cross_entropy and transformers take them
+CHAT_DATA_NAME = "chat.jsonl"  # the shipped chat data (``--data chat``)
+# The rendering used for chats when the tokenizer has no chat template (ChatML's markup).
+DEFAULT_CHAT_TEMPLATE = "<|im_start|>{role}\n{content}<|im_end|>\n"
+SHAPES = {"messages": ("messages",), "prompt-completion": ("prompt", "completion"), "text": ("text",)}
+LOSS_ON = ("completion", "all")
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_DATASETS_HINT = "reading --data needs the datasets library: pip install 'nvoffload[hf]'"
+
+
+def resolve_data_path(path: str | os.PathLike) -> str:
+    """``path``, or the shipped chat data's path for the name ``chat``."""
+    if os.fspath(path) == "chat" and not os.path.exists("chat"):
+        return str(resources.files("nvoffload.data").joinpath(CHAT_DATA_NAME))
+    return os.fspath(path)
+
+
+@dataclass(frozen=True)
+class SFTBatch:
+    """Rows of a batch: ``input_ids`` and ``labels`` (the next token, or ``-100``), ``(rows, length)`` int64;
+    ``position_ids`` restart at 0 at each example (None: one example a row, ``0..length-1``)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor | None = None
+
+    @property
+    def num_items(self) -> int:
+        """The targets with a loss (labels other than -100)."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def select(self, rows: slice) -> SFTBatch:
+        """These rows only."""
+        pos = None if self.position_ids is None else self.position_ids[rows]
+        return SFTBatch(self.input_ids[rows], self.labels[rows], pos)
+
+    def to(self, device: torch.device | str) -> SFTBatch:
+        pos = None if self.position_ids is None else self.position_ids.to(device)
+        return SFTBatch(self.input_ids.to(device), self.labels.to(device), pos)
+
+
+# -- reading ---------------------------------------------------------------------------------------------------------
+
+
+def _import_datasets():
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ImportError(f"{_DATASETS_HINT} ({exc})") from None
+    return datasets
+
+
+def _is_saved_dataset(path: str) -> bool:
+    return os.path.isdir(path) and any(
+        os.path.isfile(os.path.join(path, name)) for name in ("dataset_dict.json", "state.json", "dataset_info.json")
+    )
+
+
+def _open_records(path: str, evaluation: bool):
+    """The records of ``path`` as a ``datasets.IterableDataset`` (streamed from local files)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(2, f"no such data file or directory: {path}", path)
+    datasets = _import_datasets()
+    if _is_saved_dataset(path):
+        ds = datasets.load_from_disk(path)
+        if isinstance(ds, datasets.DatasetDict):
+            wanted = ("validation", "test") if evaluation else ("train",)
+            split = next((s for s in wanted if s in ds), None)
+            if split is None:
+                raise ValueError(f"{path}: a DatasetDict without a {' or '.join(wanted)} split (it has {', '.join(ds)})")
+            ds = ds[split]
+        return ds.to_iterable_dataset()
+    kind = _file_kind(path)
+    # the JSON reader logs a parse error before raising it; the error raised here names the line instead
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
+    return datasets.load_dataset(kind, data_files=path, split="train", streaming=True)
+
+
+def _file_kind(path: str) -> str:
+    name = path.lower()
+    if name.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
+        return "json"
+    if name.endswith(".parquet"):
+        return "parquet"
+    raise ValueError(
+        f"{path}: not a .jsonl, .json or .parquet file, nor a directory written by datasets' save_to_disk"
+    )
+
+
+def _shape_of(record: dict) -> str | None:
+    for shape, keys in SHAPES.items():
+        if all(record.get(k) is not None for k in keys):
+            return shape
+    return None
+
+
+def _check(record, shape: str | None, where: str) -> str:
+    """The record's shape, after checking it is ``shape`` (any of the three when None) with fields of the right types."""
+    expected = " or ".join("{" + ", ".join(f'"{k}": ...' for k in keys) + "}" for keys in SHAPES.values())
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object ({expected}), got {type(record).__name__}")
+    found = _shape_of(record)
+    if found is None or (shape is not None and found != shape):
+        want = expected if shape is None else "{" + ", ".join(f'"{k}": ...' for k in SHAPES[shape]) + "}"
+        first = "" if shape is None else f" (the shape of the first record: {shape})"
+        raise ValueError(f"{where}: expected {want}{first}, got the keys {sorted(record)}")
+    if found == "messages":
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role": str, "content": str}}')
+    else:
+        for key in SHAPES[found]:
+            if not isinstance(record[key], str):
+                raise ValueError(f'{where}: "{key}" must be a string, got {type(record[key]).__name__}')
+    return found
+
+
+def _bad_line(path: str, shape: str | None, cause: BaseException) -> ValueError:
+    """The error naming the first line of the JSON-lines file ``path`` that is not a record of ``shape``."""
+    opener = open
+    if path.endswith(".gz"):
+        import gzip
+
+        opener = gzip.open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                return ValueError(f"{path}, line {number}: not valid JSON ({exc.msg} at column {exc.colno})")
+            try:
+                shape = _check(record, shape, f"{path}, line {number}")
+            except ValueError as exc:
+                return exc
+    return ValueError(f"{path}: {type(cause).__name__}: {cause}")
+
+
+# -- tokenizing ------------------------------------------------------------------------------------------------------
+
+
+class _Encoder:
+    """A Hugging Face tokenizer or a :class:`ByteTokenizer`, as lists of ids."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.bytes = isinstance(tokenizer, ByteTokenizer)
+        self.eos = None if self.bytes else tokenizer.eos_token_id
+        self.template = None if self.bytes else getattr(tokenizer, "chat_template", None)
+        self.generation = self.template is not None and bool(_GENERATION.search(self.template))
+
+    def ids(self, text: str) -> list[int]:
+        if self.bytes:
+            return self.tokenizer.encode(text).tolist()
+        return list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+    def chat(self, messages: list[dict], **kwargs) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+
+
+def _chat(enc: _Encoder, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
+    """The conversation's tokens and which of them are the assistant's."""
+    if enc.template is None:
+        head, tail = DEFAULT_CHAT_TEMPLATE.split("{content}")
+        ids: list[int] = []
+        trained: list[bool] = []
+        for m in messages:
+            for text, mine in ((head.format(role=m["role"]), False), (m["content"] + tail, m["role"] == "assistant")):
+                piece = enc.ids(text)
+                ids += piece
+                trained += [mine] * len(piece)
+        return ids, trained
+    if enc.generation:
+        out = enc.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+    ids = enc.chat(messages)
+    trained = [False] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start, upto = enc.chat(messages[:i], add_generation_prompt=True) if i else [], enc.chat(messages[: i + 1])
+        if ids[: len(upto)] != upto or upto[: len(start)] != start:
+            raise ValueError(
+                f"{where}: the tokenizer's chat template does not render the conversation up to message {i} as"
+                " a prefix of the whole, so the assistant's tokens cannot be found: use a template with"
+                " {% generation %} blocks, or --loss-on all"
+            )
+        trained[len(start) : len(upto)] = [True] * (len(upto) - len(start))
+    return ids, trained
+
+
+def tokenize_record(record: dict, shape: str, tokenizer, loss_on: str = "completion", where: str = "the record"):
+    """``(ids, trained)``: a record's token ids and, for each, whether its prediction is trained on.
+
+    ``tokenizer`` is a Hugging Face tokenizer or a :class:`ByteTokenizer`;
+    ``shape`` one of ``text``, ``prompt-completion``, ``messages``.
+    """
+    enc = tokenizer if isinstance(tokenizer, _Encoder) else _Encoder(tokenizer)
+    eos = [] if enc.eos is None else [enc.eos]
+    if shape == "messages":
+        ids, trained = _chat(enc, record["messages"], where)
+    elif shape == "prompt-completion":
+        prompt, completion = enc.ids(record["prompt"]), enc.ids(record["completion"]) + eos
+        ids, trained = prompt + completion, [False] * len(prompt) + [True] * len(completion)
+    else:
+        ids = enc.ids(record["text"]) + eos
+        trained = [True] * len(ids)
+    if loss_on == "all":
+        trained = [True] * len(ids)
+    return ids, trained
+
+
+# -- examples, rows and batches --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Example:
+    ids: list[int]
+    trained: list[bool]
+
+    @property
+    def positions(self) -> int:
+        """Input positions it takes in a row (its tokens but the last, which is only a target)."""
+        return len(self.ids) - 1
+
+
+def _held_out(index: int, fraction: float) -> bool:
+    """Whether example ``index`` belongs to the evaluation part: every ``1/fraction``-th, spread evenly."""
+    return int((index + 1) * fraction) > int(index * fraction)
+
+
+def _collate(rows: list[list[_Example]], length: int) -> SFTBatch:
+    """Rows of examples laid out in ``length`` positions: inputs, next-token targets, positions from 0 each."""
+    x = torch.zeros(len(rows), length, dtype=torch.int64)
+    y = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.int64)
+    pos = torch.zeros(len(rows), length, dtype=torch.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for ex in row:
+            n = ex.positions
+            ids = torch.tensor(ex.ids, dtype=torch.int64)
+            x[r, at : at + n] = ids[:-1]
+            y[r, at : at + n] = ids[1:].masked_fill(~torch.tensor(ex.trained[1:]), IGNORE_INDEX)
+            pos[r, at : at + n] = torch.arange(n)
+            at += n
+        pos[r, at:] = torch.arange(length - at)  # the padding: a sequence of its own, never trained
+    # one example a row (padding comes after it, so causal attention never sees it): plain positions
+    return SFTBatch(x, y, pos if any(len(row) > 1 for row in rows) else None)
+
+
+class SFTDataset:
+    """Examples of a JSONL, Parquet or ``datasets`` directory as packed (or padded) batches; see the module docstring.
+
+    Args:
+        path: the data (``chat``: the shipped chat data, :data:`CHAT_DATA_NAME`).
+        tokenizer: a Hugging Face tokenizer, or a :class:`ByteTokenizer`.
+        seq_len: positions per row (an example takes its tokens less one).
+        packing: several examples per row (False: one, padded to the batch's longest).
+        loss_on: ``completion`` (the completion's or assistant's tokens; all of a text) or ``all``.
+        seed, shuffle_buffer: the training order (:meth:`batch`); ``shuffle_buffer=0`` keeps the file's.
+        eval_fraction: hold out every ``1/eval_fraction``-th example (spread evenly over the file) for evaluation.
+        evaluation: this is the held-out part (all of it without ``eval_fraction``; a ``DatasetDict``'s
+            validation or test split); else the rest (a ``DatasetDict``'s train split).
+        vocab_size: refuse token ids from ``vocab_size`` on (the model's vocabulary).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ImportError: ``datasets`` is not installed.
+        ValueError: an unknown file type, a record of another shape than the first (naming the file and line
+            or row), no example of two tokens or more.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, tokenizer, seq_len: int, *, packing: bool = True, loss_on: str = "completion",
+        seed: int = 0, shuffle_buffer: int = 1000, eval_fraction: float = 0.0, evaluation: bool = False,
+        vocab_size: int | None = None,
+    ):  # fmt: skip
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if loss_on not in LOSS_ON:
+            raise ValueError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
+        if not 0 <= eval_fraction < 1:
+            raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+        if shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
+        self.path = resolve_data_path(path)
+        self.seq_len, self.packing, self.loss_on, self.seed = seq_len, packing, loss_on, seed
+        self.shuffle_buffer, self.eval_fraction, self.evaluation = shuffle_buffer, eval_fraction, evaluation
+        self.vocab_size = vocab_size
+        self._encoder = _Encoder(tokenizer)
+        self._lines = not _is_saved_dataset(self.path) and _file_kind(self.path) == "json"
+        # a DatasetDict's evaluation split, unless the fraction is held out of its train split
+        self._evaluation_split = evaluation and not eval_fraction
+        self._records = _open_records(self.path, self._evaluation_split)
+        first = next(iter(self._read(self._records)), None)
+        if first is None:
+            raise ValueError(f"{self.path} holds no records")
+        try:
+            self.shape = _check(first, None, "")
+        except ValueError as exc:
+            raise self._bad_record(exc) from None
+        self._position = (0, 0)  # (epoch, example) of the next example not in a batch yet
+        self._stream: Iterator[tuple[int, int, _Example]] | None = None
+        self._pending: tuple[int, int, _Example] | None = None
+
+    # the training stream
+
+    def state_dict(self) -> dict:
+        """The position in the data: the epoch and the example (in that epoch's order) that comes next."""
+        epoch, index = self._position
+        return {"epoch": epoch, "example": index}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from where :meth:`state_dict` was taken."""
+        self._position = (int(state["epoch"]), int(state["example"]))
+        self._stream = self._pending = None
+
+    def batch(self, batch_size: int) -> SFTBatch:
+        """The next ``batch_size`` rows of the training order (epoch after epoch)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        return self._collated([self._row() for _ in range(batch_size)])
+
+    def _row(self) -> list[_Example]:
+        row: list[_Example] = []
+        while True:
+            if self._pending is None:
+                if self._stream is None:
+                    self._stream = self._training_order(*self._position)
+                self._pending = next(self._stream)
+            epoch, index, ex = self._pending
+            if self._closes(row, ex):
+                return row
+            row.append(ex)
+            self._pending, self._position = None, (epoch, index + 1)
+
+    def _training_order(self, epoch: int, start: int) -> Iterator[tuple[int, int, _Example]]:
+        while True:
+            records = self._part()
+            if self.shuffle_buffer:
+                records = records.shuffle(seed=self.seed + epoch, buffer_size=self.shuffle_buffer)
+            found = False
+            for index, record in enumerate(self._read(records.skip(start) if start else records), start=start):
+                ex = self._example(record)
+                if ex is not None:
+                    found = True
+                    yield epoch, index, ex
+            if not found and start == 0:
+                raise ValueError(f"{self.path} has no example of two tokens or more in {self._which()}: nothing to train on")
+            epoch, start = epoch + 1, 0
+
+    # one pass, for evaluation
+
+    def batches(self, batch_size: int) -> Iterator[SFTBatch]:
+        """Every example once, in the file's order, ``batch_size`` rows a batch (the last may have fewer)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        examples = (e for e in map(self._example, self._read(self._part())) if e is not None)
+        rows: list[list[_Example]] = []
+        row: list[_Example] = []
+        for ex in examples:
+            if self._closes(row, ex):
+                rows.append(row)
+                row = []
+                if len(rows) == batch_size:
+                    yield self._collated(rows)
+                    rows = []
+            row.append(ex)
+        if row:
+            rows.append(row)
+        if rows:
+            yield self._collated(rows)
+
+    def _closes(self, row: list[_Example], ex: _Example) -> bool:
+        """Whether ``ex`` starts a new row after ``row``: it does not fit (packing), or ``row`` has one (padding)."""
+        return bool(row) and (not self.packing or sum(e.positions for e in row) + ex.positions > self.seq_len)
+
+    def _collated(self, rows: list[list[_Example]]) -> SFTBatch:
+        """Packed rows take ``seq_len`` positions; padded ones the longest row's."""
+        return _collate(rows, self.seq_len if self.packing else max(sum(e.positions for e in r) for r in rows))
+
+    # records to examples
+
+    def _which(self) -> str:
+        if not self.eval_fraction:
+            return "it"
+        return "its held-out part" if self.evaluation else "what --eval-fraction leaves for training"
+
+    def _part(self):
+        """This part's records: all, or those ``eval_fraction`` holds out (or leaves)."""
+        if not self.eval_fraction:
+            return self._records
+        f, held = self.eval_fraction, self.evaluation
+        return self._records.filter(lambda _, i: _held_out(i, f) == held, with_indices=True)
+
+    def _read(self, records) -> Iterator[dict]:
+        """``records``, a reading error turned into one naming the file and line (or row)."""
+        it = iter(records)
+        while True:
+            try:
+                record = next(it)
+            except StopIteration:
+                return
+            except Exception as exc:  # the reader's (pyarrow, datasets): find the line it stumbled on
+                raise self._bad_record(exc) from None
+            yield record
+
+    def _bad_record(self, cause: BaseException) -> ValueError:
+        shape = getattr(self, "shape", None)
+        if self._lines:
+            return _bad_line(self.path, shape, cause)
+        for row, record in enumerate(_open_records(self.path, self._evaluation_split)):
+            try:
+                _check(record, shape, f"{self.path}, row {row}")  # from 0, as dataset[row]
+            except ValueError as exc:
+                return exc
+        return ValueError(f"{self.path}: {type(cause).__name__}: {cause}")
+
+    def _example(self, record: dict) -> _Example | None:
+        """The record tokenized and truncated to ``seq_len + 1`` tokens; None when it has fewer than two."""
+        try:
+            _check(record, self.shape, "")
+        except ValueError as exc:
+            raise self._bad_record(exc) from None
+        ids, trained = tokenize_record(record, self.shape, self._encoder, self.loss_on, self.path)
+        ids, trained = ids[: self.seq_len + 1], trained[: self.seq_len + 1]
+        if len(ids) < 2:
+            return None
+        if self.vocab_size is not None and max(ids) >= self.vocab_size:
+            raise ValueError(
+                f"{self.path}: the tokenizer produced id {max(ids)}, beyond the model's vocabulary of {self.vocab_size}"
+            )
+        return _Example(ids, trained)
