@@ -28,7 +28,7 @@ from torch import nn
 from nvoffload import trace
 from nvoffload.activations import offload_activations as _offload_activations
 from nvoffload.device import compute_device, concrete
-from nvoffload.distributed import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, Ranks, check_not_ddp
+from nvoffload.distributed import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, Ranks, check_not_ddp, reserve_buckets
 from nvoffload.io import TensorStore, swap_directories
 from nvoffload.memory import MemoryBudgetError, MemoryManager, TierStats, release_freed_host_memory
 from nvoffload.optim import LossScaling, OffloadOptimizer, OffloadOptimizerConfig
@@ -360,9 +360,9 @@ def initialize(
     memory.allocate("host", optimizer_bytes, "the optimizer's staging buffers")
     if config.activation_bytes:
         memory.allocate("host", config.activation_bytes, "activation transfers (offload_activations)")
-    if Ranks.resolve(process_group) is not None:  # reduced gradients: two buckets in flight at most
-        largest = max((p.numel() * p.element_size() for p in model.parameters()), default=0)
-        memory.allocate("device", 2 * max(config.bucket_bytes, largest), "gradient buckets between the ranks")
+    ranks = Ranks.resolve(process_group)
+    if ranks is not None:  # reduced gradients: two buckets in flight at most
+        reserve_buckets(memory, ranks, list(model.parameters()), config.bucket_bytes)
     device = concrete(config.device) if config.device is not None else compute_device_of(model)
     resources = _Transfers(config.cpu_memory_bytes, device)
     store = streamer = None
@@ -415,6 +415,9 @@ def initialize(
             opt.abandon_step()
         elif opt.updates_queued:
             opt.synchronize()
+        if opt.session is not None:  # parameters unfrozen since the last forward train from this one on
+            opt.session.streamer.follow_requires_grad()
+            opt.follow_requires_grad()
 
     session._handles.append(model.register_forward_pre_hook(settle))
     if activations is not None:

@@ -4,7 +4,7 @@ optimizer's NVMe byte counters and, before each ``step()``, the sum of the gradi
 updates were queued during backward.
 
     python tests/dist_worker.py MODE OUT SWAP_ROOT [--steps N] [--accum K | --accums K1,K2,..] [--no-clip]
-                                [--ckpt DIR [--save-at S] [--resume]]
+                                [--ckpt DIR [--save-at S] [--resume]] [--device-memory B] [--bucket-bytes B]
 
 MODE is ``optimizer`` (NVMeAdamW over the model, gradients in ``.grad``) or ``streaming``
 (``nvoffload.initialize``: parameters streamed, gradients released during backward). With ``--save-at S`` a
@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--fail-at", type=int, default=3)
     parser.add_argument("--stall", action="store_true")
     parser.add_argument("--missing-swap-rank", type=int, help="this rank is given a swap directory that does not exist")
+    parser.add_argument("--device-memory", type=int, default=16 * MiB, help="device_memory_bytes (streaming mode)")
+    parser.add_argument("--bucket-bytes", type=int, default=BUCKET_BYTES)
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:  # gloo's own timeout as the optimizer's: a stalled peer ends the run
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
@@ -65,13 +67,13 @@ def main() -> None:
     if args.mode == "optimizer":
         opt = NVMeAdamW(
             model.parameters(), lr=3e-3, weight_decay=0.1, swap_dir=swap, max_grad_norm=max_grad_norm,
-            cpu_memory_bytes=4 * MiB, chunk_bytes=16 << 10, collective_timeout_s=args.timeout, bucket_bytes=BUCKET_BYTES,
+            cpu_memory_bytes=4 * MiB, chunk_bytes=16 << 10, collective_timeout_s=args.timeout, bucket_bytes=args.bucket_bytes,
         )  # fmt: skip
     else:
         config = nvoffload.OffloadConfig(
-            swap_dirs=[swap], cpu_memory_bytes=8 * MiB, device_memory_bytes=16 * MiB,
+            swap_dirs=[swap], cpu_memory_bytes=8 * MiB, device_memory_bytes=args.device_memory,
             max_grad_norm=max_grad_norm, gradient_accumulation_steps=args.accum, collective_timeout_s=args.timeout,
-            bucket_bytes=BUCKET_BYTES,
+            bucket_bytes=args.bucket_bytes,
         )  # fmt: skip
         model, opt = nvoffload.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), config)
     ckpt_dir = args.ckpt

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from nvoffload.device import untracked
+from nvoffload.memory import MemoryManager
 from nvoffload.distributed._partition import Partition
 from nvoffload.distributed._ranks import Ranks, RankTimeoutError
 
@@ -105,6 +106,9 @@ class GradientBuckets:
         """Reduce parameter ``index``'s gradient ``grad`` (final) to the owners of its elements, in a bucket;
         ``deliver(reduced, pending)`` is called once the bucket is launched (call from a backward hook)."""
         self._flush_at_end_of_pass()
+        bucket = self._open.get(grad.dtype)
+        if bucket is not None and (bucket.numel + grad.numel()) * grad.element_size() > self.bucket_bytes:
+            self._launch(self._open.pop(grad.dtype))  # full: no bucket passes bucket_bytes but a gradient alone
         bucket = self._open.setdefault(grad.dtype, _OpenBucket())
         bucket.entries.append((index, grad, deliver))
         bucket.numel += grad.numel()
@@ -125,7 +129,7 @@ class GradientBuckets:
 
     def _make_room(self) -> None:
         """Wait until at most one launched bucket is still read (the worker copies their gradients out in
-        order), so that two buckets at most are in device memory: ``2 * max(bucket_bytes, largest gradient)``."""
+        order), so that two buckets at most are in :attr:`Ranks.device` memory: see :func:`reserve_buckets`."""
         while self._inflight and self._inflight[0].freed.is_set():
             self._inflight.popleft()
         while len(self._inflight) >= 2:
@@ -302,6 +306,20 @@ def _split(items: Sequence, dtype_of, param_of, bucket_bytes: int) -> list[list]
             buckets.append([item])
             size = nbytes
     return buckets
+
+
+def reserve_buckets(memory: MemoryManager, ranks: Ranks, params: Sequence[torch.Tensor], bucket_bytes: int) -> None:
+    """Count in ``memory`` what the gradient buckets take at most: two in flight, each of at most ``bucket_bytes``
+    (a larger gradient alone) and of all the gradients together at most; in the tier of :attr:`Ranks.device`
+    (the device with NCCL, host memory with gloo)."""
+    sizes = [p.numel() * p.element_size() for p in params if p.requires_grad]
+    total = sum(sizes)
+    tier, budget = ("host", "cpu_memory_bytes") if ranks.device.type == "cpu" else ("device", "device_memory_bytes")
+    memory.allocate(
+        tier, 2 * min(max(bucket_bytes, max(sizes, default=0)), total),
+        f"the gradient buckets between the ranks (two in flight, each of at most bucket_bytes={bucket_bytes} or"
+        f" the {total} bytes of all the gradients: lower bucket_bytes or raise {budget})",
+    )  # fmt: skip
 
 
 @torch.no_grad()
