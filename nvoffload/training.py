@@ -415,9 +415,6 @@ def initialize(
             opt.abandon_step()
         elif opt.updates_queued:
             opt.synchronize()
-        if opt.session is not None:  # parameters unfrozen since the last forward train from this one on
-            opt.session.streamer.follow_requires_grad()
-            opt.follow_requires_grad()
 
     session._handles.append(model.register_forward_pre_hook(settle))
     if activations is not None:
