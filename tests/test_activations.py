@@ -638,11 +638,11 @@ def test_host_memory_is_the_budget(target, tmp_path):
         assert offload.stats().bytes_written > budget
         assert offload._tier.slab.peak_bytes <= budget
         assert_released(offload)
-        largest = 4 * 64 * 256 * 4  # the tiny GPT's biggest saved tensor: cannot even be staged
+        largest = 4 * 64 * 256 * 4  # the tiny GPT's biggest saved tensor: staged in pieces of half the slab
         offload = make_offload(target, tmp_path, keep_recent_bytes=0, host_memory_bytes=largest // 2)
-        with pytest.raises(MemoryBudgetError, match=rf"saved activation of {largest} bytes .* at least {2 * largest}"):
-            step(model, inputs, offload)
-        assert_released(offload, graph_alive=True)
+        assert_same(ref, step(model, inputs, offload))
+        assert offload._tier.slab.peak_bytes <= largest // 2
+        assert_released(offload)
 
 
 @pytest.mark.cuda

@@ -13,6 +13,13 @@ Every copy goes through a :class:`~nvoffload.transfer.TransferEngine`:
 
 A slab buffer is given back only once the last transfer that reads or writes
 it is done: :meth:`Tier.retire` parks it with that transfer's future until then.
+A staging buffer (NVMe) is retired as soon as its transfer starts, so a wait
+for room waits for transfers in flight, never for backward to use a tensor.
+
+Into a store, a tensor larger than the slab moves in pieces of at most half the
+slab (room for a piece going out beside one coming back), each a tensor of the
+store and a transfer of the engine through its own staging buffer, taken again
+for a later piece once that transfer is done.
 """
 
 from __future__ import annotations
@@ -24,12 +31,14 @@ import torch
 
 from nvoffload.memory import MemoryBudgetError
 from nvoffload.transfer import Future, TransferEngine
+from nvoffload.transfer.slab import ALIGNMENT_BYTES
 
 __all__ = ["Load", "Tier", "Write"]
 
 
 class Write:
-    """A tensor on its way out: ``future`` is done when it is stored; ``host`` is its slab buffer (None with GDS)."""
+    """A tensor on its way out: ``future`` is done when it is stored; ``host`` is the slab buffer that holds it
+    in host memory (None in a store)."""
 
     __slots__ = ("future", "host", "copy_key")
 
@@ -40,14 +49,13 @@ class Write:
 
 
 class Load:
-    """A tensor on its way back into ``device`` memory; ``staging`` is its slab buffer (NVMe, not GDS)."""
+    """A tensor on its way back into ``device`` memory: ``future`` is done when it is there."""
 
-    __slots__ = ("future", "device", "staging", "prefetched")
+    __slots__ = ("future", "device", "prefetched")
 
-    def __init__(self, future: Future, device: torch.Tensor, staging: torch.Tensor | None, prefetched: bool):
+    def __init__(self, future: Future, device: torch.Tensor, prefetched: bool):
         self.future = future
         self.device = device
-        self.staging = staging
         self.prefetched = prefetched
 
 
@@ -69,6 +77,7 @@ class Tier:
         self._owns_engine = owns_engine
         self._owns_store = owns_store
         self._retiring: collections.deque[tuple[Future | None, torch.Tensor]] = collections.deque()
+        self._pieces: dict[str, list[tuple[str, int, int]]] = {}  # name -> (store name, start, end) of a pieced one
         self.host_bytes = 0  # slab bytes this tier holds: stored data, staging, buffers retiring
 
     @property
@@ -90,12 +99,12 @@ class Tier:
         without, returns None at once.
         """
         nbytes = numel * dtype.itemsize
-        if nbytes > self.slab.capacity_bytes:
+        if nbytes > self.slab.capacity_bytes:  # only in host memory (target="cpu"): a store takes pieces
             raise MemoryBudgetError(
                 f"a saved activation of {nbytes} bytes ({what}) does not fit in {self.slab.what} "
-                f"({self.slab.capacity_bytes} bytes): give offload_activations a host_memory_bytes (with "
-                f"nvoffload.initialize, OffloadConfig.activation_memory_bytes) of at least {2 * nbytes}, "
-                "room for one write and one read, or raise min_bytes above it"
+                f"({self.slab.capacity_bytes} bytes), which holds the tensors offloaded to host memory: give "
+                f"offload_activations a host_memory_bytes of at least {nbytes}, target='nvme', or raise min_bytes "
+                "above it"
             )
         self.reap()
         while not self.slab.fits(nbytes):
@@ -108,10 +117,10 @@ class Tier:
         return buffer.view(dtype)
 
     def retire(self, buffer: torch.Tensor | None, future: Future | None) -> None:
-        """Give ``buffer`` back once ``future`` (the last transfer using it) is done."""
+        """Give ``buffer`` back once ``future`` (the last transfer using it) is done; give back those done."""
         if buffer is not None:
             self._retiring.append((future, buffer))
-            self.reap()
+        self.reap()
 
     def reap(self) -> None:
         """Give back the retired buffers whose transfers are done, without waiting."""
@@ -146,8 +155,31 @@ class Tier:
         if self.store is None:
             host = self.allocate(flat.numel(), flat.dtype, name)
             return Write(self.engine.to_host(host, flat, what=name), host)
-        host = None if self.store.direct_to_device(flat) else self.allocate(flat.numel(), flat.dtype, name)
-        return Write(self.engine.save(self.store, name, flat, host), host)
+        if self.store.direct_to_device(flat):
+            return Write(self.engine.save(self.store, name, flat, None), None)
+        pieces = self._split(name, flat.numel(), flat.dtype)
+        if len(pieces) > 1:
+            self._pieces[name] = pieces
+        futures = []
+        try:
+            for piece, start, end in pieces:
+                host = self.allocate(end - start, flat.dtype, piece)  # waits for an earlier piece's buffer
+                futures.append(self.engine.save(self.store, piece, flat[start:end], host))
+                self.retire(host, futures[-1])
+        except BaseException:
+            for future in futures:  # what was started ends before its pieces are deleted
+                future.exception()
+            self.delete(name)
+            raise
+        return Write(futures[0] if len(futures) == 1 else Future.all_of(futures, what=name), None)
+
+    def _split(self, name: str, numel: int, dtype: torch.dtype) -> list[tuple[str, int, int]]:
+        """``(store name, start, end)`` of the pieces ``name`` moves in: itself whole when it fits in the slab,
+        else pieces of at most half the slab (aligned), named ``name#i``."""
+        if numel * dtype.itemsize <= self.slab.capacity_bytes:
+            return [(name, 0, numel)]
+        step = max(ALIGNMENT_BYTES, self.slab.capacity_bytes // 2 // ALIGNMENT_BYTES * ALIGNMENT_BYTES) // dtype.itemsize
+        return [(f"{name}#{i}", start, min(start + step, numel)) for i, start in enumerate(range(0, numel, step))]
 
     # ---------------------------------------------------------------- back
     def read(
@@ -156,23 +188,35 @@ class Tier:
         """Start bringing ``name`` back into a new device tensor of ``numel`` elements of ``dtype``.
 
         From its slab buffer ``host`` (host memory), or from the store through
-        a staging buffer (none with GPUDirect Storage). A prefetch that finds
-        the slab full returns None instead of waiting.
+        a staging buffer (none with GPUDirect Storage), piece by piece when it
+        was written in pieces. A prefetch that finds the slab full, or a
+        tensor in pieces (whose reads wait for each other), returns None
+        instead of waiting.
         """
+        pieces = self._pieces.get(name, [(name, 0, numel)])
+        if len(pieces) > 1 and prefetch:
+            return None
         dst = torch.empty(numel, dtype=dtype, device=device)
         if self.store is None:
-            return Load(self.engine.to_device(dst, host, what=name), dst, None, prefetch)
-        staging = None
-        if not self.store.direct_to_device(dst):
-            staging = self.allocate(numel, dtype, name, wait=not prefetch)
-            if staging is None:
+            return Load(self.engine.to_device(dst, host, what=name), dst, prefetch)
+        if self.store.direct_to_device(dst):
+            return Load(self.engine.load(self.store, name, dst, None), dst, prefetch)
+        futures = []
+        for piece, start, end in pieces:
+            staging = self.allocate(end - start, dtype, piece, wait=not prefetch)  # waits for an earlier piece's
+            if staging is None:  # a prefetch (of one piece) that finds the slab full
                 return None
-        return Load(self.engine.load(self.store, name, dst, staging), dst, staging, prefetch)
+            futures.append(self.engine.load(self.store, piece, dst[start:end], staging))
+            self.retire(staging, futures[-1])
+        return Load(futures[0] if len(futures) == 1 else Future.all_of(futures, what=name), dst, prefetch)
 
     def delete(self, name: str) -> None:
-        """Free ``name``'s space in the store (a tensor whose write failed left none)."""
-        if self.store is not None and name in self.store:
-            self.store.delete(name)
+        """Free ``name``'s space in the store, every piece of it (a tensor whose write failed left none)."""
+        if self.store is None:
+            return
+        for piece, _, _ in self._pieces.pop(name, [(name, 0, 0)]):
+            if piece in self.store:
+                self.store.delete(piece)
 
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:

@@ -712,8 +712,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                     self._consumed.add(record.handle)  # a retained graph reads it again
         if record.load is not None:
             self._prefetched_bytes -= record.nbytes
-            load, record.load = record.load, None
-            self._tier.retire(load.staging, load.future)
+            record.load = None
+            self._tier.reap()  # its staging buffers, retired when its transfers started
             self._ledger.remove(record.loaded_key)
             record.loaded_key = None
             if record.live > 0 and record.state is _State.STORED and record.error is None:
