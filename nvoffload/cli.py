@@ -9,9 +9,11 @@ directory; ``--model DIR`` fine-tunes a Hugging Face model directory instead.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 
 __all__ = ["main", "build_parser"]
@@ -41,10 +43,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nvoffload.finetune import FinetuneConfig, default_swap_root
-    from nvoffload.models.gpt import PRESETS
-
-    d = FinetuneConfig()
     parser = _Parser(prog="nvoffload", description="Train models larger than GPU and CPU memory, state on NVMe.")
     sub = parser.add_subparsers(dest="command", required=True)
     ft = sub.add_parser(
@@ -54,66 +52,94 @@ def build_parser() -> argparse.ArgumentParser:
         " directory) on the shipped corpus or a text file, with the AdamW state (fp32 master weights and moments)"
         " on NVMe.",
     )
-    which = ft.add_mutually_exclusive_group()
-    which.add_argument("--preset", default=d.preset, choices=sorted(PRESETS), help="built-in GPT size (default %(default)s)")
-    which.add_argument("--model", dest="model_dir", default=None, metavar="DIR",
-                       help="a Hugging Face causal-LM directory (config.json + *.safetensors, tokenizer files if any) to"
-                       " fine-tune instead of a preset; needs transformers (pip install 'nvoffload[hf]'). Without a"
-                       " tokenizer the text is tokenized as bytes (vocabulary of at least 256)")  # fmt: skip
-    ft.add_argument("--text", dest="text_path", default=None, help="text file to train on (default: the shipped corpus): a regular file of at most 1/32 of this machine's memory (its tokens are held in memory)")
-    ft.add_argument("--text-encoding", default=d.text_encoding, metavar="ENC", help="the encoding of --text (default %(default)s; a byte that is not valid in it is refused, naming its offset)")
-    _add_data_options(ft)
-    ft.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
-    ft.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch (default %(default)s)")
-    ft.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's; 128 for --model)")
-    ft.add_argument("--grad-accum", dest="grad_accum_steps", type=int, default=d.grad_accum_steps, help="micro-batches per optimizer step (default %(default)s)")
-    ft.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
-    ft.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    ft.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    ft.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to this (default: no clipping)")
-    ft.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="parameter dtype on the device (fp32 master weights on NVMe; float16 with dynamic loss scaling)")
-    ft.add_argument("--device", default=d.device, help="cpu or cuda (default %(default)s)")
-    ft.add_argument("--swap-dir", default=None, help=f"directory on NVMe for the optimizer state (default: a fresh one under {default_swap_root()}, removed at the end)")
-    ft.add_argument("--cpu-memory", dest="cpu_memory_bytes", type=_size, default=d.cpu_memory_bytes, help="host memory for the optimizer's staging (and with --stream the parameter cache), e.g. 256M")
-    ft.add_argument("--stream", action="store_true", help="stream the parameters from NVMe too, block by block, within --cpu-memory and --device-memory (a --model is built on the meta device and filled from its directory)")
-    ft.add_argument("--device-memory", dest="device_memory_bytes", type=_size, default=d.device_memory_bytes, help="with --stream: device memory for parameters and gradients, e.g. 2G (default 1G)")
-    ft.add_argument("--offload-activations", action="store_true", help="send the activations saved for backward to NVMe")
-    ft.add_argument("--activation-memory", dest="activation_memory_bytes", type=_size, default=None, help="with --offload-activations: host memory staging their transfers, at least twice the largest saved tensor (default: with --stream an eighth of --cpu-memory, else 512M)")
-    ft.add_argument("--init-from", default=None, help="safetensors checkpoint (file, shard directory or index .json) of the preset's model to start from")
-    ft.add_argument("--save-to", default=None, help="write the fine-tuned weights there: a safetensors file for a preset; for --model a Hugging Face directory (sharded safetensors, config.json, tokenizer), replaced atomically. Checked for writing before training")
-    ft.add_argument("--checkpoint-dir", default=None, help="write training checkpoints there (weights, optimizer state, scheduler, RNG, position in the data; atomic, the last --keep-last kept), after the last step and every --save-every steps. Checked for writing before training")
-    ft.add_argument("--save-every", type=int, default=None, metavar="N", help="with --checkpoint-dir: a checkpoint every N steps too")
-    ft.add_argument("--keep-last", type=int, default=d.keep_last, metavar="K", help="with --checkpoint-dir: keep the last K checkpoints (default %(default)s)")
-    ft.add_argument("--resume", action="store_true", help="go on from the latest complete checkpoint in --checkpoint-dir (from the start when there is none): the run ends bit-identical to one never stopped")
-    ft.add_argument("--trace", dest="trace_path", default=None, metavar="FILE", help="write a trace of one step (the second) there: Chrome trace-event JSON, open it in https://ui.perfetto.dev (compute per block, every copy, NVMe read and write, Adam chunk)")
-    ft.add_argument("--seed", type=int, default=d.seed)
-    ft.add_argument("--no-progress", action="store_true", help="print one line per step, as it finishes, instead of a progress bar")
-    ft.add_argument("--plan", choices=["auto"], default=None, help="auto: let the planner choose --stream and --offload-activations for the budgets (from --profile); a request that cannot fit is refused with the reason")
-    ft.add_argument("--profile", default=None, help="with --plan: a profile from 'nvoffload calibrate' or a built-in name (default: this host's calibrated profile)")
+    _run_options(ft, plan=False)
 
-    cal = sub.add_parser("calibrate", help="measure this machine's engines (NVMe, CPU Adam, copies, compute) into a profile for 'plan'")
+    cal = sub.add_parser("calibrate", help="measure this machine's engines (NVMe, CPU Adam, copies, compute) into a profile for 'plan'",
+                         description="Measure this machine's engines through nvoffload's own code (NVMe reads and writes, CPU"
+                         " Adam, host-device copies, compute per block width) into a profile that 'nvoffload plan' and"
+                         " 'finetune --plan auto' predict with.")  # fmt: skip
     cal.add_argument("--swap-dir", dest="swap_dirs", action="append", default=None, help="a swap directory to measure (repeat for several; default: a fresh one under the cache directory)")
     cal.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     cal.add_argument("--quick", action="store_true", help="smaller sizes: seconds instead of a minute, rougher figures")
     cal.add_argument("--out", default=None, help="where to write the profile (default: <cache>/profiles/<host>.json)")
 
-    pl = sub.add_parser("plan", help="predict a finetune step: where everything lives, step time, tokens/s, the bottleneck")
-    which = pl.add_mutually_exclusive_group()
-    which.add_argument("--preset", default=d.preset, choices=sorted(PRESETS), help="built-in GPT size (default %(default)s)")
-    which.add_argument("--model", dest="model_dir", default=None, metavar="DIR", help="a Hugging Face model directory or its config.json, or a public architecture: llama2-70b, llama3-8b, gpt3-13b, gpt3-100b, gpt3-175b")
-    which.add_argument("--sizes", default=None, metavar="L,D,H,F,V", help="layers, d_model, heads, MLP width, vocabulary (a Llama-shaped model with 'gated': L,D,H,F,V,gated)")
-    for flags, kw in _SHARED_OPTIONS:
-        pl.add_argument(*flags, **kw)
-    pl.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None, help="stream the parameters (default: the planner decides)")
-    pl.add_argument("--offload-activations", action=argparse.BooleanOptionalAction, default=None, help="offload activations (default: the planner decides between keeping, offloading and recomputing them)")
+    pl = sub.add_parser(
+        "plan",
+        help="predict a finetune step: where everything lives, step time, tokens/s, the bottleneck",
+        description="Predict a step of the run 'nvoffload finetune' starts with the same options: where the"
+        " parameters, optimizer state, activations and gradients live, each tier's memory, the NVMe traffic, the"
+        " step time, tokens/s and the busiest engine, on this machine's calibrated profile or a built-in one."
+        " Takes finetune's command line as it is: the options that do not change a step (--steps, --lr, --text,"
+        " --data, --save-to, --checkpoint-dir, --seed, ...) are accepted and ignored, and --swap-dir repeated"
+        " counts the drives. Exit status 2 when the request does not fit.",
+    )
+    _run_options(pl, plan=True)
+    pl.add_argument("--sizes", default=None, metavar="L,D,H,F,V", help="instead of --preset or --model: layers, d_model, heads, MLP width, vocabulary (a Llama-shaped model with 'gated': L,D,H,F,V,gated)")
     pl.add_argument("--recompute", action="store_true", help="recompute activations in backward (activation checkpointing of every block)")
-    pl.add_argument("--swap-dirs", type=int, default=1, help="swap directories (drives) used, by each rank (default 1)")
+    pl.add_argument("--swap-dirs", type=int, default=None, metavar="N", help="swap directories (drives) used, by each rank (default: the number of --swap-dir given, else 1)")
     pl.add_argument("--ranks", type=int, default=1, help="data-parallel ranks, one GPU each (torchrun --nproc-per-node):"
-                    " --batch-size is split between them; memory budgets and --swap-dirs are each rank's (default 1)")  # fmt: skip
-    pl.add_argument("--profile", default=None, help="a profile from 'nvoffload calibrate' or a built-in name: " + ", ".join(sorted(_builtin_profiles())))
+                    " --batch-size is split between them; memory budgets and --swap-dirs are each rank's (default %(default)s)")  # fmt: skip
     pl.add_argument("--no-checksum", dest="checksum", action="store_false", help="plan for checksum=False (the store's CRC-32C off)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
+
+
+def _run_options(p: argparse.ArgumentParser, *, plan: bool) -> None:
+    """``finetune``'s options, on ``finetune`` (``plan=False``) or on ``plan``, which takes the same command line:
+    there ``--stream`` and ``--offload-activations`` left out let the planner choose (as ``--plan auto`` does),
+    and ``--swap-dir`` repeated counts the drives."""
+    from nvoffload.finetune import FinetuneConfig, default_swap_root
+    from nvoffload.models.gpt import PRESETS
+    from nvoffload.planner.cost import NAMED_SHAPES, human_size
+
+    d = FinetuneConfig()
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--preset", default=d.preset, choices=sorted(PRESETS), help="built-in GPT size (default %(default)s)")
+    named = f"; or a public architecture: {', '.join(sorted(NAMED_SHAPES))}" if plan else ""
+    which.add_argument("--model", dest="model_dir", default=None, metavar="DIR",
+                       help="a Hugging Face causal-LM directory (config.json + *.safetensors, tokenizer files if any) to"
+                       " fine-tune instead of a preset; needs transformers (pip install 'nvoffload[hf]'). Without a"
+                       f" tokenizer the text is tokenized as bytes (vocabulary of at least 256){named}")  # fmt: skip
+    p.add_argument("--text", dest="text_path", default=None, help="text file to train on (default: the shipped corpus): a regular file of at most 1/32 of this machine's memory (its tokens are held in memory)")
+    p.add_argument("--text-encoding", default=d.text_encoding, metavar="ENC", help="the encoding of --text (default %(default)s; a byte that is not valid in it is refused, naming its offset)")
+    _add_data_options(p)
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch (default %(default)s)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's context; 128 for --model)")
+    p.add_argument("--grad-accum", dest="grad_accum_steps", type=int, default=d.grad_accum_steps, help="micro-batches per optimizer step (default %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="steps of linear warm-up to --lr (default %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's decoupled weight decay, on matrices and embeddings, not on biases and norms (default %(default)s)")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to this (default: no clipping)")
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="parameter dtype on the device (fp32 master weights on NVMe; float16 with dynamic loss scaling; default %(default)s)")
+    p.add_argument("--device", default=d.device, help="cpu or cuda (default %(default)s)" + ("; plan: the profile's device counts" if plan else ""))
+    if plan:
+        p.add_argument("--swap-dir", action="append", default=None, metavar="DIR", help="a swap directory (drive), repeat for several: the plan counts them")
+    else:
+        p.add_argument("--swap-dir", default=None, metavar="DIR", help=f"directory on NVMe for the optimizer state (default: a fresh one under {default_swap_root()}, removed at the end)")
+    p.add_argument("--cpu-memory", dest="cpu_memory_bytes", type=_size, default=d.cpu_memory_bytes, metavar="SIZE", help=f"host memory for the optimizer's staging (and with --stream the parameter cache), e.g. 256M (default {human_size(d.cpu_memory_bytes)})")
+    if plan:
+        p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None, help="stream the parameters (default: the planner decides, as finetune --plan auto does)")
+    else:
+        p.add_argument("--stream", action="store_true", help="stream the parameters from NVMe too, block by block, within --cpu-memory and --device-memory (a --model is built on the meta device and filled from its directory)")
+    p.add_argument("--device-memory", dest="device_memory_bytes", type=_size, default=d.device_memory_bytes, metavar="SIZE", help=f"with --stream: device memory for parameters and gradients, e.g. 2G (default {human_size(d.device_memory_bytes)})")
+    if plan:
+        p.add_argument("--offload-activations", action=argparse.BooleanOptionalAction, default=None, help="offload activations (default: the planner decides between keeping, offloading and recomputing them)")
+    else:
+        p.add_argument("--offload-activations", action="store_true", help="send the activations saved for backward to NVMe")
+    p.add_argument("--activation-memory", dest="activation_memory_bytes", type=_size, default=None, metavar="SIZE", help="with --offload-activations: host memory staging their transfers, at least twice the largest saved tensor (default: with --stream an eighth of --cpu-memory, else 512M)")
+    p.add_argument("--init-from", default=None, help="safetensors checkpoint (file, shard directory or index .json) of the preset's model to start from")
+    p.add_argument("--save-to", default=None, help="write the fine-tuned weights there: a safetensors file for a preset; for --model a Hugging Face directory (sharded safetensors, config.json, tokenizer), replaced atomically. Checked for writing before training")
+    p.add_argument("--checkpoint-dir", default=None, help="write training checkpoints there (weights, optimizer state, scheduler, RNG, position in the data; atomic, the last --keep-last kept), after the last step and every --save-every steps. Checked for writing before training")
+    p.add_argument("--save-every", type=int, default=None, metavar="N", help="with --checkpoint-dir: a checkpoint every N steps too (default: after the last step only)")
+    p.add_argument("--keep-last", type=int, default=d.keep_last, metavar="K", help="with --checkpoint-dir: keep the last K checkpoints (default %(default)s)")
+    p.add_argument("--resume", action="store_true", help="go on from the latest complete checkpoint in --checkpoint-dir (from the start when there is none): the run ends bit-identical to one never stopped")
+    p.add_argument("--trace", dest="trace_path", default=None, metavar="FILE", help="write a trace of one step (the second) there: Chrome trace-event JSON, open it in https://ui.perfetto.dev (compute per block, every copy, NVMe read and write, Adam chunk)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial weights and of the order of the data (default %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="print one line per step, as it finishes, instead of a progress bar")
+    p.add_argument("--plan", choices=["auto"], default=None, help="auto: let the planner choose --stream and --offload-activations for the budgets (from --profile); a request that cannot fit is refused with the reason")
+    builtin = ", ".join(sorted(_builtin_profiles()))
+    p.add_argument("--profile", default=None, help=f"{'' if plan else 'with --plan: '}a profile from 'nvoffload calibrate' or a built-in name ({builtin}; default: this host's calibrated profile)")
 
 
 def _add_data_options(ft: argparse.ArgumentParser) -> None:
@@ -142,18 +168,6 @@ def _builtin_profiles() -> list[str]:
     return list(BUILTIN_PROFILES)
 
 
-# options plan shares with finetune (same names, same meanings)
-_SHARED_OPTIONS = [
-    (("--batch-size",), {"type": int, "default": 8, "help": "sequences per micro-batch"}),
-    (("--seq-len",), {"type": int, "default": None, "help": "tokens per sequence (default: the model's context, 128 for --model)"}),
-    (("--grad-accum",), {"dest": "grad_accum_steps", "type": int, "default": 1, "help": "micro-batches per optimizer step"}),
-    (("--dtype",), {"default": "float32", "choices": ["float32", "bfloat16", "float16"]}),
-    (("--cpu-memory",), {"dest": "cpu_memory_bytes", "type": _size, "default": 64 << 20}),
-    (("--device-memory",), {"dest": "device_memory_bytes", "type": _size, "default": 1 << 30}),
-    (("--max-grad-norm",), {"type": float, "default": None}),
-]
-
-
 def _message(exc: BaseException) -> str:
     """An error as one line: an OSError's text and path, else the error's message."""
     if isinstance(exc, OSError) and exc.strerror:
@@ -176,16 +190,24 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
     return sub.choices[command]
 
 
-def _finetune_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """``finetune``'s options by the :class:`~nvoffload.finetune.FinetuneConfig` field each sets
-    (``{"cpu_memory_bytes": "--cpu-memory", ...}``)."""
-    actions = _subparser(parser, "finetune")._actions
+def _flags(parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
+    """``command``'s options by the field each sets (``{"cpu_memory_bytes": "--cpu-memory", ...}``: the
+    :class:`~nvoffload.finetune.FinetuneConfig` or :class:`~nvoffload.planner.PlanRequest` field)."""
+    actions = _subparser(parser, command)._actions
     return {a.dest: a.option_strings[0] for a in actions if a.option_strings and a.dest != "help"}
+
+
+_BYTES = re.compile(r"(?<![\w.])(\d+)(?: bytes)? \((?:\d+(?:\.\d+)? ?(?:[KMGT]i?B|[KMGT]|B))\)|(?<![\w.])(\d+) bytes\b")
 
 
 def _as_flags(message: str, flags: dict[str, str]) -> str:
     """``message`` in the command line's words: a field name with an underscore (``cpu_memory_bytes``) wherever it
-    stands outside a path, and any field name that leads the message, become the flag that sets it."""
+    stands outside a path, and any field name that leads the message, become the flag that sets it; a byte count
+    (``170917888 (163 MiB)``, ``4096 bytes``, or the number a size's flag is given or must be at least) becomes a
+    size as the flags take it (``163M``)."""
+    from nvoffload.planner.cost import human_size
+
+    message = _BYTES.sub(lambda m: human_size(int(m.group(1) or m.group(2))), message)
     words = [re.escape(name) for name in flags if "_" in name]
     if words:
         pattern = r"(?<![\w/.-])(" + "|".join(words) + r")(?![\w/.-])"
@@ -193,6 +215,10 @@ def _as_flags(message: str, flags: dict[str, str]) -> str:
     lead = re.match(r"\w+", message)
     if lead is not None and lead.group(0) in flags:
         message = flags[lead.group(0)] + message[lead.end() :]
+    sizes = [re.escape(flag) for name, flag in flags.items() if name.endswith("_bytes")]
+    if sizes:
+        pattern = r"(" + "|".join(sizes) + r")(=| must be at least | must be >= | )(\d+)(?![\w.])"
+        message = re.sub(pattern, lambda m: f"{m.group(1)}{' ' if m.group(2) == '=' else m.group(2)}{human_size(int(m.group(3)))}", message)
     return message
 
 
@@ -215,7 +241,7 @@ def _plan_request(args):
         shape = NAMED_SHAPES.get(args.model_dir) or ModelShape.from_hf_config(args.model_dir)
     else:
         shape = ModelShape.from_preset(args.preset)
-    seq = args.seq_len or (min(128, shape.max_seq_len) if args.model_dir else shape.max_seq_len)
+    seq = args.seq_len if args.seq_len is not None else min(128, shape.max_seq_len) if args.model_dir else shape.max_seq_len
     return PlanRequest(
         shape, batch_size=args.batch_size, seq_len=seq, grad_accum_steps=args.grad_accum_steps, dtype=args.dtype,
         cpu_memory_bytes=args.cpu_memory_bytes, device_memory_bytes=args.device_memory_bytes,
@@ -236,13 +262,15 @@ def _profile(name: str | None):
     return load_profile(path)
 
 
-def _print_plan(result) -> None:
-    r, gib = result.request, 1 << 30
+def _print_plan(result, flags: dict[str, str]) -> None:
+    from nvoffload.planner.cost import human_count, human_size
+
+    r = result.request
     ranks = ""
     if r.ranks > 1:
         split = f" ({r.batch_size // r.ranks} sequences each)" if r.batch_size % r.ranks == 0 else ""
         ranks = f" over {r.ranks} ranks{split}"
-    print(f"{r.model.name}: {r.model.params / 1e9:.3g}B parameters, {r.batch_size} x {r.seq_len} tokens x {r.grad_accum_steps} micro-batches{ranks}, {r.dtype}")
+    print(f"{r.model.name}: {human_count(r.model.params)} parameters, {r.batch_size} x {r.seq_len} tokens x {r.grad_accum_steps} micro-batches{ranks}, {r.dtype}")
     print(f"profile: {result.profile}")
     for what, where in result.placement.items():
         print(f"  {what:16} {where}")
@@ -252,15 +280,17 @@ def _print_plan(result) -> None:
     print(f"step {result.step_s:.3g} s   {result.tokens_per_s:,.0f} tokens/s   {result.tflops:.3g} TFLOP/s{each}   bottleneck: {result.bottleneck}")
     engines = {k: v for k, v in result.engine_s.items() if k != "interconnect" or r.ranks > 1}
     print("  engines: " + ", ".join(f"{k} {v:.3g} s" for k, v in engines.items()))
-    print(f"  memory{each}:  " + ", ".join(f"{k} {v / gib:.3g} GiB" for k, v in result.memory_bytes.items()))
-    print(f"  NVMe per step{each}: {result.nvme_read_bytes / gib:.3g} GiB read, {result.nvme_written_bytes / gib:.3g} GiB written")
+    print(f"  memory{each}:  " + ", ".join(f"{k} {human_size(v)}" for k, v in result.memory_bytes.items()))
+    print(f"  NVMe per step{each}: {human_size(result.nvme_read_bytes)} read, {human_size(result.nvme_written_bytes)} written")
     if result.communication_bytes:
-        sent = ", ".join(f"{k} {v / gib:.3g} GiB" for k, v in result.communication_bytes.items())
+        sent = ", ".join(f"{k} {human_size(v)}" for k, v in result.communication_bytes.items())
         print(f"  interconnect per step per rank: {sent}, {result.engine_s['interconnect']:.3g} s")
+    for note in result.notes:
+        print(f"note: {_as_flags(note, flags)}")
     if not result.fits:
         print("does not fit:")
         for reason in result.reasons:
-            print(f"  - {reason}")
+            print(f"  - {_as_flags(reason, flags)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -270,6 +300,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's parser, as its other errors are
         _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = functools.partial(_warning_line, args.command, _flags(parser, args.command))
+    try:
+        return _run(parser, args)
+    finally:
+        warnings.formatwarning = formatwarning
+
+
+def _warning_line(command: str, flags: dict[str, str], message, category, filename, lineno, line=None) -> str:
+    """A warning as the command line says it: ``nvoffload <command>: warning: <text>``, one line, no source line."""
+    return f"nvoffload {command}: warning: {_as_flags(' '.join(str(message).split()), flags)}\n"
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "calibrate":
         return _calibrate(args)
     if args.command == "plan":
@@ -277,22 +321,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from nvoffload.planner import plan
 
-        args.swap_dirs_count = args.swap_dirs
+        args.swap_dirs_count = args.swap_dirs if args.swap_dirs is not None else len(args.swap_dir or ()) or 1
+        flags = _flags(parser, "plan")
         try:
             result = plan(_plan_request(args), _profile(args.profile))
         except (ValueError, OSError) as exc:
-            return _error("plan", exc)
+            return _error("plan", exc, flags)
         if args.json:
             print(json.dumps(result.to_dict(), indent=1))
         else:
-            _print_plan(result)
+            _print_plan(result, flags)
         return 0 if result.fits else 2
     if args.command == "finetune":
         from nvoffload.finetune import FinetuneConfig, _postfix, finetune
+        from nvoffload.planner.cost import human_count
         from nvoffload.memory import MemoryBudgetError
         from nvoffload.optim.offload import OffloadIOError
 
-        flags = _finetune_flags(parser)
+        flags = _flags(parser, "finetune")
         fields = {k: v for k, v in vars(args).items() if k not in ("command", "no_progress", "plan", "profile")}
         if args.profile is not None and args.plan is None:
             return _error("finetune", ValueError("--profile is for --plan auto: give both, or neither"))
@@ -321,7 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = args.no_progress and lead
         on_step = (lambda s: print(f"step {s.step}: {_postfix(s, dev)}", flush=True)) if report else None
         try:
-            result = finetune(config, progress=not args.no_progress, on_step=on_step)
+            result = finetune(config, progress=not args.no_progress, on_step=on_step,
+                              on_message=lambda line: print(_as_flags(line, flags), flush=True))  # fmt: skip
         # budgets too small, a checkpoint that does not fit the model, a missing file or swap directory, a --save-to
         # that cannot be written, I/O errors (a saved activation's write too), transformers missing for --model, a
         # loss that is not finite
@@ -338,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         tail = result.losses[-10:]
         print(
-            f"{result.num_parameters / 1e6:.2f}M parameters, {len(result.steps)} steps:"
+            f"{human_count(result.num_parameters)} parameters, {len(result.steps)} steps:"
             f" loss {result.losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)})"
         )
         _print_records(result)

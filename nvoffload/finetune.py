@@ -87,7 +87,7 @@ from nvoffload.models import GPT, GPTConfig
 from nvoffload.optim import LossScaling
 from nvoffload.optim.offload import NVMeAdamW, OffloadOptimizer
 from nvoffload.planner.calibrate import _host_available_bytes
-from nvoffload.planner.cost import ModelShape
+from nvoffload.planner.cost import ModelShape, human_count, human_size
 from nvoffload.sft import causal_lm_loss, evaluate
 from nvoffload.pretrained import (
     _dtype_kwargs,
@@ -95,6 +95,7 @@ from nvoffload.pretrained import (
     check_save_directory,
     import_transformers,
     save_pretrained,
+    saved_tensors,
 )
 from nvoffload.training import OffloadConfig, initialize
 from nvoffload.training_checkpoint import (
@@ -105,7 +106,7 @@ from nvoffload.training_checkpoint import (
     save_training_checkpoint,
 )
 
-__all__ = ["FinetuneConfig", "FinetuneResult", "StepStats", "default_swap_root", "finetune", "max_text_bytes"]
+__all__ = ["FinetuneConfig", "FinetuneResult", "StepStats", "default_swap_root", "finetune", "header", "max_text_bytes"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HF_SEQ_LEN = 128  # default tokens per sequence for a Hugging Face model (at most its context)
@@ -318,10 +319,6 @@ def max_text_bytes() -> int:
     return _host_memory_bytes() // 32
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 30):.3g} GiB"
-
-
 @contextlib.contextmanager
 def _host_budgets_named(config: FinetuneConfig):
     """An allocation the host refuses (``OSError(ENOMEM)``, no more than "Cannot allocate memory") raised again
@@ -334,10 +331,10 @@ def _host_budgets_named(config: FinetuneConfig):
         asked = [("cpu_memory_bytes", config.cpu_memory_bytes)]
         if config.offload_activations and config.activation_memory_bytes is not None:
             asked.append(("activation_memory_bytes", config.activation_memory_bytes))
-        named = " and ".join(f"{name} {n} ({_gib(n)})" for name, n in asked)
+        named = " and ".join(f"{name} {n} ({human_size(n)})" for name, n in asked)
         free = _host_available_bytes()
-        raise OSError(errno.ENOMEM, f"cannot allocate the host memory asked, {named}: {free} ({_gib(free)}) of this"
-                      f" machine's {_gib(_host_memory_bytes())} is available") from None  # fmt: skip
+        raise OSError(errno.ENOMEM, f"cannot allocate the host memory asked, {named}: {free} ({human_size(free)}) of this"
+                      f" machine's {human_size(_host_memory_bytes())} is available") from None  # fmt: skip
 
 
 def _check_memory_sizes(config: FinetuneConfig, device: torch.device) -> None:
@@ -352,7 +349,7 @@ def _check_memory_sizes(config: FinetuneConfig, device: torch.device) -> None:
         sizes.append(("device_memory_bytes", config.device_memory_bytes, on_device, f"the memory of {device}"))
     for name, asked, has, what in sizes:
         if asked > has:
-            raise ValueError(f"{name} {asked} ({_gib(asked)}) is more than {what}, {has} ({_gib(has)})")
+            raise ValueError(f"{name} {asked} ({human_size(asked)}) is more than {what}, {has} ({human_size(has)})")
 
 
 class _HFModel:
@@ -437,6 +434,17 @@ def _check_save_to(config: FinetuneConfig) -> None:
     _check_writable(config.save_to, "save_to", "a safetensors file")
 
 
+def _check_saveable(model: nn.Module, config: FinetuneConfig) -> None:
+    """Raise ValueError, naming the field, before step 1 when the model cannot be written as ``save_to`` or
+    ``checkpoint_dir`` will write it (a conversion of transformers that is not reverted one tensor at a time)."""
+    field = "save_to" if config.save_to is not None else "checkpoint_dir" if config.checkpoint_dir is not None else None
+    if field is not None:
+        try:
+            saved_tensors(model)
+        except ValueError as exc:
+            raise ValueError(f"{field}: {exc}") from None
+
+
 def _check_writable(path: str, field: str, kind: str) -> None:
     """Raise OSError, naming ``field``, when the file ``path`` (``kind``) cannot be written: a directory is there, or
     its directory takes no new file (probed with a temporary file, removed)."""
@@ -491,7 +499,7 @@ def _check_batch_memory(config: FinetuneConfig, shape: ModelShape, rows: int, se
     if need > free:
         raise ValueError(
             f"batch_size {config.batch_size}: a micro-batch of {rows} x {seq_len} tokens saves at least {need} bytes"
-            f" ({_gib(need)}) for backward, more than the {free} ({_gib(free)}) free on {dev}: lower batch_size or"
+            f" ({human_size(need)}) for backward, more than the {free} ({human_size(free)}) free on {dev}: lower batch_size or"
             f" seq_len{'' if config.offload_activations else ', or set offload_activations'}"
         )
 
@@ -534,6 +542,9 @@ class StepStats:
     grad_norm: float | None = None
     eval_loss: float | None = None  # after this step, when it evaluated
     eval_perplexity: float | None = None
+    # offloaded activations, without ``stream``: written to NVMe during the step, and the peak kept in memory
+    activation_written_bytes: int | None = None
+    activation_held_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -619,12 +630,18 @@ def _save(model: nn.Module, opt: OffloadOptimizer, path: str, hf: _HFModel | Non
 
 
 def finetune(
-    config: FinetuneConfig, *, progress: bool = True, on_step: Callable[[StepStats], None] | None = None
+    config: FinetuneConfig, *, progress: bool = True, on_step: Callable[[StepStats], None] | None = None,
+    on_message: Callable[[str], None] | None = None,
 ) -> FinetuneResult:
     """Train ``config.steps`` optimizer steps; returns the per-step statistics.
 
     ``progress`` shows a progress bar; ``on_step`` is called with each step's
-    :class:`StepStats` as soon as the step finishes.
+    :class:`StepStats` as soon as the step finishes; ``on_message`` (rank 0's)
+    with each line the run has to say: before step 1 the model, its
+    parameters, where each part lives, the budgets and the swap directory
+    (:func:`header`), what ``resume`` found, and when a checkpoint or
+    ``save_to`` is written (sizes as :func:`~nvoffload.planner.cost.human_size`
+    writes them, budgets by their field names).
 
     Raises ValueError for a bad configuration or a text too short for one
     sequence, :class:`~nvoffload.memory.MemoryBudgetError` for budgets too
@@ -636,7 +653,7 @@ def finetune(
     torch.manual_seed(config.seed)
     joined = _join_ranks(config)
     try:
-        return _finetune(config, progress, on_step)
+        return _finetune(config, progress, on_step, on_message or (lambda line: None))
     finally:
         if joined:
             dist.destroy_process_group()
@@ -659,8 +676,11 @@ def _rank() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepStats], None] | None) -> FinetuneResult:
+def _finetune(
+    config: FinetuneConfig, progress: bool, on_step: Callable[[StepStats], None] | None, on_message: Callable[[str], None]
+) -> FinetuneResult:
     rank, world = _rank()
+    say = on_message if rank == 0 else lambda line: None
     if config.batch_size % world:
         raise ValueError(f"batch_size {config.batch_size} does not split evenly between {world} ranks")
     rows = slice(rank * config.batch_size // world, (rank + 1) * config.batch_size // world)  # this rank's part
@@ -704,17 +724,19 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
     bar = checkpoint_release = None
     try:
         _check_swap_space(config, shape, rows.stop - rows.start, seq_len, swap_dir)
-        if config.checkpoint_dir is not None and rank == 0:  # held until the run ends: a second run on it is refused
-            checkpoint_release = claim_checkpoint_directory(config.checkpoint_dir)  # created once every check passed
+        if config.checkpoint_dir is not None:  # held until the run ends: a second run on it is refused
+            checkpoint_release = _claim_checkpoint_directory(config.checkpoint_dir, rank, world)  # once every check passed
         with _host_budgets_named(config):
             model, opt = _build(config, swap_dir, hf)
         with opt, contextlib.ExitStack() as cleanup:
+            _check_saveable(model, config)
             result = FinetuneResult(config, sum(p.numel() for p in model.parameters()))
             session = opt.session
-            activations = contextlib.nullcontext()
+            offloaded = None
             if config.offload_activations and session is None:  # streaming sends them through the session
                 with _host_budgets_named(config):
-                    activations = cleanup.enter_context(contextlib.closing(offload_activations(swap_dir, host_memory_bytes=config.activation_memory_bytes)))
+                    offloaded = cleanup.enter_context(contextlib.closing(offload_activations(swap_dir, host_memory_bytes=config.activation_memory_bytes)))
+            activations = offloaded or contextlib.nullcontext()
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (config.warmup_steps + 1)))
             if progress and rank == 0:
                 from tqdm import tqdm
@@ -725,6 +747,9 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
             if config.dtype == "float16" and session is None:
                 scaler = torch.amp.GradScaler(dev.type)
             state = {"model": model, "optimizer": opt, "scheduler": sched, "grad_scaler": scaler}
+            staging = session.config.activation_bytes if session is not None else offloaded.config.host_bytes() if offloaded else 0
+            for line in header(config, result.num_parameters, seq_len, swap_dir, world, activation_staging_bytes=staging):
+                say(line)
             first = 1
             if config.resume:
                 latest = latest_training_checkpoint(config.checkpoint_dir)
@@ -738,8 +763,11 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                             " (--text and --data take different positions): resume with the data it was trained on"
                         ) from None
                     first = done.step + 1
+                    say(f"resumed from {done.path}: step {done.step} of {config.steps} done")
                     if bar is not None:
                         bar.update(done.step)
+                else:
+                    say(f"no checkpoint in {config.checkpoint_dir} to resume from: starting at step 1")
             log, drawn = None, -math.inf
             if config.metrics_dir is not None and rank == 0:
                 log = cleanup.enter_context(MetricsLog(config.metrics_dir, resume_step=first - 1 if first > 1 else None))
@@ -753,6 +781,9 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                     cleanup.callback(trace.stop)  # an error in the step ends the trace too (stop() again: no-op)
                     trace.start()
                 t0 = time.perf_counter()
+                if offloaded is not None:
+                    offloaded.reset_peaks()
+                    offloaded_before = offloaded.stats().bytes_written
                 total = torch.zeros((), device=dev)
                 lr = sched.get_last_lr()[0]
                 # Every micro-batch of the step first: the loss is the mean over all their targets. The batches
@@ -800,6 +831,10 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                     trace.stop(config.trace_path)
                 tokens = sum(b.input_ids.numel() for b in batches)
                 stats = _step_stats(step, total, tokens, time.perf_counter() - t0, opt, dev, lr=lr, grad_norm=norm)
+                if offloaded is not None:
+                    done_offloading = offloaded.stats()
+                    stats = dataclasses.replace(stats, activation_written_bytes=done_offloading.bytes_written - offloaded_before,
+                                                activation_held_bytes=done_offloading.peak_resident_bytes)  # fmt: skip
                 if eval_data is not None and (step == config.steps or (config.eval_every and step % config.eval_every == 0)):
                     ev = evaluate(model, eval_data.batches(config.batch_size), dev)  # on every rank, all of it
                     stats = dataclasses.replace(stats, eval_loss=ev.loss, eval_perplexity=ev.perplexity)
@@ -814,10 +849,11 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                 if config.checkpoint_dir is not None and (
                     step == config.steps or (config.save_every is not None and step % config.save_every == 0)
                 ):
-                    save_training_checkpoint(
+                    saved = save_training_checkpoint(
                         config.checkpoint_dir, step=step, extra={"data": data.state_dict()}, keep_last=config.keep_last,
                         **state,
                     )  # fmt: skip
+                    say(f"checkpoint of step {step} written: {saved.path}")
                     if log is not None and time.monotonic() - drawn >= _REDRAW_AFTER_S:
                         log.plot()
                         drawn = time.monotonic()
@@ -825,6 +861,7 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
                 result = dataclasses.replace(result, metrics_path=log.path, plot_path=log.plot())
             if config.save_to is not None and rank == 0:  # every rank holds the same weights
                 _save(model, opt, config.save_to, hf)
+                say(f"weights written to {config.save_to}")
     finally:
         if bar is not None:
             bar.close()
@@ -835,6 +872,59 @@ def _finetune(config: FinetuneConfig, progress: bool, on_step: Callable[[StepSta
         if checkpoint_release is not None:
             checkpoint_release()
     return result
+
+
+def header(
+    config: FinetuneConfig, num_parameters: int, seq_len: int, swap_dir: str, world: int = 1, *,
+    activation_staging_bytes: int = 0,
+) -> list[str]:  # fmt: skip
+    """What a run says before step 1: the model and its parameters, where parameters, optimizer state,
+    activations and gradients live, the budgets (by their field names; ``activation_staging_bytes``: the host
+    memory activation offload stages through) and the swap directory."""
+    ranks = f" over {world} ranks" if world > 1 else ""
+    what = config.model_dir if config.model_dir is not None else f"the {config.preset} preset"
+    dev = config.device
+    if config.stream:
+        placed = f"parameters on NVMe, streamed block by block through host memory to {dev}; gradients consumed during backward"
+        budgets = [f"cpu_memory_bytes {human_size(config.cpu_memory_bytes)} (optimizer staging and the block cache)",
+                   f"device_memory_bytes {human_size(config.device_memory_bytes)}"]  # fmt: skip
+    else:
+        placed = f"parameters and gradients on {dev}"
+        budgets = [f"cpu_memory_bytes {human_size(config.cpu_memory_bytes)} (optimizer staging)"]
+    if config.offload_activations:
+        budgets.append(f"activation_memory_bytes {human_size(activation_staging_bytes)}")
+    activations = "offloaded to NVMe" if config.offload_activations else f"on {dev}"
+    each = " (each rank its rank<r> subdirectory)" if world > 1 else ""
+    return [
+        f"model: {what}, {human_count(num_parameters)} parameters, {config.dtype}; {config.batch_size} x {seq_len}"
+        f" tokens x {config.grad_accum_steps} micro-batches a step{ranks}",
+        f"placement: {placed}; optimizer state (fp32 master and moments) on NVMe, updated by the CPU; activations"
+        f" {activations}",
+        "budgets: " + ", ".join(budgets),
+        f"swap directory: {swap_dir}{each}",
+    ]
+
+
+def _claim_checkpoint_directory(directory: str, rank: int, world: int) -> Callable[[], None] | None:
+    """Rank 0 claims ``directory`` for the run (:func:`~nvoffload.training_checkpoint.claim_checkpoint_directory`),
+    and returns its release (None on the other ranks); over several ranks every rank learns at once whether the
+    claim was refused, and all raise the same error (the others waited in the next collective until its timeout)."""
+    release = refusal = None
+    if rank == 0:
+        try:
+            release = claim_checkpoint_directory(directory)
+        except OSError as exc:
+            if world == 1:
+                raise
+            refusal = exc
+    if world > 1:
+        said = [None if refusal is None else (refusal.errno, refusal.strerror or str(refusal))]
+        dist.broadcast_object_list(said, src=0)
+        if refusal is not None:
+            raise refusal
+        if said[0] is not None:
+            raise OSError(*said[0])
+    return release
 
 
 _REDRAW_AFTER_S = 10.0  # a checkpoint redraws loss.png when it was drawn longer ago (drawing takes ~0.3 s)
@@ -894,7 +984,10 @@ def _postfix(s: StepStats, dev: torch.device) -> str:
     mib = 1 << 20
     device = f" device {s.device_bytes / mib:.0f}M" if s.device_bytes else ""
     evaluated = f" | eval {s.eval_loss:.3f}" if s.eval_loss is not None else ""
+    offloaded = ""
+    if s.activation_written_bytes is not None:
+        offloaded = f" | activations {human_size(s.activation_written_bytes)} to NVMe, {human_size(s.activation_held_bytes)} held"
     return (
         f"loss {s.loss:.3f}{evaluated} | {s.tokens_per_s:,.0f} tok/s |{device} cpu {s.host_rss_bytes / mib:.0f}M"
-        f" (held {s.host_held_bytes / mib:.0f}M) nvme {s.nvme_bytes / mib:.0f}M | io {s.io_gb_per_s:.2f} GB/s"
+        f" (held {s.host_held_bytes / mib:.0f}M) nvme {s.nvme_bytes / mib:.0f}M | io {s.io_gb_per_s:.2f} GB/s{offloaded}"
     )

@@ -211,3 +211,48 @@ def test_python_m_nvoffload_refuses_as_main_does(tmp_path, args, named):
     assert done.returncode == 2 and done.stdout == "", done
     assert done.stderr.startswith("nvoffload finetune: error: ") and done.stderr.count("\n") == 1 and named in done.stderr
     assert os.listdir(tmp_path) == ["swap"] and os.listdir(tmp_path / "swap") == []
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (["--stream", "--cpu-memory", "1M"], r"--cpu-memory must be at least \d+(\.\d+)?M: "),
+        (["--stream", "--device-memory", "64K"], r"--device-memory must be at least \d+(\.\d+)?[KM] \(resident "),
+        (["--cpu-memory", "100T"], r"--cpu-memory 100T is more than this machine's memory, \d+(\.\d+)?[GT]\n$"),
+    ],
+    ids=["cpu-memory-below-streaming", "device-memory-below-streaming", "cpu-memory-above-the-machine"],
+)  # fmt: skip
+def test_a_budget_refused_is_named_by_its_flag_with_a_size_it_takes(tmp_path, capsys, args, said):
+    """A budget too small or too large is said as the command line writes it (``--cpu-memory must be at least
+    163M``): it said ``cpu_memory_bytes must be at least 170917888 (163 MiB)``, or raw bytes after the flag."""
+    import re
+
+    (tmp_path / "swap").mkdir()
+    rc, out, err = _refusal(["finetune", "--preset", "tiny", "--steps", "1", "--no-progress", "--swap-dir",
+                             str(tmp_path / "swap"), *args], capsys)  # fmt: skip
+    assert rc == 2 and err.count("\n") == 1 and re.search(said, err), err
+    assert not re.search(r"_bytes|MiB|GiB", err), err  # no field name, no size but as the flags take it
+
+
+PLAN_CASES = [
+    ("batch-size", ["--batch-size", "0"], "--batch-size"),
+    ("grad-accum", ["--grad-accum", "0"], "--grad-accum"),
+    ("seq-len", ["--seq-len", "0"], "--seq-len"),
+    ("swap-dirs", ["--swap-dirs", "0"], "--swap-dirs"),
+    ("ranks", ["--ranks", "0"], "--ranks"),
+    ("cpu-memory", ["--cpu-memory", "lots"], "--cpu-memory"),
+    ("sizes", ["--sizes", "1,2"], "--sizes"),
+    ("dtype", ["--dtype", "int8"], "--dtype"),
+    ("unknown-flag", ["--batchsize", "8"], "--batchsize"),
+    ("profile-missing", ["--profile", "{root}/absent.json"], "{root}/absent.json"),
+    ("model-missing", ["--model", "{root}/absent"], "{root}/absent"),
+]
+
+
+@pytest.mark.parametrize("args,named", [c[1:] for c in PLAN_CASES], ids=[c[0] for c in PLAN_CASES])
+def test_a_bad_plan_command_line_is_one_line_naming_the_flag(tmp_path, capsys, args, named):
+    args = [a.replace(ROOT, str(tmp_path)) for a in args]
+    profile = [] if "--profile" in args else ["--profile", "h100-sxm-512g-4xgen4"]
+    rc, out, err = _refusal(["plan", *profile, *args], capsys)
+    assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("nvoffload plan: error: "), err
+    assert named.replace(ROOT, str(tmp_path)) in err and "_" not in err.replace(str(tmp_path), ""), err

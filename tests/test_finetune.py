@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -67,6 +68,9 @@ def _checkpoints(directory) -> list[str]:
 
 
 def test_cli_checkpoints_resume_and_refuse_an_unwritable_directory(tmp_path, capsys):
+    """The run says, in the command line's words, before step 1: the model and its parameters, where each part
+    lives, the budgets and the swap directory; then what --resume found, and each checkpoint and --save-to as it
+    is written. It said none of it."""
     swap = tmp_path / "swap"
     swap.mkdir()
     (tmp_path / "file").write_text("x")
@@ -74,13 +78,26 @@ def test_cli_checkpoints_resume_and_refuse_an_unwritable_directory(tmp_path, cap
     rc = main([*base, "--steps", "2", "--checkpoint-dir", str(tmp_path / "file" / "ckpt")])
     captured = capsys.readouterr()
     assert rc == 2 and captured.out == "" and "cannot write training checkpoints in" in captured.err  # no step ran
-    ckpt = tmp_path / "ckpt"
-    assert main([*base, "--steps", "3", "--checkpoint-dir", str(ckpt), "--save-every", "1", "--keep-last", "1"]) == 0
-    assert _checkpoints(ckpt) == ["checkpoint-3"]
-    capsys.readouterr()
+    ckpt, out_file = tmp_path / "ckpt", tmp_path / "out.safetensors"
+    header = [
+        "model: the tiny preset, 121K parameters, float32; 2 x 64 tokens x 1 micro-batches a step",
+        "placement: parameters and gradients on cpu; optimizer state (fp32 master and moments) on NVMe, updated by"
+        " the CPU; activations on cpu",
+        "budgets: --cpu-memory 64M (optimizer staging)",
+        f"swap directory: {swap}",
+    ]
+    assert main([*base, "--steps", "3", "--checkpoint-dir", str(ckpt), "--save-every", "1", "--keep-last", "1", "--resume",
+                 "--save-to", str(out_file)]) == 0  # fmt: skip
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("step ")]
+    assert lines[:9] == [*header, f"no checkpoint in {ckpt} to resume from: starting at step 1",
+                         *(f"checkpoint of step {s} written: {ckpt}/checkpoint-{s}" for s in (1, 2, 3)),
+                         f"weights written to {out_file}"]  # fmt: skip
+    assert lines[9].startswith("121K parameters, 3 steps: loss ")
+    assert _checkpoints(ckpt) == ["checkpoint-3"] and out_file.is_file()
     assert main([*base, "--steps", "5", "--checkpoint-dir", str(ckpt), "--resume"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("step 4:") and "step 5:" in out  # went on from step 3
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:5] == [*header, f"resumed from {ckpt}/checkpoint-3: step 3 of 5 done"]
+    assert [line.split(":")[0] for line in lines[5:8]] == ["step 4", "step 5", "checkpoint of step 5 written"]
     assert _checkpoints(ckpt) == ["checkpoint-3", "checkpoint-5"]
     assert main([*base, "--steps", "5", "--checkpoint-dir", str(ckpt), "--resume"]) == 0
     assert "nothing to do: the checkpoint" in capsys.readouterr().out
@@ -97,16 +114,22 @@ def test_finetune_loss_decreases_and_cleans_up(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "nvoffload") == []  # the run's swap file and lock are gone
 
 
-def test_default_swap_directory_is_reused_and_a_killed_runs_files_are_cleaned(tmp_path, monkeypatch):
+def _killed_runs_files(root) -> int:
+    """Make ``root`` the default swap directory a killed run left: its lock and a swap file; returns its pid."""
     import socket
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    root = tmp_path / "nvoffload"
     root.mkdir()
     with open("/proc/sys/kernel/pid_max") as f:
         dead = int(f.read()) + 1  # no process can have it
     (root / "nvoffload.lock").write_text(f"{dead} {socket.gethostname()}\n")
     (root / f"nvoffload-{dead}-0123456789ab.swap").write_bytes(b"\0" * 8192)
+    return dead
+
+
+def test_default_swap_directory_is_reused_and_a_killed_runs_files_are_cleaned(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    root = tmp_path / "nvoffload"
+    dead = _killed_runs_files(root)
     with pytest.warns(UserWarning, match=rf"removed 1 swap file\(s\) .* left by process {dead}"):
         finetune(FinetuneConfig(preset="tiny", steps=1, batch_size=2), progress=False)
     assert os.listdir(root) == []
@@ -127,10 +150,10 @@ def test_cli(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "stdout", Stdout())
     rc = main(["finetune", "--preset", "tiny", "--steps", "3", "--text", str(text), "--swap-dir", str(tmp_path),
                "--cpu-memory", "8M", "--no-progress"])  # fmt: skip
-    assert rc == 0 and len(printed) == 4
-    for i, (line, running) in enumerate(printed[:3], start=1):
+    assert rc == 0 and len(printed) == 4 + 4  # the header's lines, then the steps'
+    for i, (line, running) in enumerate(printed[4:7], start=1):
         assert line.startswith(f"step {i}: loss ") and "tok/s" in line and running
-    assert "3 steps: loss" in printed[3][0] and not printed[3][1]
+    assert "3 steps: loss" in printed[7][0] and not printed[7][1]
 
 
 def test_cli_missing_text_or_swap_dir(tmp_path, monkeypatch, capsys):
@@ -259,7 +282,9 @@ def test_cli_finetunes_a_hugging_face_directory(hf_dirs, tmp_path, capsys, kind,
     rc = main(["finetune", "--model", str(src), "--steps", "3", "--seq-len", "16", "--batch-size", "2", "--lr", "1e-2",
                "--warmup-steps", "0", "--swap-dir", str(swap), "--save-to", str(out), "--no-progress", *mode])  # fmt: skip
     printed = capsys.readouterr().out.splitlines()
-    assert rc == 0 and [line.split(":")[0] for line in printed[:3]] == ["step 1", "step 2", "step 3"]
+    assert rc == 0 and printed[0].startswith(f"model: {src}, ") and printed[3] == f"swap directory: {swap}"
+    assert [line.split(":")[0] for line in printed[4:7]] == ["step 1", "step 2", "step 3"]
+    assert printed[7] == f"weights written to {out}"
     assert os.listdir(swap) == [] and sorted(os.listdir(tmp_path)) == ["out", "swap"]
     dtype = torch.float16 if "float16" in mode else torch.float32
     with open(out / "config.json") as f:
@@ -342,7 +367,8 @@ def test_a_loss_that_is_not_finite_stops_the_run_naming_the_step_and_saves_nothi
     rc = main(["finetune", "--preset", "tiny", "--steps", "6", "--batch-size", "2", "--lr", "1e30", "--swap-dir",
                str(swap), "--checkpoint-dir", str(ckpt), "--save-every", "1", "--no-progress"])  # fmt: skip
     captured = capsys.readouterr()
-    assert rc == 2 and captured.out.splitlines()[0].startswith("step 1: loss 5.")
+    assert rc == 2 and captured.out.splitlines()[4].startswith("step 1: loss 5.")  # after the header's 4 lines
+    assert captured.out.splitlines()[5] == f"checkpoint of step 1 written: {ckpt}/checkpoint-1"
     assert "step 2:" not in captured.out and captured.err.count("\n") == 1
     assert captured.err.startswith("nvoffload finetune: error: the loss is nan at step 2: training stopped")
     assert latest_training_checkpoint(ckpt).step == 1 and not any(n.startswith("checkpoint-2") for n in os.listdir(ckpt))
@@ -391,11 +417,11 @@ def test_too_little_space_for_the_offloaded_activations_is_refused_before_anythi
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stdout == "", done
     assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"nvoffload finetune: error: swap directory {swap} needs")
-    assert "a micro-batch's offloaded activations (125829120 bytes)" in done.stderr  # 4 x 16 x 128 x (7 x 256 + 2 x 1024) x 4
+    assert "a micro-batch's offloaded activations (120M)" in done.stderr  # 4 x 16 x 128 x (7 x 256 + 2 x 1024) x 4 bytes
     assert os.listdir(tmp_path) == ["small"]
     # the same run without offloaded activations fits there
     done = subprocess.run([*prefix, sys.executable, "-m", "nvoffload", *argv], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.startswith("step 1: loss"), done.stderr[-2000:]
+    assert done.returncode == 0 and done.stdout.splitlines()[4].startswith("step 1: loss"), done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("mode", [[], ["--stream", "--cpu-memory", "256M"]], ids=["optimizer", "stream"])
@@ -419,7 +445,8 @@ def test_a_write_error_under_offloaded_activations_is_one_line_and_the_last_chec
 
     cmd = [sys.executable, "-m", "nvoffload", *argv, "--steps", "2", "--resume", "--offload-activations"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size)
-    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == f"resumed from {ckpt}/checkpoint-1: step 1 of 2 done"  # no step finished
     assert done.stderr.startswith("nvoffload finetune: error: writing saved activation #")
     assert "File too large" in done.stderr and f"{swap}/nvoffload-" in done.stderr
     assert os.listdir(swap) == [] and latest_training_checkpoint(ckpt).step == 1
@@ -468,6 +495,56 @@ def test_host_memory_refused_by_the_system_names_the_budget_and_what_is_availabl
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=limit_address_space)
     assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, done.stderr[-3000:]
     assert done.stderr.startswith(
-        "nvoffload finetune: error: cannot allocate the host memory asked, --cpu-memory 8589934592 (8 GiB): "
-    ) and "GiB is available" in done.stderr
+        "nvoffload finetune: error: cannot allocate the host memory asked, --cpu-memory 8G: "
+    ) and re.search(r": [\d.]+[KMGT] of this machine's [\d.]+G is available\n$", done.stderr)  # sizes as --cpu-memory takes them
     assert os.listdir(tmp_path) == []
+
+
+def test_a_warning_is_one_line_in_the_command_lines_words(tmp_path):
+    """What a killed run left in the default swap directory is cleaned with a warning: printed as
+    ``nvoffload finetune: warning: ...``, one line. It printed a raw ``UserWarning`` with a source line."""
+    import subprocess
+
+    root = tmp_path / "nvoffload"
+    dead = _killed_runs_files(root)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    cmd = [sys.executable, "-m", "nvoffload", "finetune", "--preset", "tiny", "--steps", "1", "--batch-size", "2", "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"nvoffload finetune: warning: {root}: removed 1 swap file(s) ") and f"process {dead}" in line
+    assert os.listdir(root) == []
+
+
+def test_offloaded_activations_are_reported_each_step(tmp_path, capsys):
+    """--offload-activations without --stream: the header names the staging memory and each step the bytes its
+    activations sent to NVMe and kept in memory. No figure was shown."""
+    rc = main(["finetune", "--preset", "tiny", "--steps", "2", "--batch-size", "2", "--swap-dir", str(tmp_path),
+               "--offload-activations", "--activation-memory", "4M", "--no-progress"])  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0 and lines[2] == "budgets: --cpu-memory 64M (optimizer staging), --activation-memory 4M"
+    assert "activations offloaded to NVMe" in lines[1]
+    for line in lines[4:6]:
+        assert re.search(r"\| activations \d+(\.\d+)?[KMG]?B? to NVMe, [1-9][\d.]*[KMG]B? held$", line), line
+
+
+@pytest.mark.parametrize("command", ["finetune", "plan", "calibrate"])
+def test_help_describes_every_option_and_its_default(command):
+    """Every option says what it does, and every option with a default says it (sizes as the flags take them);
+    each command has a description. --warmup-steps, --weight-decay and --seed had no text, --cpu-memory no
+    default, plan no description."""
+    import argparse
+
+    from nvoffload.cli import _subparser, build_parser
+
+    parser = _subparser(build_parser(), command)
+    assert parser.description
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        assert action.help, action.option_strings
+        if action.default not in (None, False, True, argparse.SUPPRESS) and "%(default)s" not in action.help:
+            assert "default" in action.help, (action.option_strings, action.help)
+    if command != "calibrate":
+        help_text = parser.format_help()
+        assert "(default 64M)" in help_text and "(default 1G)" in help_text

@@ -214,7 +214,7 @@ def test_plan_70b_on_an_8_gpu_server(capsys):
     out = capsys.readouterr().out
     assert "over 8 ranks (8 sequences each)" in out and "interconnect per step per rank: reduce-scatter" in out
     assert main([*args, "--cpu-memory", "300G"]) == 2  # more than a rank's 256 GB
-    assert f"host memory per rank: {301 << 30} bytes needed, {256 * 10**9} free" in capsys.readouterr().out  # and 1 GiB besides
+    assert "  - host memory per rank: 301G needed, 239G free: lower --cpu-memory\n" in capsys.readouterr().out  # and 1 GiB besides
     assert main([*args, "--cpu-memory", "224G", "--ranks", "0"]) == 2
     assert "ranks must be a positive int, got 0" in capsys.readouterr().err
 
@@ -282,3 +282,45 @@ def test_contention_fractions_are_checked():
     for bad in (0, 1.5, True, float("nan")):
         with pytest.raises(ValueError, match="compute_with_io must be a fraction"):
             MachineProfile(**{**raw, "compute_with_io": bad})
+
+
+def test_plan_takes_a_finetune_command_line_as_it_is(tmp_path, capsys):
+    """``nvoffload plan`` given ``finetune``'s flags verbatim: what does not change a step is accepted and ignored,
+    --swap-dir repeated counts the drives, and the step planned is the one those flags describe. It refused
+    ``--swap-dir DIR`` (argument --swap-dirs: invalid int value) and every flag but the budgets and the batch."""
+    finetune = ["--preset", "small", "--batch-size", "4", "--grad-accum", "2", "--seq-len", "64", "--dtype", "bfloat16",
+                "--cpu-memory", "96M", "--device-memory", "512M", "--stream", "--offload-activations",
+                "--activation-memory", "8M", "--max-grad-norm", "1", "--steps", "7", "--lr", "3e-4", "--warmup-steps", "2",
+                "--weight-decay", "0", "--seed", "3", "--text", str(tmp_path / "t.txt"), "--swap-dir", str(tmp_path / "a"),
+                "--swap-dir", str(tmp_path / "b"), "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "2",
+                "--keep-last", "1", "--resume", "--save-to", str(tmp_path / "out.safetensors"), "--device", "cpu",
+                "--no-progress", "--data", "chat", "--eval-every", "2", "--trace", str(tmp_path / "t.json")]  # fmt: skip
+    profile = "h100-sxm-512g-4xgen4"
+    assert main(["plan", *finetune, "--profile", profile, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    request = PlanRequest(ModelShape.from_preset("small"), batch_size=4, seq_len=64, grad_accum_steps=2, dtype="bfloat16",
+                          cpu_memory_bytes=96 << 20, device_memory_bytes=512 << 20, swap_dirs=2, stream=True,
+                          activations="offload", max_grad_norm=True)  # fmt: skip
+    assert got == plan(request, BUILTIN_PROFILES[profile]).to_dict()
+    assert os.listdir(tmp_path) == []  # nothing read or created
+    assert main(["plan", "--preset", "small", "--swap-dir", str(tmp_path), "--swap-dirs", "3", "--profile", profile, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["request"]["swap_dirs"] == 3  # --swap-dirs N says it outright
+
+
+def test_plan_prints_counts_and_sizes_a_person_reads(capsys):
+    """Parameters as 3.26M (it printed 0.00326B), bytes as the size flags take them (it printed 1.67e+03 GiB);
+    a request that does not fit says which flag to change and to what."""
+    assert main(["plan", "--preset", "small", "--profile", "h100-sxm-512g-4xgen4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("small: 3.26M parameters, 8 x 128 tokens x 1 micro-batches, float32\n")
+    assert "GiB" not in out and "e+" not in out and "e-0" not in out.split("engines:")[0]
+    assert main(["plan", "--model", "llama2-70b", "--profile", "h100-sxm-512g-4xgen4", "--cpu-memory", "100G",
+                 "--device-memory", "60G"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.startswith("llama2-70b: 69B parameters") and "nvme 1.76T" in out and "GiB" not in out
+    assert main(["plan", "--preset", "small", "--profile", "h100-sxm-512g-4xgen4", "--stream", "--cpu-memory", "1M",
+                 "--device-memory", "1M"]) == 2  # fmt: skip
+    reasons = capsys.readouterr().out.split("does not fit:\n")[1].splitlines()
+    assert reasons[0] == "  - the host budget left for parameter blocks (512K) holds fewer than three blocks of 3.02M:" \
+                         " raise --cpu-memory to at least 18.1M"  # fmt: skip
+    assert reasons[1].startswith("  - the device needs 28.8M (") and "more than --device-memory 1M: give --device-memory 28.8M" in reasons[1]

@@ -76,7 +76,7 @@ def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical
 
     done = subprocess.run(_command(tmp_path, "run", data, steps), capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    resumed_at = int(done.stdout.split(":")[0].removeprefix("step "))
+    resumed_at = int(next(line for line in done.stdout.splitlines() if line.startswith("step ")).split(":")[0].removeprefix("step "))
     assert 3 <= resumed_at <= steps  # it went on from a checkpoint at step 2 or later
     expected, actual = load_file(tmp_path / "ref.safetensors"), load_file(tmp_path / "run.safetensors")
     assert all(torch.equal(expected[k], actual[k]) for k in expected)

@@ -39,17 +39,41 @@ bandwidth NCCL reports, so a collective's time is its ring bytes per rank over i
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
 from nvoffload.planner.contention import overlapped_s
 from nvoffload.planner.profile import MachineProfile
 
-__all__ = ["ModelShape", "Plan", "PlanRequest", "block_flops", "plan"]
+__all__ = ["ModelShape", "Plan", "PlanRequest", "block_flops", "human_count", "human_size", "plan"]
 
 _OPTIMIZER_BYTES = 12  # fp32 master weights and two moments, per parameter, per generation
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _HOST_OVERHEAD_BYTES = 1 << 30  # the interpreter, torch and the I/O threads' buffers, besides the budgets
+
+
+def human_size(nbytes: int) -> str:
+    """``170917888`` -> ``"163M"``: a byte count as a person reads it and the command line takes it (K, M, G, T of
+    1024), three significant digits at most, rounded up (a size said to be needed is then enough)."""
+    for suffix, unit in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= unit:
+            break
+    else:
+        return f"{nbytes}B"
+    value = nbytes / unit
+    decimals = 0 if value >= 100 else 1 if value >= 10 else 2
+    text = f"{math.ceil(round(value * 10**decimals, 6)) / 10**decimals:.{decimals}f}"
+    return (text.rstrip("0").rstrip(".") if decimals else text) + suffix
+
+
+def human_count(n: int) -> str:
+    """``181248`` -> ``"181K"``, ``69e9`` -> ``"69B"``: a count (of parameters) in thousands, millions, billions,
+    three significant digits."""
+    for suffix, unit in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= unit:
+            return f"{n / unit:.3g}{suffix}"
+    return str(n)
 
 
 def block_flops(d_model: int, mlp_ratio: float, batch: int, seq: int, *, ffn: int | None = None, gated: bool = False) -> tuple[float, float]:
@@ -306,17 +330,17 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     if stream and stream_host < 3 * aligned_block:  # one block computing, one arriving, one read ahead
         need = int((3 * aligned_block + activation_host) / (1 - r.optimizer_memory_fraction)) + 1
         reasons.append(
-            f"the host budget left for parameter blocks ({stream_host} bytes) holds fewer than three blocks of"
-            f" {block_bytes} bytes: raise cpu_memory_bytes to at least {need}"
+            f"the host budget left for parameter blocks ({human_size(max(0, stream_host))}) holds fewer than three"
+            f" blocks of {human_size(block_bytes)}: raise cpu_memory_bytes to at least {human_size(need)}"
         )
     device_used = device_needs + kept_activations
     if device_used > r.device_memory_bytes:
         ways = [w for w, done in (("stream the parameters", stream), ("offload or recompute activations", kind != "keep")) if not done]
-        ways += [f"give device_memory_bytes={device_used}", "take a smaller batch or sequence"]
+        ways += [f"give device_memory_bytes {human_size(device_used)}", "take a smaller batch or sequence"]
         reasons.append(
-            f"the device needs {device_used} bytes ({'streamed blocks and resident parameters' if stream else 'weights and gradients'}"
-            f" {device_needs}, activations {kept_activations}), more than device_memory_bytes={r.device_memory_bytes}:"
-            f" {', or '.join(ways)}"
+            f"the device needs {human_size(device_used)} ({'streamed blocks and resident parameters' if stream else 'weights and gradients'}"
+            f" {human_size(device_needs)}, activations {human_size(kept_activations)}), more than device_memory_bytes"
+            f" {human_size(r.device_memory_bytes)}: {', or '.join(ways)}"
         )
     state = shard * _OPTIMIZER_BYTES
     kept_grads = shard * 4 if (stream and r.grad_accum_steps > 1) else 0
@@ -325,7 +349,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     host_used = r.cpu_memory_bytes + _HOST_OVERHEAD_BYTES + (0 if profile.device == "cuda" else device_used)
     if host_used > profile.host_memory_bytes:
         each = " per rank" if n > 1 else ""
-        reasons.append(f"host memory{each}: {host_used} bytes needed, {profile.host_memory_bytes} free: lower cpu_memory_bytes")
+        reasons.append(f"host memory{each}: {human_size(host_used)} needed, {human_size(profile.host_memory_bytes)} free: lower cpu_memory_bytes")
 
     # -- bytes moved per step
     g = r.grad_accum_steps
