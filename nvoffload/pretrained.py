@@ -39,11 +39,13 @@ import contextlib
 import copy
 import errno
 import json
+import math
 import os
 import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -51,8 +53,12 @@ from torch import nn
 from nvoffload._atomic_dir import fsync_path, new_sibling, put_in_place
 from nvoffload.checkpoint import SafetensorsWriter
 from nvoffload.streaming import state_tensors
+from nvoffload.streaming._hf_models import Index, stored_layout
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "build_meta_model", "check_save_directory", "save_pretrained", "saved_tensors"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES", "SavedTensor", "build_meta_model", "check_save_directory", "save_pretrained",
+    "saved_tensors",
+]  # fmt: skip
 
 DEFAULT_MAX_SHARD_BYTES = 50 * 10**9  # transformers' default max_shard_size ("50GB")
 WEIGHTS_NAME = "model.safetensors"
@@ -103,21 +109,43 @@ def check_save_directory(path: str | os.PathLike) -> str:
     return target
 
 
-def saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors :func:`save_pretrained` writes, by name, in ``state_dict()`` order, without reading them.
+class SavedTensor(NamedTuple):
+    """A tensor :func:`save_pretrained` writes: the model's parameter or buffer ``tensor``, whole, or the part of it
+    ``index`` selects (one expert's projection of a fused parameter, in the hub's layout)."""
+
+    tensor: torch.Tensor
+    index: Index = ()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.empty(self.tensor.shape, device="meta")[self.index].shape
+
+    def of(self, weights: torch.Tensor) -> torch.Tensor:
+        """This tensor's part of ``weights`` (the current weights of :attr:`tensor`), a view."""
+        return weights[self.index]
+
+
+def saved_tensors(model: nn.Module) -> dict[str, SavedTensor]:
+    """The tensors :func:`save_pretrained` writes, by name, in order, without reading them.
 
     ``state_dict()``'s entries (parameters and persistent buffers) less the
     model's ``_keys_to_ignore_on_save`` and, of each tied parameter, every name
     but one, chosen as ``transformers`` chooses: the names matching the
     ``_tied_weights_keys`` of the model's modules (e.g. ``lm_head.weight``) are
     dropped while another name remains; a model without them keeps the first name.
+    Under ``transformers`` 5, a model whose weights it converts on load is
+    written back as it saves it (:func:`~nvoffload.streaming._hf_models.stored_layout`):
+    a fused expert parameter (Qwen2-MoE's, Mixtral's ``experts.gate_up_proj``)
+    as one tensor per expert and projection (``experts.N.gate_proj.weight``, ...).
 
     Raises:
-        NotImplementedError: the model's weights are converted when
-            ``transformers`` loads them (a conversion mapping, as for Mixtral's
-            experts); writing them back in the stored layout is not supported.
+        ValueError: ``transformers`` converts the model's weights in another
+            way, which cannot be written back one tensor at a time.
     """
-    _refuse_weight_conversions(model)
     tensors = state_tensors(model)
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         tensors.pop(key, None)
@@ -131,7 +159,9 @@ def saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             continue
         keep = [n for n in names if not any(re.search(p, n) for p in patterns)] or [max(names)]
         dropped.update(n for n in names if n != keep[0])
-    return {name: t for name, t in tensors.items() if name not in dropped}
+    kept = {name: t for name, t in tensors.items() if name not in dropped}
+    layout = stored_layout(model, {name: t.shape for name, t in kept.items()})
+    return {stored: SavedTensor(kept[name], index) for stored, (name, index) in layout.items()}
 
 
 def save_pretrained(
@@ -174,8 +204,7 @@ def save_pretrained(
         OSError: the target cannot be written (see :func:`check_save_directory`),
             or an I/O error; nothing is left behind and an existing directory is
             untouched. Any error of ``read`` or ``extra`` likewise.
-        ValueError: ``max_shard_bytes`` is not a positive int.
-        NotImplementedError: see :func:`saved_tensors`.
+        ValueError: ``max_shard_bytes`` is not a positive int, or see :func:`saved_tensors`.
     """
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
@@ -191,8 +220,8 @@ def save_pretrained(
             shapes = {name: (tensors[name].dtype, tuple(tensors[name].shape)) for name in names}
             with SafetensorsWriter(os.path.join(tmp, filename), shapes, _METADATA) as writer:
                 for name in names:
-                    with read(tensors[name]) as weights:
-                        writer.write(name, weights)
+                    with read(tensors[name].tensor) as weights:
+                        writer.write(name, tensors[name].of(weights))
             if checksums is not None:
                 checksums[filename] = dict(writer.checksums)
         if len(shards) > 1:
@@ -260,8 +289,8 @@ def _as_is(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
     yield tensor.detach()
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _nbytes(t: torch.Tensor | SavedTensor) -> int:
+    return math.prod(t.shape) * t.dtype.itemsize
 
 
 def _tied_weight_patterns(model: nn.Module) -> list[str]:
@@ -272,23 +301,6 @@ def _tied_weight_patterns(model: nn.Module) -> list[str]:
         keys = tied.keys() if isinstance(tied, Mapping) else tied
         patterns += [f"{prefix}.{k}" if prefix else k for k in keys]
     return patterns
-
-
-def _refuse_weight_conversions(model: nn.Module) -> None:
-    conversions = getattr(model, "_weight_conversions", None)
-    if conversions is None and hasattr(model, "config") and hasattr(model, "can_generate"):
-        try:
-            from transformers.conversion_mapping import get_model_conversion_mapping
-            from transformers.core_model_loading import PrefixChange
-        except ImportError:  # transformers 4, or not installed: no conversion mappings
-            return
-        mapping = get_model_conversion_mapping(model, add_legacy=False)
-        conversions = [c for c in mapping if not isinstance(c, PrefixChange)]
-    if conversions:
-        raise NotImplementedError(
-            f"transformers converts {type(model).__name__}'s weights when it loads them ({conversions[0]!r}, ...):"
-            " writing them back in the stored layout, one tensor at a time, is not supported"
-        )
 
 
 def shard_files(nbytes: Mapping[str, int], max_shard_bytes: int, stem: str) -> dict[str, list[str]]:

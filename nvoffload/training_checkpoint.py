@@ -577,10 +577,10 @@ def _load_model(model: nn.Module, optimizer: torch.optim.Optimizer, model_dir: s
             weights = checks.verified(reader.file_of(name), name, reader.read(name))
             with torch.no_grad():
                 if writable is None:
-                    t.detach().copy_(weights)
+                    t.of(t.tensor.detach()).copy_(weights)
                 else:
-                    with writable(t) as target:
-                        target.copy_(weights)
+                    with writable(t.tensor) as target:
+                        t.of(target).copy_(weights)
 
 
 # -- integrity -------------------------------------------------------------------

@@ -235,13 +235,3 @@ def test_a_plain_module_gets_weights_only(tmp_path):
     tied[1].weight = tied[0].weight
     save_pretrained(tied, tmp_path / "tied")
     assert load_file(tmp_path / "tied").keys() == {"0.weight"}
-
-
-def test_models_whose_weights_transformers_converts_are_refused(tmp_path):
-    config = transformers.MixtralConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, num_local_experts=2, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    with pytest.raises(NotImplementedError, match="converts MixtralForCausalLM's weights"):
-        save_pretrained(AutoModelForCausalLM.from_config(config), tmp_path / "out")
-    assert os.listdir(tmp_path) == []

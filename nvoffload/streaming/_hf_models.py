@@ -5,7 +5,11 @@
 - :func:`default_init`: the model's own ``_init_weights``, for a ``PreTrainedModel``;
 - :func:`checkpoint_names`: a checkpoint's tensor names as the model names them
   (transformers' renamings, ``base_model_prefix`` added or stripped,
-  ``_keys_to_ignore_on_load_unexpected``).
+  ``_keys_to_ignore_on_load_unexpected``);
+- :func:`checkpoint_parts` and :func:`stored_layout`: under transformers 5, a
+  mixture of experts' per-expert tensors as parts of the fused parameters it
+  builds on load (``experts.N.up_proj.weight`` of ``experts.gate_up_proj``),
+  read and written back one tensor at a time from transformers' own mapping.
 
 Nothing here imports transformers for a model that is not a ``PreTrainedModel``
 (one exists only once transformers is imported): the library works without it.
@@ -17,12 +21,14 @@ import contextlib
 import copy
 import re
 import sys
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
-__all__ = ["checkpoint_names", "default_init", "rebuilt_buffers"]
+__all__ = ["Index", "checkpoint_names", "checkpoint_parts", "default_init", "rebuilt_buffers", "stored_layout"]
+
+Index = tuple[int | slice, ...]  # a part of a tensor: tensor[index]; () for the whole
 
 
 def _pretrained_model_class() -> type | None:
@@ -113,6 +119,156 @@ def _weight_transforms(model: nn.Module) -> tuple[list, list]:
     return renamings, [t for t in transforms if not isinstance(t, WeightRenaming)]
 
 
+def _saved_transforms(model: nn.Module) -> list:
+    """The transforms transformers reverts when it saves the model, chosen as its ``revert_weight_conversion``
+    chooses: those ``from_pretrained`` used, else the family's without legacy renamings and ``PrefixChange``."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+    except ImportError:  # transformers < 5: saved under the model's names
+        return []
+    used = getattr(model, "_weight_conversions", None)
+    if used is not None:
+        return list(used)
+    return [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, PrefixChange)]
+
+
+def _describe(conversion) -> str:
+    ops = list(getattr(conversion, "operations", []))
+    return f"{ops} of {conversion.source_patterns} into {conversion.target_patterns}"
+
+
+class _Fusion:
+    """One of transformers' conversions that stack the experts' tensors into one parameter (``MergeModulelist(dim=0)``),
+    then maybe concatenate projections (``Concatenate(dim=d)``, d >= 1: the hub's ``experts.N.gate_proj.weight``
+    and ``experts.N.up_proj.weight`` into ``experts.gate_up_proj``), as the part of the fused parameter each stored
+    tensor is, so that it is read and written one tensor at a time. Another conversion is ``supported`` False."""
+
+    def __init__(self, converter):
+        self.converter = converter
+        ops = list(getattr(converter, "operations", []))
+        kinds = [type(op).__name__ for op in ops]
+        self.concat_dim = ops[1].dim if kinds == ["MergeModulelist", "Concatenate"] else None
+        self.supported = (
+            kinds in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]) and ops[0].dim == 0
+            and len(converter.target_patterns) == 1 and all(p.count("*") == 1 for p in converter.source_patterns)
+            and (self.concat_dim is None or (self.concat_dim >= 1 and ops[1].num_shards_attribute is None))
+        )  # fmt: skip
+        try:
+            self.reverse = converter.reverse_transform()
+        except (NotImplementedError, ValueError):  # an op without an inverse: where it applies is not known
+            self.reverse = None
+
+    def index(self, shape: torch.Size, source: int, expert: int) -> Index:
+        """The part of the fused parameter (of ``shape``) that expert ``expert``'s tensor of pattern ``source`` is."""
+        if self.concat_dim is None:
+            return (expert,)
+        size = shape[self.concat_dim] // len(self.converter.source_patterns)
+        return (expert, *[slice(None)] * (self.concat_dim - 1), slice(source * size, (source + 1) * size))
+
+    def part(self, name: str) -> tuple[str, int, int] | None:
+        """The fused parameter's name, the source pattern and the expert of a stored tensor (named as after the
+        renamings of loading); None when the conversion does not apply to it."""
+        fused, matched = self.converter.rename_source_key(name)
+        if matched is None:
+            return None
+        expert = re.search(re.escape(matched).replace(r"\*", r"(\d+)"), name)
+        if expert is None:
+            raise ValueError(f"checkpoint tensor {name!r} matches {matched!r}, but names no expert by number")
+        return fused, self.converter.source_patterns.index(matched), int(expert.group(1))
+
+    def parts(self, model: nn.Module, name: str, shape: torch.Size) -> list[tuple[str, Index]] | None:
+        """The stored tensors (named as before the renamings of saving are reverted) that the parameter ``name`` of
+        ``shape`` is saved as, by source pattern, then expert; None when the conversion does not apply to it."""
+        matched = None if self.reverse is None else self.reverse.rename_source_key(name)[1]
+        if self.reverse is None or (matched is not None and not self.supported):
+            raise ValueError(
+                f"transformers saves {type(model).__name__} converted ({_describe(self.converter)}), and nvoffload"
+                f" cannot write it back one tensor at a time: save the state dict under the model's own names"
+                f" (optimizer.session.save_checkpoint, nvoffload.checkpoint.save_file) instead"
+            )
+        if matched is None:
+            return None
+        renamed = self.reverse.rename_source_key(name)[0]
+        first = self.reverse.target_patterns[0]
+        return [
+            (renamed.replace(first, pattern.replace("*", str(expert)), 1), self.index(shape, source, expert))
+            for source, pattern in enumerate(self.reverse.target_patterns)
+            for expert in range(shape[0])
+        ]
+
+
+def stored_layout(model: nn.Module, shapes: Mapping[str, torch.Size]) -> dict[str, tuple[str, Index]]:
+    """The names transformers saves a model's tensors (``shapes``: by state-dict name) under, each with the name of
+    the tensor it is (a part of) and the index of that part, in order (a fused parameter's parts in its place): its
+    conversions reverted (a fused expert parameter as one tensor per expert and projection, ``experts.gate_up_proj`` ->
+    ``experts.N.gate_proj.weight``, ``experts.N.up_proj.weight``), then its renamings (Mixtral's ``mlp`` ->
+    ``block_sparse_moe``). The identity (in order) for other models and under transformers 4.
+
+    Raises:
+        ValueError: transformers converts one of the tensors otherwise.
+    """
+    transforms = _saved_transforms(model) if _is_pretrained(model) else []
+    if not transforms:
+        return {name: (name, ()) for name in shapes}
+    from transformers.core_model_loading import WeightRenaming
+
+    transforms = transforms[::-1]  # reverted in the opposite order
+    renamings = [t.reverse_transform() for t in transforms if isinstance(t, WeightRenaming)]
+    fusions = [_Fusion(t) for t in transforms if not isinstance(t, WeightRenaming)]
+    layout = {}
+    for name in shapes:
+        parts = next((p for p in (f.parts(model, name, shapes[name]) for f in fusions) if p is not None), [(name, ())])
+        layout.update((_renamed(stored, renamings), (name, index)) for stored, index in parts)
+    return layout
+
+
+def _renamed(name: str, renamings: list) -> str:
+    for renaming in renamings:
+        name = renaming.rename_source_key(name)[0]
+    return name
+
+
+def _with_prefix(name: str, names: Collection[str], prefix: str) -> str | None:
+    """``name``, or it with the ``base_model_prefix`` stripped or added, whichever is among ``names``; else None."""
+    if name in names:
+        return name
+    if prefix:
+        for prefixed in (name.removeprefix(prefix + "."), f"{prefix}.{name}"):
+            if prefixed in names:
+                return prefixed
+    return None
+
+
+def checkpoint_parts(
+    model: nn.Module, tensors: Mapping[str, torch.Tensor]
+) -> Callable[[str], tuple[str, Index] | None]:
+    """A function giving, for a checkpoint tensor that transformers fuses into one of the model's parameters on load
+    (an expert's projection: ``experts.3.up_proj.weight`` of ``experts.gate_up_proj``), that parameter's state-dict
+    name (among ``tensors``, by name) and the index of its part; None for any other tensor (see
+    :func:`checkpoint_names`)."""
+    if not _is_pretrained(model):
+        return lambda key: None
+    renamings, conversions = _weight_transforms(model)
+    fusions = [f for f in map(_Fusion, conversions) if f.supported]
+    prefix = model.base_model_prefix
+
+    def part(key: str) -> tuple[str, Index] | None:
+        name = _renamed(key, renamings)
+        for fusion in fusions:
+            found = fusion.part(name)
+            if found is None:
+                continue
+            fused, source, expert = found
+            fused = _with_prefix(fused, tensors, prefix)
+            if fused is None or expert >= tensors[fused].shape[0]:
+                return key, ()  # unexpected
+            return fused, fusion.index(tensors[fused].shape, source, expert)
+        return None
+
+    return part
+
+
 def checkpoint_names(model: nn.Module, names: Collection[str]) -> Callable[[str], str | None]:
     """A function giving the model's state-dict name for a checkpoint tensor's name, as transformers matches them
     for a ``PreTrainedModel`` (the identity for any other model).
@@ -135,23 +291,17 @@ def checkpoint_names(model: nn.Module, names: Collection[str]) -> Callable[[str]
     ignored = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
 
     def model_name(key: str) -> str | None:
-        name = key
-        for renaming in renamings:
-            name = renaming.rename_source_key(name)[0]
+        name = _renamed(key, renamings)
         for conversion in conversions:
-            matched = conversion.rename_source_key(name)[1]
-            if matched is not None:
+            if conversion.rename_source_key(name)[1] is not None:
                 raise ValueError(
-                    f"checkpoint tensor {key!r} is converted by transformers ({type(conversion).__name__} of "
-                    f"{matched!r}), which checkpoint= cannot do one tensor at a time: write a checkpoint with the "
-                    "model's own state-dict names (e.g. nvoffload.checkpoint.SafetensorsWriter)"
+                    f"checkpoint tensor {key!r} is converted by transformers ({_describe(conversion)}), which "
+                    "checkpoint= cannot do one tensor at a time: write a checkpoint with the model's own state-dict"
+                    " names (e.g. nvoffload.checkpoint.SafetensorsWriter)"
                 )
-        if name in names:
-            return name
-        if prefix:
-            for prefixed in (name.removeprefix(prefix + "."), f"{prefix}.{name}"):
-                if prefixed in names:
-                    return prefixed
+        found = _with_prefix(name, names, prefix)
+        if found is not None:
+            return found
         return None if ignored is not None and ignored.search(key) else name
 
     return model_name

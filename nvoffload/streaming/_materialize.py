@@ -10,7 +10,9 @@ from torch import nn
 
 from nvoffload.streaming._blocks import Block, state_tensors
 from nvoffload.streaming._hf_models import (
+    Index,
     checkpoint_names,
+    checkpoint_parts,
     default_init,
     rebuilt_buffers,
 )
@@ -125,8 +127,9 @@ class Materializer:
                 "that initializes every parameter, or a checkpoint that holds them"
             )
 
-    def _plan_checkpoint(self) -> dict[torch.Tensor, str]:
-        """The checkpoint tensor to read for each parameter and buffer, checked before anything is read."""
+    def _plan_checkpoint(self) -> dict[torch.Tensor, list[tuple[str, Index]]]:
+        """The checkpoint tensors to read for each parameter and buffer (one, whole; or a fused expert parameter's
+        parts, see :func:`~nvoffload.streaming._hf_models.checkpoint_parts`), checked before anything is read."""
         ckpt = self._checkpoint
         tensors = state_tensors(self.model)
         first_names: dict[torch.Tensor, str] = {}
@@ -138,24 +141,31 @@ class Materializer:
                 )
             first_names.setdefault(t, name)
         model_name = checkpoint_names(self.model, tensors.keys())
-        sources, unexpected = {}, []
+        part_of = checkpoint_parts(self.model, tensors)
+        sources: dict[torch.Tensor, list[tuple[str, Index]]] = {}
+        unexpected = []
         for key in ckpt.keys():
-            name = model_name(key)
+            name, index = part_of(key) or (model_name(key), ())
             if name is None:  # a tensor the model ignores
                 continue
             t = tensors.get(name)
             if t is None:
                 unexpected.append(key)
                 continue
-            if not t.is_meta or t in sources:  # a buffer the model computed itself, or a tie read already
-                continue
-            shape = tuple(ckpt.info(key).shape)
-            if shape != tuple(t.shape):
+            if not t.is_meta or repr(index) in map(repr, (i for _, i in sources.get(t, ()))):
+                continue  # a buffer the model computed itself, or a tie (or part) read already
+            shape, part = tuple(ckpt.info(key).shape), tuple(t[index].shape)
+            if shape != part:
                 raise ValueError(
-                    f"checkpoint tensor {key!r} has shape {shape}, the model's {name} has {tuple(t.shape)}"
+                    f"checkpoint tensor {key!r} has shape {shape}, the model's {name}{list(index) if index else ''}"
+                    f" has {part}"
                 )
-            sources[t] = key
-        missing = [name for t, name in first_names.items() if t.is_meta and t not in sources]
+            sources.setdefault(t, []).append((key, index))
+        missing = [
+            name if t not in sources else f"{name} (parts of it)"
+            for t, name in first_names.items()
+            if t.is_meta and (t not in sources or sum(t[i].numel() for _, i in sources[t]) < t.numel())
+        ]
         if missing or unexpected:
             raise KeyError(
                 "the checkpoint does not match the model: "
@@ -168,13 +178,13 @@ class Materializer:
         return sources
 
     def _read_checkpoint(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
-        name = self._sources[tensor]
-        stored = self._checkpoint.info(name).dtype
-        if stored == out.dtype and out.device.type == "cpu":
-            self._checkpoint.read(name, out=out)
-        else:
-            with torch.no_grad():
-                out.copy_(self._checkpoint.read(name).view(out.shape))
+        for name, index in self._sources[tensor]:
+            part = out[index]
+            if self._checkpoint.info(name).dtype == part.dtype and part.device.type == "cpu" and part.is_contiguous():
+                self._checkpoint.read(name, out=part)
+            else:
+                with torch.no_grad():
+                    part.copy_(self._checkpoint.read(name).view(part.shape))
 
     def _fill_buffers(self) -> None:
         """Give buffers built on the meta device memory: their checkpoint values, or the rebuilt ones."""
