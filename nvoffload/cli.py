@@ -127,7 +127,7 @@ def _run_options(p: argparse.ArgumentParser, *, plan: bool) -> None:
         p.add_argument("--offload-activations", action=argparse.BooleanOptionalAction, default=None, help="offload activations (default: the planner decides between keeping, offloading and recomputing them)")
     else:
         p.add_argument("--offload-activations", action="store_true", help="send the activations saved for backward to NVMe")
-    p.add_argument("--activation-memory", dest="activation_memory_bytes", type=_size, default=None, metavar="SIZE", help="with --offload-activations: host memory staging their transfers, at least twice the largest saved tensor (default: with --stream an eighth of --cpu-memory, else 512M)")
+    p.add_argument("--activation-memory", dest="activation_memory_bytes", type=_size, default=None, metavar="SIZE", help="with --offload-activations: host memory staging their transfers (a saved tensor larger than half of it moves in pieces) (default: with --stream an eighth of --cpu-memory, else 512M)")
     p.add_argument("--init-from", default=None, help="safetensors checkpoint (file, shard directory or index .json) of the preset's model to start from")
     p.add_argument("--save-to", default=None, help="write the fine-tuned weights there: a safetensors file for a preset; for --model a Hugging Face directory (sharded safetensors, config.json, tokenizer), replaced atomically. Checked for writing before training")
     p.add_argument("--checkpoint-dir", default=None, help="write training checkpoints there (weights, optimizer state, scheduler, RNG, position in the data; atomic, the last --keep-last kept), after the last step and every --save-every steps. Checked for writing before training")

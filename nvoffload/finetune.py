@@ -152,9 +152,10 @@ class FinetuneConfig:
             the other parameters and gradients in flight.
         offload_activations: send the activations saved for backward to NVMe.
         activation_memory_bytes: with ``offload_activations``, the host memory
-            staging their transfers (at least twice the largest saved tensor);
-            None: with ``stream`` an eighth of ``cpu_memory_bytes`` (taken from
-            it), otherwise the offload's own default.
+            staging their transfers (a saved tensor larger than half of it
+            moves through it in pieces); None: with ``stream`` an eighth of
+            ``cpu_memory_bytes`` (taken from it), otherwise the offload's own
+            default.
         init_from: a safetensors checkpoint (file, directory of shards or
             ``*.index.json``) of the preset's model to start from.
         save_to: write the fine-tuned weights there: a safetensors file for a

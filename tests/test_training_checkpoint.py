@@ -243,7 +243,7 @@ def test_a_resume_with_nothing_to_do_prunes_to_keep_last_and_removes_what_a_kill
     with pytest.warns(UserWarning, match=r"removed 2 partial checkpoint\(s\) left by a run killed while saving"):
         result = finetune(FinetuneConfig(**kw, keep_last=1, resume=True), progress=False)
     assert result.steps == []  # nothing to do
-    assert sorted(os.listdir(root)) == ["checkpoint-3"]
+    assert sorted(n for n in os.listdir(root) if "checkpoint" in n) == ["checkpoint-3"]  # beside the run's metrics
 
 
 _HOLD = """
