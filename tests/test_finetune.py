@@ -548,3 +548,38 @@ def test_help_describes_every_option_and_its_default(command):
     if command != "calibrate":
         help_text = parser.format_help()
         assert "(default 64M)" in help_text and "(default 1G)" in help_text
+
+
+def test_a_checkpoint_directory_held_by_another_run_stops_every_rank_at_once(tmp_path):
+    """Two gloo ranks (plain processes, as torchrun starts them, without torchrun stopping the others when one
+    ends) on a --checkpoint-dir that a live run holds: rank 0's claim is refused, and every rank ends with that
+    same one-line error. Rank 1 went on into the next collective, not told: a gloo traceback ("Connection closed
+    by peer") once rank 0's process ended, a wait until the timeout (600 s) while it lived."""
+    import socket
+    import subprocess
+
+    from nvoffload.training_checkpoint import claim_checkpoint_directory
+
+    ckpt = tmp_path / "ckpt"
+    release = claim_checkpoint_directory(ckpt)  # this process is the live run that holds it
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}  # fmt: skip
+    cmd = [sys.executable, "-m", "nvoffload", "finetune", "--preset", "tiny", "--steps", "1", "--batch-size", "2",
+           "--no-progress", "--checkpoint-dir", str(ckpt)]  # fmt: skip
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]  # fmt: skip
+    try:
+        ended = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        release()
+    errors = [[line for line in err.splitlines() if "error:" in line] for _, err in ended]
+    said = f"nvoffload finetune: error: checkpoint directory {ckpt} is in use by process {os.getpid()} on "
+    assert len(errors[0]) == 1 and errors[0][0].startswith(said), ended[0][1][-3000:]
+    assert errors[1] == errors[0], ended[1][1][-3000:]
+    assert all(p.returncode != 0 for p in procs) and "step 1" not in ended[0][0] + ended[1][0]
