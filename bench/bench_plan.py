@@ -7,9 +7,10 @@ alone (the model on the device, its AdamW state on NVMe) and streaming (all thre
 activation offload on and off, two batch sizes. Each runs ``--steps`` steps after one warm-up step; the
 median step is compared.
 
-Then ``nvoffload finetune`` commands as a user runs them (``--plan auto``, the profile just measured),
-each beside ``nvoffload plan`` given the same model, batch and memory flags: the plan's step time against
-the median of the tokens/s that ``finetune`` printed for its steps after the first.
+Then ``nvoffload finetune`` commands as a user runs them (some with ``--plan auto`` and the profile just
+measured), each beside ``nvoffload plan`` given the same flags verbatim: the plan's step time against the
+median of the tokens/s that ``finetune`` printed for its steps after the first. The ``small`` preset
+(3.3M parameters) optimizer only and streamed with activation offload, and GPT-2 124M (not with --quick).
 
     python bench/bench_plan.py            # calibrate (about 40 s), then the configurations
     python bench/bench_plan.py --quick    # smaller sizes: a smoke run
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -66,33 +68,44 @@ def cases(quick: bool) -> list[Case]:
 
 
 def finetune_commands(quick: bool) -> dict[str, list[str]]:
-    """Model, batch and memory flags of ``nvoffload finetune`` commands, given to ``nvoffload plan`` as they are."""
+    """``nvoffload finetune`` commands' flags, given to ``nvoffload plan`` as they are."""
+    small = {
+        "finetune small, optimizer only": ["--preset", "small", "--batch-size", "8"],
+        "finetune small, streamed, activations offloaded": ["--preset", "small", "--batch-size", "8", "--stream",
+                                                            "--offload-activations", "--cpu-memory", "64M"],
+    }  # fmt: skip
     if quick:
-        return {"finetune tiny": ["--preset", "tiny", "--batch-size", "2", "--cpu-memory", "16M", "--device-memory", "64M"]}
-    gpt2 = ["--preset", "gpt2-124m", "--seq-len", "128", "--batch-size", "4"]
+        tiny = ["--preset", "tiny", "--batch-size", "2", "--cpu-memory", "16M", "--device-memory", "64M", "--plan", "auto"]
+        return {"finetune tiny": tiny, **small}
+    gpt2 = ["--preset", "gpt2-124m", "--seq-len", "128", "--batch-size", "4", "--plan", "auto"]
     return {
+        **small,
         "finetune gpt2-124m, 4G device": [*gpt2, "--cpu-memory", "256M", "--device-memory", "4G"],
         "finetune gpt2-124m, 512M device": [*gpt2, "--cpu-memory", "512M", "--device-memory", "512M"],
     }
 
 
 def finetune_vs_plan(flags: list[str], profile_path: str, swap: str, steps: int, device: str) -> tuple[dict, float]:
-    """``nvoffload plan`` of ``flags`` (its JSON, for the profile's device), and the median tokens/s that
-    ``nvoffload finetune`` with the same flags (and ``--plan auto``) printed on ``device`` for its steps after
-    the first."""
+    """``nvoffload plan`` of the ``finetune`` command line ``flags`` (its JSON, for the profile's device), and
+    the median tokens/s that ``nvoffload finetune`` with the same flags printed on ``device`` for its steps
+    after the first."""
     nvoffload_cli = [sys.executable, "-m", "nvoffload"]
-    planned = subprocess.run([*nvoffload_cli, "plan", *flags, "--profile", profile_path, "--json"],
-                             capture_output=True, text=True, check=True)  # fmt: skip
-    ran = subprocess.run(
-        [*nvoffload_cli, "finetune", *flags, "--plan", "auto", "--profile", profile_path, "--steps", str(steps + 1),
-         "--swap-dir", swap, "--device", device, "--no-progress"], capture_output=True, text=True,
-    )  # fmt: skip
+    flags = [*flags, "--steps", str(steps + 1), "--swap-dir", swap, "--device", device, "--no-progress"]
+    profile = ["--profile", profile_path]
+    planned = subprocess.run([*nvoffload_cli, "plan", *flags, *profile, "--json"], capture_output=True, text=True)
+    if planned.returncode != 0:
+        raise RuntimeError(f"nvoffload plan {' '.join(flags)} does not fit:\n{planned.stdout[-3000:]}{planned.stderr[-3000:]}")
+    planned = json.loads(planned.stdout)
+    if "--plan" not in flags and (planned["stream"], planned["activations"]) != ("--stream" in flags, "offload" if "--offload-activations" in flags else "keep"):
+        raise RuntimeError(f"nvoffload plan chose another run than finetune {' '.join(flags)} starts: {planned['placement']}")
+    ran = subprocess.run([*nvoffload_cli, "finetune", *flags, *(profile if "--plan" in flags else [])],
+                         capture_output=True, text=True)  # fmt: skip
     if ran.returncode != 0:
         raise RuntimeError(f"nvoffload finetune {' '.join(flags)} failed:\n{ran.stderr[-3000:]}")
     tokens_per_s = [float(m.replace(",", "")) for m in re.findall(r"\| ([\d,.]+) tok/s", ran.stdout)]
     if len(tokens_per_s) != steps + 1:
         raise RuntimeError(f"expected {steps + 1} step lines from finetune, got:\n{ran.stdout[-3000:]}")
-    return json.loads(planned.stdout), statistics.median(tokens_per_s[1:])
+    return planned, statistics.median(tokens_per_s[1:])
 
 
 def measure(case: Case, cfg: GPTConfig, swap: str, steps: int, device_memory_bytes: int, device: str) -> float:
@@ -147,6 +160,7 @@ def main(argv=None) -> Path:
     shape = ModelShape("bench", cfg.n_layer, cfg.d_model, cfg.n_head, cfg.mlp_ratio * cfg.d_model, cfg.vocab_size, cfg.seq_len)
     device_memory_bytes = 256 * MiB
     rows, commands = [], []
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap:
         profile = calibrate([swap], device=args.device, quick=args.quick)
         for case in cases(args.quick):
@@ -165,13 +179,14 @@ def main(argv=None) -> Path:
             planned, tokens_per_s = finetune_vs_plan(flags, profile_path, swap, 2 if args.quick else args.steps, args.device)
             label = f"{name}: stream {planned['stream']}, activations {planned['activations']}"
             rows.append(row(label, planned, tokens_per_step(planned) / tokens_per_s))
-            commands.append(f"{label}: `nvoffload finetune {' '.join(flags)} --device {args.device} --plan auto`")
+            commands.append(f"{label}: `nvoffload finetune {' '.join(flags)} --device {args.device}`")
             print(rows[-1], flush=True)
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
+    load = f"Load average (1 minute) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores."
     notes = (
         f"GPT d_model {cfg.d_model}, {cfg.n_layer} layers, seq {cfg.seq_len}, fp32 ({shape.params / 1e6:.1f}M parameters)."
         f" Profile calibrated in this run: {profile.source}. Worst ratio {worst['ratio']:.3f} ({worst['case']});"
-        f" every ratio within 15%: {all(abs(r['ratio'] - 1) <= 0.15 for r in rows)}.\n\n"
+        f" every ratio within 15%: {all(abs(r['ratio'] - 1) <= 0.15 for r in rows)}. {load}\n\n"
         + "\n".join(f"- {c}" for c in commands)
     )
     return save_report(
