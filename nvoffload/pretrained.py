@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import functools
 import json
 import math
 import os
@@ -54,6 +55,7 @@ from nvoffload._atomic_dir import fsync_path, new_sibling, put_in_place
 from nvoffload.checkpoint import SafetensorsWriter
 from nvoffload.streaming import state_tensors
 from nvoffload.streaming._hf_models import Index, stored_layout
+from nvoffload.streaming._peft import PeftView
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES", "SavedTensor", "build_meta_model", "check_save_directory", "save_pretrained",
@@ -63,7 +65,9 @@ __all__ = [
 DEFAULT_MAX_SHARD_BYTES = 50 * 10**9  # transformers' default max_shard_size ("50GB")
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-_MARKERS = ("config.json", WEIGHTS_NAME, INDEX_NAME)  # an existing directory holding one of these may be replaced
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # PEFT's adapter directory
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+_MARKERS = ("config.json", WEIGHTS_NAME, INDEX_NAME, ADAPTER_CONFIG_NAME)  # a directory holding one may be replaced
 _METADATA = {"format": "pt"}
 
 
@@ -172,8 +176,14 @@ def save_pretrained(
     read: Callable[[torch.Tensor], AbstractContextManager[torch.Tensor]] | None = None,
     extra: Callable[[str], object] | None = None,
     checksums: dict[str, dict[str, int]] | None = None,
+    merged: bool = False,
 ) -> list[str]:
     """Write ``model`` as a Hugging Face model directory, one tensor in memory at a time, atomically.
+
+    A PEFT model (``peft.get_peft_model``) is written as PEFT writes its active adapter
+    (``adapter_model.safetensors`` and ``adapter_config.json``, which ``PeftModel.from_pretrained``
+    loads over the base model), or, with ``merged``, as its base model with the LoRA adapter merged
+    into the weights (what ``merge_and_unload().save_pretrained`` writes).
 
     Args:
         model: any ``nn.Module``; a ``transformers`` model also gets its
@@ -196,6 +206,7 @@ def save_pretrained(
         extra: called with the temporary directory before it is put in place,
             to add files (e.g. ``tokenizer.save_pretrained``).
         checksums: filled, when given, with ``{file name: {tensor name: CRC-32C of its bytes}}``.
+        merged: for a PEFT model, write the base model with the adapter merged instead of the adapter.
 
     Returns:
         The names of the files written, sorted.
@@ -209,11 +220,23 @@ def save_pretrained(
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     target = check_save_directory(save_directory)
-    tensors = saved_tensors(model)
+    read = read if read is not None else _as_is
+    peft = PeftView.of(model)
+    if merged and peft is None:
+        raise ValueError(f"merged=True merges a PEFT model's adapter into its base model; this {type(model).__name__} has none")
+    save_configs = functools.partial(_save_configs, model)
+    if peft is not None and not merged:  # the adapter, in the one file PEFT reads
+        tensors = {name: SavedTensor(t) for name, t in peft.adapter_state().items()}
+        shards, save_configs = {ADAPTER_WEIGHTS_NAME: list(tensors)}, peft.save_config
+    else:
+        if peft is not None:  # the base model's tensors under its own names, the adapter merged into them
+            read, model, save_configs = peft.merging(read), peft.base, functools.partial(_save_configs, peft.base)
+            tensors = {peft.base_name(peft.prefix + n): t for n, t in saved_tensors(model).items() if t.tensor not in peft.adapters}
+        else:
+            tensors = saved_tensors(model)
+        shards = shard_files({name: _nbytes(t) for name, t in tensors.items()}, max_shard_bytes, "model")
     if not tensors:
         raise ValueError(f"{type(model).__name__} has no parameters or buffers to save")
-    shards = shard_files({name: _nbytes(t) for name, t in tensors.items()}, max_shard_bytes, "model")
-    read = read if read is not None else _as_is
     tmp = new_sibling(target, "tmp")
     try:
         for filename, names in shards.items():
@@ -234,7 +257,7 @@ def save_pretrained(
             }
             with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
                 f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _save_configs(model, tmp)
+        save_configs(tmp)
         if extra is not None:
             extra(tmp)
         written = sorted(os.listdir(tmp))

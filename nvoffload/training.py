@@ -200,16 +200,17 @@ class OffloadSession:
 
     def save_pretrained(
         self, save_directory: str | os.PathLike, *, max_shard_bytes: int | None = None,
-        extra: Callable[[str], object] | None = None,
+        extra: Callable[[str], object] | None = None, merged: bool = False,
     ) -> list[str]:  # fmt: skip
         """Write the model as a Hugging Face directory (sharded safetensors, index, ``config.json``), one tensor
         in memory at a time, atomically: see :func:`nvoffload.pretrained.save_pretrained` (``max_shard_bytes``
         None: its default, 50 GB; ``extra``: called with the new directory to add files, e.g. a tokenizer's
-        ``save_pretrained``). Call it after ``optimizer.step()``, not while updates are in flight."""
+        ``save_pretrained``). A PEFT model writes its adapter as PEFT does, or with ``merged`` its base model with
+        the adapter merged. Call it after ``optimizer.step()``, not while updates are in flight."""
         from nvoffload.pretrained import DEFAULT_MAX_SHARD_BYTES, save_pretrained
 
         return save_pretrained(
-            self.streamer.model, save_directory, read=self.streamer.weights_of, extra=extra,
+            self.streamer.model, save_directory, read=self.streamer.weights_of, extra=extra, merged=merged,
             max_shard_bytes=DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes,
         )  # fmt: skip
 
@@ -415,6 +416,9 @@ def initialize(
             opt.abandon_step()
         elif opt.updates_queued:
             opt.synchronize()
+        if opt.session is not None:  # parameters unfrozen since the last forward train from this one on
+            opt.session.streamer.follow_requires_grad()
+            opt.follow_requires_grad()
 
     session._handles.append(model.register_forward_pre_hook(settle))
     if activations is not None:

@@ -416,7 +416,9 @@ def test_compute_waits_for_each_blocks_copy(slow_streamer, monkeypatch, wait):
 
 def train_step_in_order(streamer, model, ref, cfg, monkeypatch) -> tuple[list, list]:
     """One forward and backward of ``model``, checked against ``ref``; the order in which the forward and the
-    backward issued each block's copy to the device ("copy", i) and ran each block ("forward"/"backward", i)."""
+    backward issued each block's copy to the device ("copy", i) and ran each block ("forward", i: its forward
+    begins; "backward", i: its backward ended: the streamer's per-call backward hooks run inside a module's own,
+    so a module backward pre-hook would come before the streamer's)."""
     log = []
     to_device = streamer.transfer.to_device
 
@@ -426,9 +428,9 @@ def train_step_in_order(streamer, model, ref, cfg, monkeypatch) -> tuple[list, l
 
     monkeypatch.setattr(streamer.transfer, "to_device", logged)  # blocks are all cached: the hooks issue the copies
     handles = []
-    for i, block in enumerate(model.blocks):  # after the streamer's hooks
+    for i, block in enumerate(model.blocks):  # after the streamer's forward hooks; backward: when the block is done
         handles.append(block.register_forward_pre_hook(lambda *_, i=i: log.append(("forward", i))))
-        handles.append(block.register_full_backward_pre_hook(lambda *_, i=i: log.append(("backward", i))))
+        handles.append(block.register_full_backward_hook(lambda *_, i=i: log.append(("backward", i))))
     x, y = batch(cfg, 0)
     loss = model(x, y)
     end_of_forward = len(log)

@@ -198,11 +198,13 @@ class Layout:
         return numel
 
     def _owned_numels(self) -> list[int]:
+        """The owned elements of each parameter that requires grad (a frozen one gets no state)."""
         params = [p for g in self._groups for p in g["params"]]
-        return [hi - lo for lo, hi in (self.owned(i, p.numel()) for i, p in enumerate(params))]
+        return [hi - lo for i, p in enumerate(params) if p.requires_grad for lo, hi in [self.owned(i, p.numel())]]
 
     def state_bytes(self) -> int:
-        """Store bytes of one generation of the state of every parameter's owned elements."""
+        """Store bytes of one generation of the state of every trained parameter's owned elements (frozen ones,
+        a LoRA model's base weights, have none)."""
         per_elem = self.rows() * 4
         return sum(_aligned(n) * per_elem for n in self._owned_numels())
 

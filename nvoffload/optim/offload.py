@@ -451,10 +451,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _add_record(self, p: torch.Tensor, group: dict) -> None:
         rec = self._layout.new_record(len(self._records), p, group)
-        if p.requires_grad:
-            rec.hook = p.register_post_accumulate_grad_hook(_hook_for(weakref.ref(self), rec))
-            rec.learned_fires = 1 if self.config.release_grads else 0
         self._records.append(rec)
+        self._hook_if_trained(rec)
+
+    def _hook_if_trained(self, rec: Record) -> None:
+        """Give a parameter that requires grad its post-accumulate-grad hook (a frozen one has none: no
+        gradient, no state)."""
+        if rec.hook is None and rec.param.requires_grad:
+            rec.hook = rec.param.register_post_accumulate_grad_hook(_hook_for(weakref.ref(self), rec))
+            rec.learned_fires = 1 if self.config.release_grads else 0
+
+    def follow_requires_grad(self) -> None:
+        """Hook the parameters unfrozen (``requires_grad_(True)``) since they were added, so that their gradients
+        are taken and their updates run like the others'; :func:`nvoffload.initialize` calls it before each
+        forward. (Parameters frozen since keep their hooks, which no gradient fires.)"""
+        self._check_open()
+        for rec in self._records:
+            self._hook_if_trained(rec)
 
     def set_weight_home(self, home: WeightHome | None) -> None:
         """Read and write the weights of the parameters ``home`` holds through it (parameter streaming)."""

@@ -8,11 +8,12 @@ import weakref
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+from torch.utils.hooks import BackwardHook
 
 from nvoffload.streaming._blocks import Block
 from nvoffload.streaming._residency import DeviceResidency
 
-__all__ = ["BackwardPasses"]
+__all__ = ["BackwardPasses", "CallHooks"]
 
 
 def _current_pass() -> int:
@@ -117,6 +118,54 @@ class BackwardPasses:
         if hold.done():
             hold.held = False
             self._residency.unhold(block, "backward")
+
+
+class CallHooks:
+    """The backward hooks of each call of a block: what ``register_full_backward_pre_hook`` and
+    ``register_full_backward_hook`` give, set up per call from its forward hooks, so that a call whose inputs need
+    no gradient (the first block of a model with frozen embeddings: LoRA) gets the backward pre-hook alone, from
+    its outputs' gradients, without torch's warning that a full backward hook fires early.
+
+    ``before(module, grad_output)`` runs when the gradient of a call's output is ready, ``inputs_done(module,
+    grad_input, grad_output)`` when the gradients of its inputs are (right after ``before`` when none needs one).
+    """
+
+    def __init__(self, before, inputs_done):
+        self._before = before
+        self._inputs_done = inputs_done
+        self._calls: list[BackwardHook | None] = []  # the calls whose forward is running, innermost last
+
+    def forward_began(self, module: nn.Module, args: tuple) -> tuple:
+        """From the call's forward pre-hook: its arguments, those needing gradients wrapped to report them."""
+        hook = None
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            hook = BackwardHook(module, [self._inputs_done], [self._before])
+            args = hook.setup_input_hook(args)
+        self._calls.append(hook)
+        return args
+
+    def forward_ended(self, module: nn.Module, output):
+        """From the call's forward hook: its output, wrapped to report its gradient (as it is when the call's
+        forward pre-hook raised before :meth:`forward_began`)."""
+        if not self._calls:
+            return output
+        hook = self._calls.pop()
+        if hook is not None:
+            return hook.setup_output_hook(output)
+        outputs = output if isinstance(output, tuple) else (output,)
+        needing = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
+        if needing and torch.is_grad_enabled():
+            fired = []
+
+            def first_gradient(grad: torch.Tensor) -> None:
+                if not fired:
+                    fired.append(True)
+                    self._before(module, (grad,))
+                    self._inputs_done(module, (), (grad,))
+
+            for t in needing:
+                t.register_hook(first_gradient)
+        return output
 
 
 def _final_callback(passes: BackwardPasses, task: int):

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from nvoffload.transfer.slab import ALIGNMENT_BYTES
+
 __all__ = ["Block", "find_blocks", "partition", "resident_bytes", "state_tensors"]
 
 
@@ -42,10 +44,20 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
 _ALIGN_BYTES = 64  # each parameter's offset in its block's bytes: views of every dtype start on a cache line
 
 
+def _aligned(nbytes: int, alignment: int) -> int:
+    return -(-nbytes // alignment) * alignment
+
+
 class Block:
     """One streamed block's layout: its parameters' bytes one after another, each at a 64-byte-aligned offset, in one
     flat ``uint8`` tensor; each parameter is a view of its range with its own dtype (a block may mix dtypes, e.g.
     an fp32 norm in a bf16 layer).
+
+    A block of frozen and trainable parameters (a LoRA layer: its base weights and
+    its adapters) lays out the frozen ones first and the trainable ones after, from
+    a 4 KiB-aligned offset: two *parts*, each its own store entry, so an update of
+    the trainable ones writes back their part only (``parts``: store name, start
+    and end byte of each).
 
     ``params`` may be replaced (a parameter built on the meta device gets a new
     object) until the streamer is set up; the layout does not change.
@@ -60,19 +72,32 @@ class Block:
         self.params = [p for _, p in params]
         self.dtypes = [p.dtype for p in self.params]
         self.shapes = [p.shape for p in self.params]
-        self.offsets, total = [], 0
-        for p in self.params:
-            total = -(-total // _ALIGN_BYTES) * _ALIGN_BYTES
-            self.offsets.append(total)
-            total += p.numel() * p.element_size()
+        self.offsets, self._part = [0] * len(self.params), [0] * len(self.params)
+        groups = [[j for j, p in enumerate(self.params) if p.requires_grad == trains] for trains in (False, True)]
+        self.parts: list[tuple[str, int, int]] = []
+        total = 0
+        for group in filter(None, groups):
+            start = total = _aligned(total, ALIGNMENT_BYTES)
+            for j in group:
+                total = _aligned(total, _ALIGN_BYTES)
+                self.offsets[j], self._part[j] = total, len(self.parts)
+                total += self.params[j].numel() * self.params[j].element_size()
+            self.parts.append((self.name if not self.parts else f"{self.name}.trainable", start, total))
         self.nbytes = total
-        self._trainable = [j for j, p in enumerate(self.params) if p.requires_grad]
-        self.grad_bytes = _nbytes(self.trainable)  # device bytes of the gradients a backward pass makes
 
     @property
     def trainable(self) -> list[nn.Parameter]:
-        """The parameters that require grad (as they did when the block was laid out)."""
-        return [self.params[j] for j in self._trainable]
+        """The parameters that require grad now."""
+        return [p for p in self.params if p.requires_grad]
+
+    @property
+    def grad_bytes(self) -> int:
+        """Device bytes of the gradients a backward pass makes."""
+        return _nbytes(self.trainable)
+
+    def part_of(self, j: int) -> int:
+        """The index in ``parts`` of the part that holds parameter ``j``."""
+        return self._part[j]
 
     def view(self, flat: torch.Tensor, j: int) -> torch.Tensor:
         """Parameter ``j``'s range of the block's bytes ``flat`` (a flat ``uint8`` tensor), with its dtype and shape."""

@@ -26,6 +26,8 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from nvoffload.streaming._peft import PeftView
+
 __all__ = ["Index", "checkpoint_names", "checkpoint_parts", "default_init", "rebuilt_buffers", "stored_layout"]
 
 Index = tuple[int | slice, ...]  # a part of a tensor: tensor[index]; () for the whole
@@ -68,6 +70,8 @@ def rebuilt_buffers(model: nn.Module, names: Iterable[str]) -> dict[str, torch.T
     twin lacks a buffer or holds it with another shape.
     """
     names = list(names)
+    view = PeftView.of(model)
+    twin_name = view.base_name if view is not None else (lambda name: name)
 
     def refuse(why: str, name: str = names[0]) -> ValueError:
         return ValueError(
@@ -76,26 +80,33 @@ def rebuilt_buffers(model: nn.Module, names: Iterable[str]) -> dict[str, torch.T
             "its parameters on the meta device, e.g. accelerate's init_empty_weights(include_buffers=False))"
         )
 
-    config = getattr(model, "config", None)
+    original = view.base if view is not None else model  # a PEFT model's twin is its base model's
+    config = getattr(original, "config", None)
     if config is None:
         raise refuse("it has no `config` attribute")
     try:
         with torch.device("cpu"), _parameters_on_meta():
-            twin = type(model)(copy.deepcopy(config))
+            twin = type(original)(copy.deepcopy(config))
     except Exception as e:
-        raise refuse(f"{type(model).__name__}(model.config) raised {type(e).__name__}: {e}") from e
+        raise refuse(f"{type(original).__name__}(model.config) raised {type(e).__name__}: {e}") from e
     built = dict(twin.named_buffers(remove_duplicate=False))
     mine = dict(model.named_buffers(remove_duplicate=False))
     for name in names:
-        if name not in built or built[name].shape != mine[name].shape:
+        theirs = built.get(twin_name(name))
+        if theirs is None or theirs.shape != mine[name].shape:
             raise refuse(f"the rebuilt model has no such buffer of shape {tuple(mine[name].shape)}", name)
-    return {name: built[name] for name in names}
+    return {name: built[twin_name(name)] for name in names}
 
 
 def default_init(model: nn.Module) -> Callable[[nn.Module], None] | None:
     """For a ``PreTrainedModel``: a function initializing a module's parameters with ``_init_weights`` of the
-    innermost ``PreTrainedModel`` holding it (as ``initialize_weights`` dispatches); None for any other model."""
+    innermost ``PreTrainedModel`` holding it (as ``initialize_weights`` dispatches; for a PEFT model, of its base
+    model: the adapters are PEFT's, see :meth:`~nvoffload.streaming._peft.PeftView.adapter_init`); None for any
+    other model."""
     pretrained = _pretrained_model_class()
+    view = PeftView.of(model)
+    if view is not None:  # the base model's init; the adapters are PEFT's (see Materializer)
+        model = view.base
     if pretrained is None or not isinstance(model, pretrained):
         return None
     owners: dict[str, nn.Module] = {}
@@ -270,6 +281,24 @@ def checkpoint_parts(
 
 
 def checkpoint_names(model: nn.Module, names: Collection[str]) -> Callable[[str], str | None]:
+    """A function giving the model's state-dict name for a checkpoint tensor's name: see :func:`_hf_names`. A PEFT
+    model is matched through its wrapping: its base model's checkpoint (``X.weight``) fills
+    ``base_model.model.X.base_layer.weight`` (the adapters are not in it)."""
+    view = PeftView.of(model)
+    if view is None:
+        return _hf_names(model, names)
+    to_model = {view.base_name(name): name for name in names}
+    to_model.pop(None, None)
+    base_names = _hf_names(view.base, to_model.keys())
+
+    def model_name(key: str) -> str | None:
+        name = base_names(key)
+        return None if name is None else to_model.get(name, name)
+
+    return model_name
+
+
+def _hf_names(model: nn.Module, names: Collection[str]) -> Callable[[str], str | None]:
     """A function giving the model's state-dict name for a checkpoint tensor's name, as transformers matches them
     for a ``PreTrainedModel`` (the identity for any other model).
 

@@ -21,13 +21,14 @@ class _Entry:
     """A block's host copy: the buffer, the read filling it or the write-back from it (if not settled), and who
     uses it."""
 
-    __slots__ = ("host", "loading", "writing", "dirty", "pins")
+    __slots__ = ("host", "loading", "writing", "written", "dirty", "pins")
 
     def __init__(self, host: torch.Tensor, loading=None):
         self.host = host  # the block's bytes, flat uint8
         self.loading = loading  # future of the store read into ``host``
         self.writing = None  # future of the write-back of ``host`` to the store, on its way out
-        self.dirty = False  # newer than the store (and not being written back)
+        self.written: set[int] = set()  # the block's parts that write-back writes
+        self.dirty: set[int] = set()  # the block's parts newer than the store (and not being written back)
         self.pins = 0  # users that must not see it evicted
 
 
@@ -40,8 +41,10 @@ class HostCache:
     block. :meth:`pin` gives a block's host copy, its flat bytes (read from the
     store if not cached; ``Block.view`` gives each parameter's part), and keeps
     it cached until :meth:`unpin`;
-    ``unpin(modified=True)`` marks it changed, and a changed block is written back
-    before it leaves (or at :meth:`flush`). :meth:`pin_loading` pins without
+    ``unpin(modified=True)`` marks it changed (``part=``: only that part of the
+    block's ``parts``), and the changed parts of a block are written back before it
+    leaves (or at :meth:`flush`): a LoRA layer whose adapters changed writes them,
+    never its frozen base weights. :meth:`pin_loading` pins without
     waiting for the read, for a copy to the device chained after it. :meth:`prefetch`
     never waits for a write-back: it starts those its reads need room from, and reads
     once they are done (a later call). A failed write-back leaves the block cached and
@@ -66,7 +69,7 @@ class HostCache:
             host = self._new_buffer(block)
             try:
                 fill(host)
-                self._write_back(block, host)
+                self._write_back(block, host, range(len(block.parts)))
             except BaseException:
                 self._give_back(block, host)
                 raise
@@ -96,12 +99,14 @@ class HostCache:
             self._lru.move_to_end(block)
             return entry.host, entry.loading
 
-    def unpin(self, block: Block, *, modified: bool) -> None:
-        """Let the block's host copy go again; ``modified``: its weights changed (written back before it leaves)."""
+    def unpin(self, block: Block, *, modified: bool, part: int | None = None) -> None:
+        """Let the block's host copy go again; ``modified``: its weights changed (written back before it leaves),
+        those of ``part`` only (an index in ``block.parts``) when given."""
         with self._lock:
             entry = self._lru[block]
             entry.pins -= 1
-            entry.dirty = entry.dirty or modified
+            if modified:
+                entry.dirty.update(range(len(block.parts)) if part is None else (part,))
 
     @contextlib.contextmanager
     def pinned(self, block: Block, *, modified: bool = False):
@@ -131,8 +136,8 @@ class HostCache:
                 self._settle_write(entry)
                 self._settle(entry)
                 if entry.dirty:
-                    self._write_back(block, entry.host)
-                    entry.dirty = False
+                    self._write_back(block, entry.host, entry.dirty)
+                    entry.dirty = set()
 
     def close(self) -> None:
         """Give back every host copy (changed ones are not written back: the store goes with the streamer)."""
@@ -147,8 +152,9 @@ class HostCache:
     # ------------------------------------------------------------------ internals (caller holds the lock)
     def _start_read(self, block: Block, *, wait: bool = True) -> _Entry:
         host = self._new_buffer(block, wait=wait)
-        entry = self._lru[block] = _Entry(host, self.store.get(block.name, out=host))
-        self.bytes_read += block.nbytes
+        reads = [self.store.get(name, out=host[start:end]) for name, start, end in block.parts]
+        entry = self._lru[block] = _Entry(host, reads[0] if len(reads) == 1 else Future.all_of(reads, what=str(block)))
+        self.bytes_read += sum(end - start for _, start, end in block.parts)
         return entry
 
     @staticmethod
@@ -157,23 +163,30 @@ class HostCache:
             loading, entry.loading = entry.loading, None
             loading.result()
 
-    def _write_back(self, block: Block, host: torch.Tensor) -> None:
-        self.store.put(block.name, host).result()
-        self.bytes_written += block.nbytes
+    def _put(self, block: Block, host: torch.Tensor, parts: Iterable[int]) -> Future:
+        """Start writing ``parts`` (indices in ``block.parts``) of the block's host copy to the store."""
+        writes = []
+        for i in sorted(parts):
+            name, start, end = block.parts[i]
+            writes.append(self.store.put(name, host[start:end]))
+            self.bytes_written += end - start
+        return writes[0] if len(writes) == 1 else Future.all_of(writes, what=str(block))
+
+    def _write_back(self, block: Block, host: torch.Tensor, parts: Iterable[int]) -> None:
+        self._put(block, host, parts).result()
 
     def _start_write_back(self, block: Block, entry: _Entry) -> None:
-        entry.writing, entry.dirty = self.store.put(block.name, entry.host), False
-        self.bytes_written += block.nbytes
+        entry.writing, entry.written, entry.dirty = self._put(block, entry.host, entry.dirty), entry.dirty, set()
 
     @staticmethod
     def _settle_write(entry: _Entry) -> None:
-        """Wait for the entry's write-back; when it failed the entry is changed again (and the error raised)."""
+        """Wait for the entry's write-back; when it failed its parts are changed again (and the error raised)."""
         if entry.writing is not None:
             writing, entry.writing = entry.writing, None
             try:
                 writing.result()
             except BaseException:
-                entry.dirty = True
+                entry.dirty.update(entry.written)
                 raise
 
     def _new_buffer(self, block: Block, *, wait: bool = True) -> torch.Tensor:
@@ -212,7 +225,7 @@ class HostCache:
                 if not wait:
                     self._start_write_back(cached, entry)
                     continue
-                self._write_back(cached, entry.host)
+                self._write_back(cached, entry.host, entry.dirty)
             self._drop(cached)
         if not self._fits(block):
             pinned = [str(b.index) for b, e in self._lru.items() if e.pins]

@@ -17,6 +17,7 @@ from nvoffload.streaming._hf_models import (
     rebuilt_buffers,
 )
 from nvoffload.streaming._host_cache import HostCache
+from nvoffload.streaming._peft import PeftView
 from nvoffload.streaming._residency import DeviceResidency
 
 __all__ = ["Materializer"]
@@ -47,6 +48,11 @@ class Materializer:
     from the checkpoint, or, for those it does not hold (non-persistent ones,
     or all without a checkpoint), from a twin of the model built from its
     ``config`` (:func:`~nvoffload.streaming._hf_models.rebuilt_buffers`).
+
+    A PEFT model (``peft.get_peft_model`` of a model built on the meta device)
+    is filled from its base model's checkpoint (names matched through PEFT's
+    wrapping, :class:`~nvoffload.streaming._peft.PeftView`) or init; its
+    adapters, which no base checkpoint holds, are initialized as PEFT does.
     """
 
     def __init__(self, model: nn.Module, device: torch.device, *,
@@ -59,6 +65,8 @@ class Materializer:
             "param_init_fn" if param_init_fn is not None
             else "reset_parameters()" if self._init_fn is None else "the model's _init_weights()"
         )  # fmt: skip
+        self._peft = PeftView.of(model)
+        self._adapter_init = self._peft.adapter_init() if self._peft is not None else None
         self._sources = self._plan_checkpoint() if checkpoint is not None else {}
         self.replaced: dict[nn.Parameter, nn.Parameter] = {}
         self._owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
@@ -79,6 +87,8 @@ class Materializer:
             resident[i] = (resident[i][0], self._replace_meta(resident[i][1]))
         filled = [resident[i] for i in meta]
         owners = {module: None for _, p in filled for module, _ in self._owners[p]}  # each module once, in order
+        if self._peft is not None:  # after the adapters' own modules, the LoRA layers that zero lora_B
+            owners.update((m, None) for m in self._peft.tuners_holding([p for _, p in filled]))
         self._fill(filled, owners)
         for block in blocks:
             meta = [j for j, p in enumerate(block.params) if p.is_meta]
@@ -106,19 +116,23 @@ class Materializer:
         return new
 
     def _fill(self, params: list[tuple[str, nn.Parameter]], modules: Iterable[nn.Module]) -> None:
-        """Fill new parameters from the checkpoint, or by initializing ``modules``; raise for any left unset."""
+        """Fill new parameters from the checkpoint, or by initializing ``modules`` (with a checkpoint: only a PEFT
+        model's adapters, which it does not hold, as PEFT initializes them); raise for any left unset."""
         with torch.no_grad():
             if self._checkpoint is not None:
                 for _, p in params:
-                    self._read_checkpoint(p, p.data)
-                return
+                    if p in self._sources:
+                        self._read_checkpoint(p, p.data)
+                params = [(name, p) for name, p in params if p not in self._sources]
+                if not params:
+                    return
             for _, p in params:
                 p.fill_(math.nan if p.is_floating_point() else 0)
             for module in modules:
-                if self._init_fn is not None:
-                    self._init_fn(module)
-                elif hasattr(module, "reset_parameters") and any(True for _ in module.parameters(recurse=False)):
-                    module.reset_parameters()
+                if self._checkpoint is None:  # with one, the base's weights came from it
+                    self._init_module(module)
+                if self._adapter_init is not None:
+                    self._adapter_init(module)
             unset = [name for name, p in params if p.is_floating_point() and bool(p.isnan().any())]
         if unset:
             raise ValueError(
@@ -126,6 +140,12 @@ class Materializer:
                 f"{self._init_what} left {'them' if len(unset) > 1 else 'it'} unset (NaN): pass a param_init_fn "
                 "that initializes every parameter, or a checkpoint that holds them"
             )
+
+    def _init_module(self, module: nn.Module) -> None:
+        if self._init_fn is not None:
+            self._init_fn(module)
+        elif hasattr(module, "reset_parameters") and any(True for _ in module.parameters(recurse=False)):
+            module.reset_parameters()
 
     def _plan_checkpoint(self) -> dict[torch.Tensor, list[tuple[str, Index]]]:
         """The checkpoint tensors to read for each parameter and buffer (one, whole; or a fused expert parameter's
@@ -161,12 +181,18 @@ class Materializer:
                     f" has {part}"
                 )
             sources.setdefault(t, []).append((key, index))
+        adapters = self._peft.adapters if self._peft is not None else set()  # PEFT initializes them
         missing = [
             name if t not in sources else f"{name} (parts of it)"
             for t, name in first_names.items()
-            if t.is_meta and (t not in sources or sum(t[i].numel() for _, i in sources[t]) < t.numel())
+            if t.is_meta and t not in adapters
+            and (t not in sources or sum(t[i].numel() for _, i in sources[t]) < t.numel())
         ]
         if missing or unexpected:
+            peft = (
+                f" (matched through PEFT's wrapping: the base model's {self._peft.base_name(missing[0])!r} fills "
+                f"{missing[0]!r}; give the base model's checkpoint)" if self._peft is not None and missing else ""
+            )  # fmt: skip
             raise KeyError(
                 "the checkpoint does not match the model: "
                 + "; ".join(
@@ -174,6 +200,7 @@ class Materializer:
                     for what, names in (("missing", missing), ("unexpected", unexpected))
                     if names
                 )
+                + peft
             )
         return sources
 

@@ -13,7 +13,7 @@ from nvoffload import device as _device
 from nvoffload import trace
 from nvoffload.io import TensorStore
 from nvoffload.memory import MemoryBudgetError, MemoryManager
-from nvoffload.streaming._backward import BackwardPasses
+from nvoffload.streaming._backward import BackwardPasses, CallHooks
 from nvoffload.streaming._blocks import Block, find_blocks, partition, resident_bytes
 from nvoffload.streaming._guard import closed_error
 from nvoffload.streaming._host_cache import HostCache
@@ -157,6 +157,7 @@ class ParameterStreamer:
         self._passes = BackwardPasses(self._residency)
         self._closed = False
         self._computing: dict[Block, int] = {}  # with a trace: when each block's forward or backward began
+        self._grad_hooked: set[nn.Parameter] = set()  # the parameters with a gradient hook (follow_requires_grad)
         weakref.finalize(self, self._residency.close)  # a streamer dropped without close() closes its parameters
         self._install_hooks()
 
@@ -165,15 +166,13 @@ class ParameterStreamer:
         """Hooks on the model that stay for its lifetime; after :meth:`close` those that would need the weights raise."""
         for block in self._blocks:
             m = block.module
-            m.register_forward_pre_hook(_hook(self, ParameterStreamer._before_forward, block, needs_weights=True))
-            m.register_forward_hook(_hook(self, ParameterStreamer._after_forward, block), always_call=True)
-            m.register_full_backward_pre_hook(_hook(self, ParameterStreamer._before_backward, block, needs_weights=True))
-            m.register_full_backward_hook(_hook(self, ParameterStreamer._after_backward_call, block))
-            for p in block.trainable:
-                p.register_post_accumulate_grad_hook(_hook(self, ParameterStreamer._grad_ready, block))
-        for _, p in self._resident:
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(_hook(self, ParameterStreamer._resident_grad_ready))
+            calls = CallHooks(
+                _hook(self, ParameterStreamer._before_backward, block, needs_weights=True),
+                _hook(self, ParameterStreamer._after_backward_call, block),
+            )  # the module's backward hooks, per call
+            m.register_forward_pre_hook(_hook(self, ParameterStreamer._before_forward, block, calls, needs_weights=True))
+            m.register_forward_hook(_hook(self, ParameterStreamer._after_forward, block, calls), always_call=True)
+        self.follow_requires_grad()
         for module in self.model.modules():
             owned = self._weights.owned(module)
             if owned:
@@ -185,7 +184,20 @@ class ParameterStreamer:
                 )
                 module.register_load_state_dict_post_hook(_hook(self, ParameterStreamer._after_load, owned))
 
-    def _before_forward(self, block: Block, module, args) -> None:
+    def follow_requires_grad(self) -> None:
+        """Give the parameters that require grad and have no gradient hook yet (all at first; later, those unfrozen
+        since) the hook that counts their gradients and lets their block go once the gradients are accumulated.
+        Call it before the forward of a step (:func:`nvoffload.initialize` does), and before the optimizer's
+        :meth:`~nvoffload.optim.OffloadOptimizer.follow_requires_grad`: the hook must run before the optimizer's."""
+        params = [(p, (block,)) for block in self._blocks for p in block.params]
+        params += [(p, ()) for _, p in self._resident]
+        for p, block in params:
+            if p.requires_grad and p not in self._grad_hooked:
+                method = ParameterStreamer._grad_ready if block else ParameterStreamer._resident_grad_ready
+                p.register_post_accumulate_grad_hook(_hook(self, method, *block))
+                self._grad_hooked.add(p)
+
+    def _before_forward(self, block: Block, calls: CallHooks, module, args) -> tuple:
         waited_ns = time.monotonic_ns()
         self._passes.release_unfinished()
         self._residency.hold(block, "forward")
@@ -193,6 +205,7 @@ class ParameterStreamer:
         self._cache.prefetch(ahead)
         self._residency.stage(ahead[0] if ahead else None)
         self._compute_began(block, waited_ns)
+        return calls.forward_began(module, args)
 
     def _compute_began(self, block: Block, waited_ns: int) -> None:
         """With a trace: the wait for ``block``'s weights (since ``waited_ns``) as a span; its compute starts now."""
@@ -208,12 +221,14 @@ class ParameterStreamer:
         if recording is not None and started is not None:
             recording.add("compute", f"{what} {block.index}", started, time.monotonic_ns())
 
-    def _after_forward(self, block: Block, module, args, output) -> None:
+    def _after_forward(self, block: Block, calls: CallHooks, module, args, output):
         self._compute_ended(block, "forward")
         if self._residency.holds(block, "forward"):  # none when the pre-hook raised
             # The last block is the first backward needs: it stays on the device, unless no backward is coming.
             stay = block.pos == len(self._blocks) - 1 and torch.is_grad_enabled() and bool(block.trainable)
             self._residency.unhold(block, "forward", stay=stay)
+            return calls.forward_ended(module, output)
+        return None
 
     def _before_backward(self, block: Block, module, grad_output) -> None:
         waited_ns = time.monotonic_ns()
@@ -333,8 +348,8 @@ def _hook(streamer: ParameterStreamer, method, *bound, needs_weights: bool = Fal
         if live is None or live._closed:
             if needs_weights:
                 raise closed_error(f"{what} of this {model} needs streamed weights, but")
-            return
-        method(live, *bound, *args)
+            return None
+        return method(live, *bound, *args)
 
     return hook
 

@@ -54,7 +54,10 @@ class StreamedWeights:
         return block.view(self._cache.pin(block), j).view(-1)
 
     def release(self, param: torch.Tensor, *, modified: bool) -> None:
-        self._cache.unpin(self._where[param][0], modified=modified)
+        """Let the parameter's block go; ``modified``: the parameter's part of it is written back (a LoRA
+        adapter's update leaves the frozen base weights beside it unwritten)."""
+        block, j = self._where[param]
+        self._cache.unpin(block, modified=modified, part=block.part_of(j))
 
     # ------------------------------------------------------------------ reads
     @contextlib.contextmanager
