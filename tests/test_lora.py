@@ -58,6 +58,12 @@ def loss_of(model, x: torch.Tensor) -> torch.Tensor:
     return model(input_ids=x, labels=x).loss
 
 
+def train_step(model, optimizer, step: int) -> None:
+    loss_of(model, batch(step)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def offload_config(tmp_path, block_bytes: int) -> nvoffload.OffloadConfig:
     """Host memory for three blocks only (each step reads every block, and writes back what changed), all
     of the device's for the model."""
@@ -104,14 +110,9 @@ def test_lora_on_a_streamed_base_trains_like_torch_and_peft_and_writes_only_the_
         layer = [p for p in nvoffload.streaming.find_blocks(model)[0].parameters() if p.requires_grad]
         layer_bytes = sum(-(-p.numel() * 4 // 64) * 64 for p in layer)  # one layer's adapters in its block
         for step in range(STEPS):
-            x = batch(step)
-            loss_of(ref, x).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            train_step(ref, ref_opt, step)
             opt.session.reset_stats()
-            loss_of(model, x).backward()
-            opt.step()
-            opt.zero_grad()
+            train_step(model, opt, step)
             read, written = opt.session.io_bytes()
             if step:  # the first step writes the state's first generation too
                 # the optimizer: master weights and moments of the adapters only (fp32: 12 bytes an element)
@@ -167,13 +168,8 @@ def test_a_block_frozen_or_unfrozen_after_initialize_trains_like_torch(tmp_path,
                 set_trainable(ref, change == "unfrozen")
                 set_trainable(model, change == "unfrozen")
                 kept = {n: v.clone() for n, v in ref.state_dict().items() if "layers.1." in n or "embed" in n}
-            x = batch(step)
-            loss_of(ref, x).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            loss_of(model, x).backward()
-            opt.step()
-            opt.zero_grad()
+            train_step(ref, ref_opt, step)
+            train_step(model, opt, step)
             for name, value in model.named_parameters():
                 assert value.grad is None, name  # every gradient was taken by the optimizer
         state = model.state_dict()
@@ -194,3 +190,31 @@ def test_frozen_parameters_ask_no_swap_space_and_get_no_optimizer_state(tmp_path
         opt.step()
         assert opt.memory_stats().nvme_bytes == 12 * trained.numel()  # fp32 master, m and v of the trained one
         torch.testing.assert_close(trained.detach(), torch.full((4096,), 1 - LR - LR * 0.01))
+
+
+def test_an_adapter_directory_fills_the_adapter_of_a_streamed_base(tmp_path):
+    ref_base = base_model("llama", meta=False)
+    ref_base.save_pretrained(tmp_path / "base")
+    ref = peft.get_peft_model(ref_base, lora_config("llama"))
+    with torch.no_grad():  # a trained adapter: lora_B no longer zero
+        for name, p in ref.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    ref.save_pretrained(tmp_path / "adapter")
+    model = peft.get_peft_model(base_model("llama", meta=True), lora_config("llama"))
+    with open_checkpoint(tmp_path / "base") as base, open_checkpoint(tmp_path / "adapter") as adapter:
+        model, opt = nvoffload.initialize(
+            model, torch.optim.AdamW(model.parameters(), lr=LR), offload_config(tmp_path, block_bytes(model)),
+            checkpoint=[base, adapter],
+        )  # fmt: skip
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    with opt:
+        state = model.state_dict()
+        for name, value in ref.state_dict().items():
+            assert torch.equal(state[name], value), name
+        for step in range(2):
+            train_step(ref, ref_opt, step)
+            train_step(model, opt, step)
+        state = model.state_dict()
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -283,15 +283,19 @@ def checkpoint_parts(
 def checkpoint_names(model: nn.Module, names: Collection[str]) -> Callable[[str], str | None]:
     """A function giving the model's state-dict name for a checkpoint tensor's name: see :func:`_hf_names`. A PEFT
     model is matched through its wrapping: its base model's checkpoint (``X.weight``) fills
-    ``base_model.model.X.base_layer.weight`` (the adapters are not in it)."""
+    ``base_model.model.X.base_layer.weight``, and its adapter's (``adapter_model.safetensors``, names without
+    the adapter's: ``...lora_A.weight``) the active adapter (``...lora_A.default.weight``)."""
     view = PeftView.of(model)
     if view is None:
         return _hf_names(model, names)
+    adapter = view.adapter_names()
     to_model = {view.base_name(name): name for name in names}
     to_model.pop(None, None)
     base_names = _hf_names(view.base, to_model.keys())
 
     def model_name(key: str) -> str | None:
+        if key in adapter:
+            return adapter[key]
         name = base_names(key)
         return None if name is None else to_model.get(name, name)
 

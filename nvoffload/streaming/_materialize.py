@@ -31,6 +31,26 @@ def _post_order(module: nn.Module) -> Iterator[nn.Module]:
     yield module
 
 
+class _Checkpoints:
+    """Several checkpoints read as one (a base model's and a PEFT adapter's): each name from the one that holds it."""
+
+    def __init__(self, readers):
+        self._where = {}
+        for reader in readers:
+            for name in reader.keys():
+                if self._where.setdefault(name, reader) is not reader:
+                    raise ValueError(f"checkpoint tensor {name!r} is in two of the checkpoints given: give it once")
+
+    def keys(self):
+        return self._where.keys()
+
+    def info(self, name: str):
+        return self._where[name].info(name)
+
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._where[name].read(name, out)
+
+
 class Materializer:
     """Fills a model's parameters and buffers and hands each block to the host cache and the device tier.
 
@@ -52,14 +72,16 @@ class Materializer:
     A PEFT model (``peft.get_peft_model`` of a model built on the meta device)
     is filled from its base model's checkpoint (names matched through PEFT's
     wrapping, :class:`~nvoffload.streaming._peft.PeftView`) or init; its
-    adapters, which no base checkpoint holds, are initialized as PEFT does.
+    adapters, which no base checkpoint holds, are initialized as PEFT does,
+    unless ``checkpoint`` is a list that also holds the adapter's checkpoint
+    (``open_checkpoint(adapter_dir)``, as ``PeftModel.save_pretrained`` writes it).
     """
 
     def __init__(self, model: nn.Module, device: torch.device, *,
                  param_init_fn: Callable[[nn.Module], None] | None, checkpoint):  # fmt: skip
         self.model = model
         self.device = device
-        self._checkpoint = checkpoint
+        self._checkpoint = _Checkpoints(checkpoint) if isinstance(checkpoint, (list, tuple)) else checkpoint
         self._init_fn = param_init_fn or default_init(model)
         self._init_what = (
             "param_init_fn" if param_init_fn is not None

@@ -69,14 +69,19 @@ class PeftView:
         active = getattr(self.model, "active_adapter", "default")
         return active if isinstance(active, str) else active[0]
 
-    def adapter_state(self) -> dict[str, nn.Parameter]:
-        """The active adapter's tensors under the names PEFT saves them (``adapter_model.safetensors``: the
-        state-dict name without the adapter's, ``...q_proj.lora_A.weight``), in state-dict order."""
+    def adapter_names(self) -> dict[str, str]:
+        """The active adapter's tensors: the name PEFT saves each under (``adapter_model.safetensors``: the
+        state-dict name without the adapter's, ``...q_proj.lora_A.weight``) -> its state-dict name, in order."""
         tag = f".{self.adapter}"
         return {
-            name.replace(tag, ""): t for name, t in state_tensors(self.model).items()
+            name.replace(tag, ""): name for name, t in state_tensors(self.model).items()
             if t in self.adapters and (tag + "." in name or name.endswith(tag))
         }  # fmt: skip
+
+    def adapter_state(self) -> dict[str, nn.Parameter]:
+        """The active adapter's tensors by the names PEFT saves them under (see :meth:`adapter_names`)."""
+        tensors = state_tensors(self.model)
+        return {saved: tensors[name] for saved, name in self.adapter_names().items()}
 
     def save_config(self, directory: str) -> None:
         """``adapter_config.json`` of the active adapter, as ``PeftModel.save_pretrained`` writes it."""

@@ -97,7 +97,10 @@ class ParameterStreamer:
             ``base_model_prefix`` added or stripped (the hub's GPT-2 names
             ``h.0...``, ``GPT2LMHeadModel`` ``transformer.h.0...``), its
             ``_keys_to_ignore_on_load_unexpected`` ignored. A missing or
-            unexpected tensor raises ``KeyError`` before anything is read.
+            unexpected tensor raises ``KeyError`` before anything is read. A
+            PEFT model is filled from its base model's checkpoint (its adapters
+            initialized as PEFT does), or from a list of two: the base model's
+            and the adapter's (``[open_checkpoint(base_dir), open_checkpoint(adapter_dir)]``).
         transfer: the transfer engine to move the blocks with; its slab holds the
             host cache, and it stays open at :meth:`close`. Default: the streamer's
             own, over a :class:`~nvoffload.transfer.HostSlab` of the host budget
