@@ -66,6 +66,7 @@ import resource
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -182,6 +183,11 @@ class FinetuneConfig:
         eval_every: evaluate every this many steps (and after the last; None: after the last only).
         log_dir: write the metrics of every step there (``metrics.jsonl``, ``loss.png``; TensorBoard when
             installed); None: ``checkpoint_dir`` when given, else none.
+        lora_rank: with ``model_dir``, train LoRA adapters of this rank (``peft.get_peft_model``; needs peft)
+            over the frozen model instead of the whole model; ``save_to`` then writes the adapter as PEFT
+            does (``adapter_model.safetensors``, ``adapter_config.json``).
+        lora_targets: with ``lora_rank``, the modules to adapt (names or suffixes, as PEFT's ``target_modules``);
+            None: PEFT's default for the model's family.
     """
 
     preset: str = "small"
@@ -219,6 +225,8 @@ class FinetuneConfig:
     eval_fraction: float | None = None
     eval_every: int | None = None
     log_dir: str | None = None
+    lora_rank: int | None = None
+    lora_targets: tuple[str, ...] | None = None
 
     def __post_init__(self):
         GPTConfig.preset(self.preset)  # raises for an unknown preset
@@ -272,6 +280,10 @@ class FinetuneConfig:
         if self.init_from is not None and not os.path.exists(self.init_from):
             raise ValueError(f"init_from: no such file or directory: {self.init_from}")
         self._check_data()
+        if self.lora_rank is not None and (self.lora_rank < 1 or self.model_dir is None):
+            raise ValueError(f"lora_rank must be >= 1 and needs a model_dir (adapters over a Hugging Face model), got {self.lora_rank}")
+        if self.lora_targets is not None and self.lora_rank is None:
+            raise ValueError("lora_targets needs lora_rank")
         parent = os.path.dirname(os.path.abspath(self.save_to)) if self.save_to is not None else None
         if parent is not None and not os.path.isdir(parent):
             what = "is not a directory" if os.path.exists(parent) else "does not exist"
@@ -578,12 +590,26 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def _with_lora(model: nn.Module, config: FinetuneConfig) -> nn.Module:
+    """``model`` wrapped by PEFT with LoRA adapters of ``lora_rank`` on ``lora_targets``, the rest frozen."""
+    try:
+        import peft
+    except ImportError as exc:
+        raise ImportError(f"lora_rank needs peft ({exc}): pip install peft") from None
+    targets = list(config.lora_targets) if config.lora_targets is not None else None
+    lora = peft.LoraConfig(r=config.lora_rank, target_modules=targets, lora_dropout=0.0)
+    with warnings.catch_warnings():  # transformers 5 deprecates a question peft asks: nothing for the user to do
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return peft.get_peft_model(model, lora)
+
+
 def _build(config: FinetuneConfig, swap_dir: str, hf: _HFModel | None) -> tuple[nn.Module, OffloadOptimizer]:
     """The model and its NVMe optimizer, in the configured mode."""
     mcfg, dtype = config.model_config, _DTYPES[config.dtype]
     if not config.stream:
         if hf is not None:
             model = hf.load(dtype, config.device)
+            model = _with_lora(model, config) if config.lora_rank is not None else model
         else:
             model = GPT(mcfg).to(device=config.device, dtype=dtype)
         if config.init_from is not None:
@@ -599,6 +625,7 @@ def _build(config: FinetuneConfig, swap_dir: str, hf: _HFModel | None) -> tuple[
         return model, opt
     if hf is not None:
         model = hf.build_on_meta(dtype)
+        model = _with_lora(model, config) if config.lora_rank is not None else model
     else:
         with torch.device("meta"):
             model = GPT(mcfg).to(dtype=dtype)

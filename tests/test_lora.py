@@ -4,6 +4,8 @@ frozen after ``initialize``."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -218,3 +220,44 @@ def test_an_adapter_directory_fills_the_adapter_of_a_streamed_base(tmp_path):
         state = model.state_dict()
         for name, value in ref.state_dict().items():
             torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("mode", [[], ["--stream", "--cpu-memory", "8M", "--device-memory", "64M"]], ids=["", "stream"])
+def test_finetune_lora_rank_trains_and_saves_an_adapter(tmp_path, capsys, mode):
+    from nvoffload.cli import main
+
+    config = transformers.LlamaConfig(  # no tokenizer: the text as bytes, so a vocabulary of 256 at least
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    (tmp_path / "swap").mkdir()
+    rc = main([
+        "finetune", "--model", str(tmp_path / "base"), "--lora-rank", "4", "--lora-targets", "q_proj", "v_proj",
+        "--steps", "3", "--seq-len", "16", "--batch-size", "2", "--lr", "1e-2", "--warmup-steps", "0",
+        "--swap-dir", str(tmp_path / "swap"), "--save-to", str(tmp_path / "out"), "--no-progress", *mode,
+    ])  # fmt: skip
+    assert rc == 0, capsys.readouterr()
+    assert sorted(os.listdir(tmp_path / "out")) == ["adapter_config.json", "adapter_model.safetensors"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    start = {name: value.clone() for name, value in base.state_dict().items()}
+    tuned = peft.PeftModel.from_pretrained(base, tmp_path / "out")
+    assert tuned.peft_config["default"].r == 4 and tuned.peft_config["default"].target_modules == {"q_proj", "v_proj"}
+    state = tuned.state_dict()
+    trained = [name for name, value in state.items() if "lora_B" in name]
+    assert len(trained) == 4 and all(state[name].any() for name in trained)  # lora_B moved from zero
+    for name, value in tuned.get_base_model().state_dict().items():  # the base is as it was
+        assert "lora_" in name or torch.equal(value, start[name.replace(".base_layer", "")]), name
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [(["--lora-rank", "4"], "--lora-rank must be >= 1 and needs a --model"), (["--lora-targets", "q_proj"], "--lora-targets needs --lora-rank")],
+)
+def test_finetune_lora_flags_refused_name_the_flag(capsys, flags, message):
+    from nvoffload.cli import main
+
+    assert main(["finetune", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
