@@ -250,7 +250,7 @@ def save_pretrained(
         if len(shards) > 1:
             index = {
                 "metadata": {
-                    "total_parameters": sum(p.numel() for p in model.parameters()),
+                    "total_parameters": sum(p.numel() for p in model.parameters() if peft is None or p not in peft.adapters),
                     "total_size": sum(_nbytes(t) for t in tensors.values()),
                 },
                 "weight_map": {name: filename for filename, names in shards.items() for name in names},

@@ -4,6 +4,7 @@ frozen after ``initialize``."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -138,7 +139,9 @@ def test_lora_on_a_streamed_base_trains_like_torch_and_peft_and_writes_only_the_
         loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
         for name, value in loaded.state_dict().items():
             assert torch.equal(value, state[name]), name
-        opt.session.save_pretrained(tmp_path / "merged", merged=True)
+        opt.session.save_pretrained(tmp_path / "merged", merged=True, max_shard_bytes=100_000)
+        index = json.loads((tmp_path / "merged" / "model.safetensors.index.json").read_text())
+        assert index["metadata"]["total_parameters"] == sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n)
         merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
         for name, value in loaded.merge_and_unload().state_dict().items():
             torch.testing.assert_close(merged[name], value, rtol=0, atol=1e-7, msg=name)
