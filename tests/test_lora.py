@@ -264,3 +264,17 @@ def test_finetune_lora_flags_refused_name_the_flag(capsys, flags, message):
     assert main(["finetune", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_wrapping_a_streamed_model_after_initialize_is_refused_with_the_way_out(tmp_path):
+    base_model("llama", meta=False).save_pretrained(tmp_path / "base")
+    model = base_model("llama", meta=True)
+    with open_checkpoint(tmp_path / "base") as ckpt:
+        model, opt = nvoffload.initialize(
+            model, torch.optim.AdamW(model.parameters(), lr=LR), offload_config(tmp_path, block_bytes(model)),
+            checkpoint=ckpt,
+        )  # fmt: skip
+    with opt:
+        wrapped = peft.get_peft_model(model, lora_config("llama"))
+        with pytest.raises(ValueError, match=r"get_peft_model.* before nvoffload.initialize\(\)"):
+            loss_of(wrapped, batch(0))

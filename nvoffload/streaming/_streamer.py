@@ -191,9 +191,21 @@ class ParameterStreamer:
         """Give the parameters that require grad and have no gradient hook yet (all at first; later, those unfrozen
         since) the hook that counts their gradients and lets their block go once the gradients are accumulated.
         Call it before the forward of a step (:func:`nvoffload.initialize` does), and before the optimizer's
-        :meth:`~nvoffload.optim.OffloadOptimizer.follow_requires_grad`: the hook must run before the optimizer's."""
+        :meth:`~nvoffload.optim.OffloadOptimizer.follow_requires_grad`: the hook must run before the optimizer's.
+
+        Raises ValueError naming them for parameters the model did not have when the streamer was set up (a PEFT
+        model wrapped after :func:`nvoffload.initialize`: its adapters would be neither streamed nor trained)."""
         params = [(p, (block,)) for block in self._blocks for p in block.params]
         params += [(p, ()) for _, p in self._resident]
+        known = {p for p, _ in params}
+        added = [name for name, p in self.model.named_parameters() if p not in known]
+        if added:
+            raise ValueError(
+                f"{', '.join(added[:3])}{', ...' if len(added) > 3 else ''}: parameters the model did not have when "
+                "nvoffload.initialize() ran (PEFT's adapters, wrapped by get_peft_model after it?), neither streamed "
+                "nor trained: wrap the model (peft.get_peft_model) before nvoffload.initialize(), and initialize the "
+                "wrapped model"
+            )
         for p, block in params:
             if p.requires_grad and p not in self._grad_hooked:
                 method = ParameterStreamer._grad_ready if block else ParameterStreamer._resident_grad_ready
