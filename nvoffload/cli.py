@@ -251,6 +251,7 @@ def _plan_request(args):
         checksum=getattr(args, "checksum", True), ranks=args.ranks if "ranks" in args else int(os.environ.get("WORLD_SIZE", "1")),
         activations="recompute" if getattr(args, "recompute", False) else
         None if args.offload_activations is None else ("offload" if args.offload_activations else "keep"),
+        lora_rank=args.lora_rank, lora_targets=args.lora_targets,
     )  # fmt: skip
 
 

@@ -335,3 +335,88 @@ def test_the_plan_says_where_it_is_not_known_to_be_accurate(capsys):
     assert plan(PlanRequest(ModelShape.from_preset("gpt2-124m"), 4, 128), profile).notes == []
     assert main(["plan", "--preset", "small", "--profile", "h100-sxm-512g-4xgen4"]) == 0
     assert f"\nnote: {small.notes[0]}\n" in capsys.readouterr().out
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT on transformers 5
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_lora_adapters_are_counted_as_peft_counts_them(tmp_path, kind):
+    """The planner's adapter count of a Hugging Face model's shape is PEFT's, for finetune's default targets (PEFT's
+    for the family) and for targets given as names or suffixes."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as peft_defaults
+
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=500, n_positions=128)
+        given = ["c_fc", "attn.c_proj"]
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=172, num_attention_heads=4,
+                                          num_key_value_heads=2, vocab_size=500, tie_word_embeddings=False)  # fmt: skip
+        given = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
+    config.save_pretrained(tmp_path)
+    shape = ModelShape.from_hf_config(tmp_path)
+    for targets in (None, given):
+        lora = peft.LoraConfig(r=4, target_modules=targets, fan_in_fan_out=kind == "gpt2")  # GPT-2's Conv1D
+        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config), lora)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert 3 * shape.lora_block_params(4, None if targets is None else tuple(targets)) == trained > 0
+        request = PlanRequest(shape, 2, 64, lora_rank=4, lora_targets=targets)
+        assert request.trainable_params == trained
+    for family in ("gpt2", "gpt_neox", "opt", "llama", "mistral", "qwen2"):  # the defaults are PEFT's
+        named = dataclasses.replace(ModelShape.named("llama2-70b"), family=family)
+        default = [path for path, _, _ in named.block_linears() if any(path.endswith(t) for t in peft_defaults[family])]
+        assert named.lora_block_params(1) == sum(i + o for path, i, o in named.block_linears() if path in default)
+
+
+def test_a_lora_plan_trains_the_adapters_only():
+    """LoRA (as finetune --lora-rank): the frozen weights get no gradients and no optimizer state and are never
+    written back, so the NVMe traffic is the adapters' state (and the evicted blocks' reads), and the CPU Adam
+    work is the adapters' only. The planner predicted full training for it."""
+    profile = BUILTIN_PROFILES["h100-sxm-512g-4xgen4"]
+    shape = ModelShape("toy", n_layer=8, d_model=512, n_head=8, ffn=1536, vocab_size=1000, max_seq_len=256,
+                       tied_embeddings=False, gated_mlp=True, learned_positions=False, family="llama")  # fmt: skip
+    per_block = 16 * (512 + 512) * 2  # q_proj and v_proj, rank 16: A (16 x 512) and B (512 x 16) each
+    assert shape.lora_block_params(16) == per_block
+    base = {"batch_size": 4, "seq_len": 256, "dtype": "bfloat16", "device_memory_bytes": 1 << 30, "activations": "keep"}
+    adapters = 8 * per_block
+    held = plan(PlanRequest(shape, stream=False, lora_rank=16, **base), profile)
+    assert held.nvme_written_bytes == held.nvme_read_bytes == 12 * adapters  # their fp32 master and moments
+    assert held.memory_bytes["nvme"] == 2 * 12 * adapters
+    # the model and its adapters on the device, gradients of the adapters only
+    assert held.memory_bytes["device"] == (shape.params + adapters) * 2 + adapters * 2 + shape.activation_bytes(4, 256, 2)
+    assert "rank 16" in held.placement["trainable"]
+    block_bytes = (shape.block_params + per_block) * 2
+    tight = {**base, "cpu_memory_bytes": 2 * 3 * (-(-block_bytes // 4096) * 4096) + (1 << 20)}  # 3 of 8 blocks cached
+    streamed = plan(PlanRequest(shape, stream=True, lora_rank=16, **tight), profile)
+    assert streamed.cached_blocks == 3
+    assert streamed.nvme_read_bytes == 12 * adapters + 2 * 5 * block_bytes  # evicted blocks, in forward and in backward
+    assert streamed.nvme_written_bytes == 12 * adapters + adapters * 2  # the adapters' state, and their new weights
+    full = plan(PlanRequest(shape, stream=True, **tight), profile)
+    assert full.nvme_written_bytes == 12 * shape.params + 8 * shape.block_params * 2  # every block written back
+    assert streamed.engine_s["compute"] < full.engine_s["compute"]  # frozen weights need no weight gradients
+    twice = plan(PlanRequest(shape, stream=True, lora_rank=32, **tight), profile)
+    assert twice.engine_s["cpu adam"] == pytest.approx(2 * streamed.engine_s["cpu adam"], rel=1e-12)
+    assert streamed.engine_s["cpu adam"] == pytest.approx(adapters / profile.adam_params_per_s["bfloat16"], rel=1e-12)
+
+
+def test_a_70b_lora_step_is_compute_bound(capsys):
+    """Llama-2 70B with rank-16 adapters on q_proj and v_proj (finetune's default) on one H100: the whole step's
+    NVMe traffic is the adapters' state (the blocks stay cached), so compute binds, where full training of the same
+    request is bound by checksumming 1.5T of optimizer traffic (the README's 100B page)."""
+    args = ["plan", "--model", "llama2-70b", "--profile", "h100-sxm-512g-4xgen4", "--batch-size", "8", "--seq-len", "2048",
+            "--dtype", "bfloat16", "--cpu-memory", "448G", "--device-memory", "78G", "--swap-dirs", "4"]  # fmt: skip
+    assert main([*args, "--lora-rank", "16", "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)
+    adapters = 80 * 16 * (8192 + 8192 + 8192 + 1024)  # q_proj 8192 -> 8192, v_proj 8192 -> 1024 (8 KV heads)
+    assert lora["request"]["lora_rank"] == 16 and adapters == 32_768_000
+    assert lora["bottleneck"] == "compute" and lora["cached_blocks"] == 80
+    assert lora["nvme_read_bytes"] == lora["nvme_written_bytes"] == 12 * adapters
+    assert main([*args, "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert full["bottleneck"] == "checksums" and full["step_s"] > 9 * lora["step_s"]
+    assert main([*args, "--lora-rank", "16"]) == 0
+    assert "  trainable        LoRA adapters of rank 16, 32.8M parameters; the model frozen" in capsys.readouterr().out
+    assert main([*args, "--lora-rank", "16", "--lora-targets", "q_proj", "w_proj"]) == 2
+    assert "error: --lora-targets w_proj name no linear layer of a llama block (q_proj, k_proj" in capsys.readouterr().err
+    assert main(["plan", "--preset", "small", "--profile", "h100-sxm-512g-4xgen4", "--lora-rank", "4"]) == 2
+    assert "error: --lora-rank: the planner knows the module names of gemma" in capsys.readouterr().err

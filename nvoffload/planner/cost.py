@@ -11,6 +11,12 @@ A step of ``G`` micro-batches of ``B`` sequences of ``S`` tokens does, per engin
   written back once it changed; with activation offload, every saved activation written and read once;
 - **copies** (PCIe): streamed blocks to the device, gradients from it, activations both ways.
 
+With LoRA (``PlanRequest.lora_rank``, as ``finetune --lora-rank``) the adapters are the trained parameters, in
+the blocks: only they have gradients, optimizer state (so the NVMe traffic is their state and, streaming, the
+evicted blocks' reads and the adapters' write-back: frozen weights are never written) and CPU Adam work, and a
+frozen weight's backward is its input's gradient alone (4 FLOPs a parameter a token, not 6). The activations
+are full training's (an upper bound: a frozen layer does not save its input for its weight's gradient).
+
 The step has two phases that cannot overlap: forward (compute, the reads of the blocks it needs and the
 writes of the activations it offloads) and backward with the optimizer (compute, the Adam updates that run
 as gradients are final, and the rest of the I/O); within a phase the engines overlap, so a phase lasts as
@@ -104,6 +110,7 @@ class ModelShape:
     gated_mlp: bool = False  # three MLP matrices and RMS norms, no biases (Llama), else two, LayerNorms, biases (GPT)
     kv_heads: int | None = None
     learned_positions: bool = True  # a position embedding of max_seq_len rows (GPT-2), else rotary
+    family: str = ""  # the Hugging Face model_type, whose module names LoRA targets ("": not known, a preset)
 
     @property
     def block_params(self) -> int:
@@ -113,6 +120,39 @@ class ModelShape:
         if self.gated_mlp:
             return matrices + 2 * d  # two RMS norms
         return matrices + 4 * d + (d + 2 * kv + d + f + d)  # two LayerNorms; the biases
+
+    def block_linears(self) -> list[tuple[str, int, int]]:
+        """A block's linear layers as its family names them in Hugging Face transformers: (path in the block,
+        in features, out features). ValueError for a family whose names the planner does not know."""
+        d, f = self.d_model, self.ffn
+        kv = d * (self.kv_heads or self.n_head) // self.n_head
+        if self.family in _LLAMA_LIKE:
+            return [("self_attn.q_proj", d, d), ("self_attn.k_proj", d, kv), ("self_attn.v_proj", d, kv), ("self_attn.o_proj", d, d),
+                    ("mlp.gate_proj", d, f), ("mlp.up_proj", d, f), ("mlp.down_proj", f, d)]  # fmt: skip
+        if self.family == "gpt2":
+            return [("attn.c_attn", d, d + 2 * kv), ("attn.c_proj", d, d), ("mlp.c_fc", d, f), ("mlp.c_proj", f, d)]
+        if self.family == "gpt_neox":
+            return [("attention.query_key_value", d, 3 * d), ("attention.dense", d, d), ("mlp.dense_h_to_4h", d, f), ("mlp.dense_4h_to_h", f, d)]
+        if self.family == "opt":
+            return [("self_attn.q_proj", d, d), ("self_attn.k_proj", d, d), ("self_attn.v_proj", d, d), ("self_attn.out_proj", d, d),
+                    ("fc1", d, f), ("fc2", f, d)]  # fmt: skip
+        known = ", ".join(sorted({*_LLAMA_LIKE, "gpt2", "gpt_neox", "opt"}))
+        raise ValueError(
+            f"lora_rank: the planner knows the module names of {known} models, not of {self.name!r}"
+            f" ({f'model_type {self.family}' if self.family else 'a preset, not a Hugging Face model'})"
+        )
+
+    def lora_block_params(self, rank: int, targets: tuple[str, ...] | None = None) -> int:
+        """The LoRA adapter parameters of one block: ``rank * (in + out)`` for each linear layer that a name or
+        suffix in ``targets`` matches as PEFT's ``target_modules`` does (None: PEFT's default for the family,
+        what ``finetune --lora-rank`` without ``--lora-targets`` adapts)."""
+        linears = self.block_linears()
+        wanted = _LORA_DEFAULT_TARGETS.get(self.family, ("q_proj", "v_proj")) if targets is None else targets
+        unmatched = [t for t in wanted if not any(path == t or path.endswith("." + t) for path, _, _ in linears)]
+        if unmatched:
+            names = ", ".join(path.rsplit(".", 1)[-1] for path, _, _ in linears)
+            raise ValueError(f"lora_targets {', '.join(unmatched)} name no linear layer of a {self.family} block ({names})")
+        return sum(rank * (i + o) for path, i, o in linears if any(path == t or path.endswith("." + t) for t in wanted))
 
     @property
     def resident_params(self) -> int:
@@ -176,20 +216,26 @@ class ModelShape:
             name=c.get("_name_or_path") or c.get("model_type", "model"), n_layer=layers, d_model=d, n_head=heads,
             ffn=ffn, vocab_size=get("vocab_size"), max_seq_len=get("max_position_embeddings", "n_positions", default=2048),
             tied_embeddings=bool(c.get("tie_word_embeddings", True)), gated_mlp=gated, kv_heads=get("num_key_value_heads"),
-            learned_positions=c.get("model_type") in ("gpt2", "opt", "gpt_bigcode", "biogpt"),
+            learned_positions=c.get("model_type") in ("gpt2", "opt", "gpt_bigcode", "biogpt"), family=c.get("model_type", ""),
         )  # fmt: skip
+
+
+# Families with Llama's module names (q_proj, ..., gate_proj, up_proj, down_proj), and PEFT's default LoRA targets
+# (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: q_proj and v_proj for those and OPT).
+_LLAMA_LIKE = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2"})
+_LORA_DEFAULT_TARGETS = {"gpt2": ("c_attn",), "gpt_neox": ("query_key_value",)}
 
 
 # Public architectures, from their configurations (Llama: the config.json files Meta published; GPT-3: Brown et
 # al. 2020, table 2.1, and a 100B model of the same shape, 80 layers of width 10240).
 NAMED_SHAPES = {
     "llama2-70b": ModelShape("llama2-70b", 80, 8192, 64, 28672, 32000, 4096, tied_embeddings=False, gated_mlp=True,
-                             kv_heads=8, learned_positions=False),
+                             kv_heads=8, learned_positions=False, family="llama"),
     "llama3-8b": ModelShape("llama3-8b", 32, 4096, 32, 14336, 128256, 8192, tied_embeddings=False, gated_mlp=True,
-                            kv_heads=8, learned_positions=False),
-    "gpt3-13b": ModelShape("gpt3-13b", 40, 5120, 40, 20480, 50257, 2048),
-    "gpt3-100b": ModelShape("gpt3-100b", 80, 10240, 80, 40960, 50257, 2048),
-    "gpt3-175b": ModelShape("gpt3-175b", 96, 12288, 96, 49152, 50257, 2048),
+                            kv_heads=8, learned_positions=False, family="llama"),
+    "gpt3-13b": ModelShape("gpt3-13b", 40, 5120, 40, 20480, 50257, 2048, family="gpt2"),
+    "gpt3-100b": ModelShape("gpt3-100b", 80, 10240, 80, 40960, 50257, 2048, family="gpt2"),
+    "gpt3-175b": ModelShape("gpt3-175b", 96, 12288, 96, 49152, 50257, 2048, family="gpt2"),
 }  # fmt: skip
 
 
@@ -200,7 +246,11 @@ class PlanRequest:
 
     ``batch_size`` is the micro-batch of all ``ranks`` together (each computes ``batch_size / ranks`` of its
     sequences, as ``finetune`` under ``torchrun`` splits it); ``cpu_memory_bytes``, ``device_memory_bytes``
-    and ``swap_dirs`` (the swap directories, one drive each) are every rank's own."""
+    and ``swap_dirs`` (the swap directories, one drive each) are every rank's own.
+
+    ``lora_rank``: train LoRA adapters of that rank on ``lora_targets`` (names or suffixes of a block's linear
+    layers, as PEFT's ``target_modules``; None: PEFT's default for the family) over the frozen model, as
+    ``finetune --lora-rank`` does: the adapters alone get gradients and optimizer state."""
 
     model: ModelShape
     batch_size: int
@@ -216,6 +266,8 @@ class PlanRequest:
     checksum: bool = True  # the store's CRC-32C (the default), computed on the thread that moves the bytes
     optimizer_memory_fraction: float = 0.5
     ranks: int = 1  # data-parallel processes, one GPU each
+    lora_rank: int | None = None
+    lora_targets: tuple[str, ...] | None = None
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "grad_accum_steps", "cpu_memory_bytes", "device_memory_bytes", "swap_dirs", "ranks"):
@@ -226,6 +278,21 @@ class PlanRequest:
             raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
         if self.activations not in (None, "keep", "offload", "recompute"):
             raise ValueError(f"activations must be keep, offload, recompute or None, got {self.activations!r}")
+        if self.lora_targets is not None:
+            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+            if self.lora_rank is None:
+                raise ValueError("lora_targets needs lora_rank")
+        if self.lora_rank is not None:
+            if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 1:
+                raise ValueError(f"lora_rank must be a positive int, got {self.lora_rank!r}")
+            self.model.lora_block_params(self.lora_rank, self.lora_targets)  # targets the model has
+
+    @property
+    def trainable_params(self) -> int:
+        """The parameters trained: the model's, or with ``lora_rank`` its adapters' (all in the blocks)."""
+        if self.lora_rank is None:
+            return self.model.params
+        return self.model.n_layer * self.model.lora_block_params(self.lora_rank, self.lora_targets)
 
 
 @dataclass(frozen=True)
@@ -299,13 +366,18 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     m = r.model
     n = r.ranks
     rows = -(-r.batch_size // n)  # a rank's sequences of each micro-batch (the busiest rank's when they do not split)
-    shard = -(-m.params // n)  # the parameters whose optimizer state one rank keeps and updates
+    lora = r.lora_rank is not None
+    trainable = r.trainable_params  # with LoRA the adapters, in the blocks; the rest frozen: no gradients, no state
+    adapters = trainable if lora else 0  # besides the model's own parameters
+    shard = -(-trainable // n)  # the parameters whose optimizer state one rank keeps and updates
     dtype_bytes = _DTYPE_BYTES[r.dtype]
-    weights = m.params * dtype_bytes
-    activations = m.activation_bytes(rows, r.seq_len, dtype_bytes)
-    block_bytes = m.block_params * dtype_bytes
+    weights = (m.params + adapters) * dtype_bytes
+    activations = m.activation_bytes(rows, r.seq_len, dtype_bytes)  # full training's: LoRA's frozen layers save less
+    block_bytes = (m.block_params + adapters // m.n_layer) * dtype_bytes
+    changed_block_bytes = (adapters // m.n_layer if lora else m.block_params) * dtype_bytes  # what an update writes
     resident = m.resident_params * dtype_bytes
-    device_needs = (2 * resident + 3 * block_bytes) if stream else 2 * weights
+    resident_trainable = 0 if lora else m.resident_params
+    device_needs = (resident + resident_trainable * dtype_bytes + 3 * block_bytes) if stream else weights + trainable * dtype_bytes
     offload = kind == "offload"
     # Activation offload's host memory, which also bounds what it keeps on the device (up to half of it in
     # writes in flight, half in reads ahead, a third in the latest tensors): what the device has left, at
@@ -360,14 +432,14 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     g = r.grad_accum_steps
     evicted = m.n_layer - cached
     weight_reads = 2 * evicted * block_bytes * g if stream else 0
-    weight_writes = m.n_layer * block_bytes if (stream and evicted > 0) else 0
+    weight_writes = m.n_layer * changed_block_bytes if (stream and evicted > 0) else 0
     act_io = g * activations if offload else 0
     kept_io = (g - 1) * kept_grads
     read = state + weight_reads + act_io + kept_io
     written = state + weight_writes + act_io + kept_io
     h2d = (g * 2 * m.n_layer * block_bytes if stream else shard * dtype_bytes) + act_io  # a rank's updated weights
     d2h = g * shard * dtype_bytes + act_io  # the gradients of a rank's parameters
-    wire = (n - 1) / n * m.params * dtype_bytes  # one rank's bytes in a ring collective over all the parameters
+    wire = (n - 1) / n * trainable * dtype_bytes  # one rank's bytes in a ring collective over all the trained parameters
     communication: dict[str, float] = {}
     if n > 1:  # the gradients to their owners (streaming: each backward's), then the owners' new weights to all
         communication = {"reduce-scatter": g * wire} if stream else {"all-reduce": 2 * wire}
@@ -375,9 +447,14 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
 
     # -- engine times
     matrices, attention = m.flops(rows, r.seq_len)
+    # 2 FLOPs a parameter a token forward, 4 backward, of which frozen weights need only the 2 for their input's gradient
+    forward_matrices = matrices / 3 + 2 * adapters * rows * r.seq_len
+    if lora:
+        matrices = 2 * forward_matrices + 2 * adapters * rows * r.seq_len
     flops = g * (matrices + attention)
     matrix_rate, attention_rate, overhead = profile.block_rates(m.d_model)
     per_micro_batch = matrices / matrix_rate + attention / attention_rate + m.n_layer * overhead
+    fwd_share = (forward_matrices / matrix_rate + (attention / attention_rate + m.n_layer * overhead) / 3) / per_micro_batch
     compute = g * per_micro_batch * (4 / 3 if kind == "recompute" else 1)
     adam = shard / profile.adam_params_per_s["float32" if r.dtype == "float32" else "bfloat16"]
     nvme_read_s, nvme_write_s = read / (drives.read_gbps * 1e9), written / (drives.write_gbps * 1e9)
@@ -393,19 +470,19 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
 
     # forward reads the blocks the cache lacks and writes the offloaded activations; backward does the rest
     fwd_io = (evicted * block_bytes * g if stream else 0) / (drives.read_gbps * 1e9) + act_io / (drives.write_gbps * 1e9)
-    forward = beside_io(compute / 3 + (copies / 2 if on_cpu else 0), fwd_io)
+    forward = beside_io(compute * fwd_share + (copies / 2 if on_cpu else 0), fwd_io)
     held = r.max_grad_norm and not stream  # gradients held for clipping: the updates run in step()
     # The parameters outside the blocks (embeddings, a tied LM head) have their last gradient only as backward
     # ends: their updates and their optimizer state's traffic run after it, a tail the step waits for.
-    last = 0.0 if held else m.resident_params / m.params
+    last = 0.0 if held else resident_trainable / trainable
     state_io = state / (drives.read_gbps * 1e9) + state / (drives.write_gbps * 1e9)
     state_checksums = 2 * state / 15e9 if r.checksum else 0.0
     tail = beside_io(last * (adam + state_checksums), last * state_io)
     nvme_rest = nvme_read_s + nvme_write_s - fwd_io - last * state_io
-    cpu_backward = (2 * compute / 3 if on_cpu else 0) + (0 if held else adam + checksums - last * (adam + state_checksums)) + (copies / 2 if on_cpu else 0)
+    cpu_backward = (compute * (1 - fwd_share) if on_cpu else 0) + (0 if held else adam + checksums - last * (adam + state_checksums)) + (copies / 2 if on_cpu else 0)
     # streaming reduces each backward's gradients; held ones are all-reduced in the last micro-batch's backward
-    reducing = reduce_s if stream else (g - 1) / g * 2 * compute / 3 + reduce_s
-    backward = max(beside_io(max(2 * compute / 3, cpu_backward), 0 if held else nvme_rest), reducing, 0 if on_cpu else copies) + tail
+    reducing = reduce_s if stream else (g - 1) / g * compute * (1 - fwd_share) + reduce_s
+    backward = max(beside_io(max(compute * (1 - fwd_share), cpu_backward), 0 if held else nvme_rest), reducing, 0 if on_cpu else copies) + tail
     step_call = (beside_io(adam + checksums, nvme_rest) if held else 0.0) + gather_s
     step = forward + backward + step_call
     engines = {"compute": compute, "cpu adam": adam, "checksums": checksums, "nvme": nvme_read_s + nvme_write_s, "copies": copies,
@@ -424,6 +501,8 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     placement = {
         "parameters": ("NVMe, streamed block by block through host memory" if stream else "device") + ("; every rank its copy" if n > 1 else ""),
         "optimizer state": "NVMe (fp32 master and moments), updated by the CPU" + (f"; each rank 1/{n} of it" if n > 1 else ""),
+        **({"trainable": f"LoRA adapters of rank {r.lora_rank}, {human_count(trainable)} parameters; the model frozen:"
+                         " no gradients, no optimizer state, never written back"} if lora else {}),
         "activations": {"keep": "device", "offload": "NVMe (offloaded)", "recompute": "recomputed in backward (each block's input kept)"}[kind],
         "gradients": grads,
     }
