@@ -120,9 +120,10 @@ def test_lora_on_a_streamed_base_trains_like_torch_and_peft_and_writes_only_the_
             if step:  # the first step writes the state's first generation too
                 # the optimizer: master weights and moments of the adapters only (fp32: 12 bytes an element)
                 assert opt.memory_stats().written_bytes == 12 * sum(p.numel() for p in trainable)
-                # the streamer: the blocks' adapter parts (each written back once per update, at most), no base weight
+                # the streamer: the blocks' adapter parts (each written back once per update, at most), no base weight;
+                # how many of them a step writes back depends on when each update lands against its block's eviction
                 streamed = opt.session.streamer.bytes_written
-                assert streamed % layer_bytes == 0 and LAYERS <= streamed // layer_bytes <= len(trainable)
+                assert streamed % layer_bytes == 0 and streamed // layer_bytes <= len(trainable)
                 assert written == opt.memory_stats().written_bytes + streamed
                 assert read == opt.memory_stats().read_bytes + opt.session.streamer.bytes_read
                 assert opt.session.streamer.bytes_read > 0  # the base weights are read again: the host holds 3 blocks

@@ -557,8 +557,8 @@ class TensorStore:
             free = stat.f_bavail * stat.f_frsize
             raise OSError(
                 errno.ENOSPC,
-                f"No space left on device: growing the swap file from {offset} to {offset + nbytes} bytes needs"
-                f" {nbytes} bytes and its file system has {free} free (other files took the room counted when"
+                f"No space left on device: growing the swap file to {offset + nbytes} bytes needs {nbytes} bytes"
+                f" more and its file system has {free} bytes free (other files took the room counted when"
                 " the swap directories were checked)",
                 swap.file.path,
             ) from None
