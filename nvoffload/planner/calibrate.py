@@ -8,6 +8,8 @@
 - host<->device copy GB/s through a :class:`~nvoffload.transfer.TransferEngine` (page-locked with CUDA);
 - a transformer block's forward and backward (:class:`nvoffload.models.gpt.Block`) at three widths, and a
   large matmul, in TFLOP/s: fp32 on the CPU, bf16 on a GPU;
+- the NVMe optimizer's fixed time per parameter tensor (:class:`~nvoffload.optim.NVMeAdamW` steps over 16 and
+  64 tiny tensors in the first swap directory: the difference, per tensor);
 - how much compute and the store's I/O slow each other down when they run at once
   (:func:`~nvoffload.planner.contention.measure_contention` beside the first swap directory);
 - the free host and device memory; the GPU's name by NVML (``nvidia-ml-py``) where present.
@@ -22,6 +24,7 @@ import os
 import platform
 import socket
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -65,6 +68,8 @@ def calibrate(
     widths = (256, 512, 1024) if dev.type == "cpu" else (1024, 2048, 4096)
     blocks = tuple((w, *_block_tflops(dev, w, quick)) for w in (widths[:2] if quick else widths))
     matmul = _matmul_tflops(dev, quick)
+    tensor_s = _optimizer_tensor_seconds(swap_dirs[0], quick)
+    log(f"NVMe optimizer: {tensor_s * 1e3:.2f} ms a parameter tensor a step, besides its bytes")
     probe = measure_contention(swap_dirs[0], device=dev, **(QUICK if quick else {"seconds": 3.0}))
     log("block forward+backward, matrices / attention TFLOP/s, fixed ms: " + ", ".join(f"d_model {w}: {m:.3f} / {a:.3f}, {o * 1e3:.1f}" for w, m, a, o in blocks) + f"; matmul {matmul:.3f}")
     log(probe.describe())
@@ -79,6 +84,7 @@ def calibrate(
         matmul_tflops=matmul, h2d_gbps=h2d, d2h_gbps=d2h, drives=tuple(drives), drives_together=together,
         adam_params_per_s=adam, cpu_cores=os.cpu_count() or 1,
         compute_with_io=min(1.0, probe.compute_with_io), io_with_compute=min(1.0, probe.io_with_compute),
+        optimizer_tensor_s=tensor_s,
         source=f"measured by nvoffload calibrate{' --quick' if quick else ''} on {socket.gethostname()},"
         f" {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, swap directories {', '.join(map(str, swap_dirs))}",
     )  # fmt: skip
@@ -117,6 +123,30 @@ def _adam_rate(grad_dtype: torch.dtype, quick: bool) -> float:
         adam_step(p, g, m, v, step=step[0], lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, param_out=out)
 
     return n / _median_seconds(once, 3 if quick else 10)
+
+
+def _optimizer_tensor_seconds(swap_dir: str, quick: bool) -> float:
+    """The NVMe optimizer's step time per parameter tensor beyond its bytes: steps over 64 and over 16 tensors of
+    1024 elements (whose bytes and Adam work take microseconds), the difference over 48."""
+    from nvoffload.optim import NVMeAdamW
+
+    seconds = []
+    for count in (16, 64):
+        params = [torch.nn.Parameter(torch.zeros(1024)) for _ in range(count)]
+        with tempfile.TemporaryDirectory(dir=swap_dir) as d:
+            opt = NVMeAdamW(params, lr=1e-4, swap_dir=d, cpu_memory_bytes=16 * _MiB)
+            try:
+
+                def once(params=params, opt=opt):
+                    for p in params:
+                        p.grad = torch.ones_like(p)
+                    opt.step()
+                    opt.zero_grad()
+
+                seconds.append(_median_seconds(once, 3 if quick else 8))
+            finally:
+                opt.close()
+    return max(0.0, (seconds[1] - seconds[0]) / 48)
 
 
 def _copy_bandwidth(dev: torch.device, quick: bool) -> tuple[float, float]:

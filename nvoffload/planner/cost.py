@@ -58,9 +58,10 @@ _OPTIMIZER_BYTES = 12  # fp32 master weights and two moments, per parameter, per
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _HOST_OVERHEAD_BYTES = 1 << 30  # the interpreter, torch and the I/O threads' buffers, besides the budgets
 # bench/bench_plan.py finds the plan within 15% of finetune from a 25M-parameter GPT (d_model 512, 8 layers) up to
-# GPT-2 124M; on the small preset (3.3M) finetune's steps took 1.23x and 1.41x the plan's (optimizer only; streamed
-# with activation offload): what a step costs besides its blocks' compute and bytes (Python, each tensor's I/O
-# request) weighs more there, and the planner does not model it. Below this size the plan says so.
+# GPT-2 124M, and on the small preset (3.3M) with the model on the device, activations kept (1.0x, with the
+# optimizer's calibrated time per tensor); streamed with activation offload, the small preset's steps took 1.3x to
+# 1.4x the plan's: the streaming hooks' and each saved tensor's fixed costs, not modelled, weigh more there. Below this
+# size a plan that streams or does not keep its activations says so.
 _CHECKED_FROM_PARAMS = 20_000_000
 
 
@@ -146,13 +147,17 @@ class ModelShape:
         """The LoRA adapter parameters of one block: ``rank * (in + out)`` for each linear layer that a name or
         suffix in ``targets`` matches as PEFT's ``target_modules`` does (None: PEFT's default for the family,
         what ``finetune --lora-rank`` without ``--lora-targets`` adapts)."""
+        return sum(rank * (i + o) for _, i, o in self.lora_linears(targets))
+
+    def lora_linears(self, targets: tuple[str, ...] | None = None) -> list[tuple[str, int, int]]:
+        """The block's linear layers that ``targets`` adapt (see :meth:`lora_block_params`)."""
         linears = self.block_linears()
         wanted = _LORA_DEFAULT_TARGETS.get(self.family, ("q_proj", "v_proj")) if targets is None else targets
         unmatched = [t for t in wanted if not any(path == t or path.endswith("." + t) for path, _, _ in linears)]
         if unmatched:
             names = ", ".join(path.rsplit(".", 1)[-1] for path, _, _ in linears)
             raise ValueError(f"lora_targets {', '.join(unmatched)} name no linear layer of a {self.family} block ({names})")
-        return sum(rank * (i + o) for path, i, o in linears if any(path == t or path.endswith("." + t) for t in wanted))
+        return [(path, i, o) for path, i, o in linears if any(path == t or path.endswith("." + t) for t in wanted)]
 
     @property
     def resident_params(self) -> int:
@@ -164,6 +169,14 @@ class ModelShape:
     @property
     def params(self) -> int:
         return self.n_layer * self.block_params + self.resident_params
+
+    @property
+    def tensors(self) -> int:
+        """Parameter tensors: a block's matrices, norms and (GPT) biases; the embeddings, an untied head, the
+        final norm."""
+        block = 9 if self.gated_mlp else 12
+        resident = (1 if self.tied_embeddings else 2) + (1 if self.learned_positions else 0) + (1 if self.gated_mlp else 2)
+        return self.n_layer * block + resident
 
     def flops(self, batch: int, seq: int) -> tuple[float, float]:
         """Forward and backward FLOPs of one micro-batch: the matrices' (the LM head's included) and attention's."""
@@ -286,6 +299,13 @@ class PlanRequest:
             if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 1:
                 raise ValueError(f"lora_rank must be a positive int, got {self.lora_rank!r}")
             self.model.lora_block_params(self.lora_rank, self.lora_targets)  # targets the model has
+
+    @property
+    def trainable_tensors(self) -> int:
+        """The parameter tensors trained: the model's, or with ``lora_rank`` two a adapted layer (A and B)."""
+        if self.lora_rank is None:
+            return self.model.tensors
+        return self.model.n_layer * 2 * len(self.model.lora_linears(self.lora_targets))
 
     @property
     def trainable_params(self) -> int:
@@ -456,7 +476,9 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     per_micro_batch = matrices / matrix_rate + attention / attention_rate + m.n_layer * overhead
     fwd_share = (forward_matrices / matrix_rate + (attention / attention_rate + m.n_layer * overhead) / 3) / per_micro_batch
     compute = g * per_micro_batch * (4 / 3 if kind == "recompute" else 1)
+    # the updates' work, and each of a rank's tensors' fixed time (its requests to the store, the worker's hand-offs)
     adam = shard / profile.adam_params_per_s["float32" if r.dtype == "float32" else "bfloat16"]
+    adam += -(-r.trainable_tensors // n) * profile.optimizer_tensor_s
     nvme_read_s, nvme_write_s = read / (drives.read_gbps * 1e9), written / (drives.write_gbps * 1e9)
     copies = h2d / (profile.h2d_gbps * 1e9) + d2h / (profile.d2h_gbps * 1e9)
     checksums = (read + written) / 15e9 if r.checksum else 0.0  # CRC-32C, one thread (bench/results/bench_io.md)
@@ -513,16 +535,17 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
         engine_s=engines, phases_s={"forward": forward, "backward": backward, "step": step_call},
         memory_bytes={"device": int(device_used), "host": int(host_used), "nvme": int(nvme_used)},
         nvme_read_bytes=int(read), nvme_written_bytes=int(written), profile=profile.name,
-        communication_bytes={k: int(v) for k, v in communication.items()}, notes=_accuracy_notes(m),
+        communication_bytes={k: int(v) for k, v in communication.items()}, notes=_accuracy_notes(m, stream, kind),
     )  # fmt: skip
 
 
-def _accuracy_notes(m: ModelShape) -> list[str]:
+def _accuracy_notes(m: ModelShape, stream: bool, kind: str) -> list[str]:
     """Where the plan is not known to be accurate (see ``_CHECKED_FROM_PARAMS``)."""
-    if m.params >= _CHECKED_FROM_PARAMS:
+    if m.params >= _CHECKED_FROM_PARAMS or (not stream and kind == "keep"):
         return []
     return [
-        f"checked within 15% of measured steps from {human_count(_CHECKED_FROM_PARAMS)} parameters up, not below:"
-        " on the small preset (3.26M) steps took up to 1.4x the plan's (per-step and per-tensor costs the planner"
-        " does not model weigh more there): take its tokens/s as an upper bound"
+        f"checked within 15% of measured steps from {human_count(_CHECKED_FROM_PARAMS)} parameters up, and below"
+        " with the model on the device and activations kept; streamed with activation offload the small preset's"
+        " (3.26M) steps took 1.3x to 1.4x the plan's (per-block and per-saved-tensor costs the planner does not model"
+        " weigh more there): take its tokens/s as an upper bound"
     ]

@@ -74,6 +74,10 @@ class MachineProfile:
             I/O). ``calibrate`` measures them; on a GPU server (the built-in profiles) the kernels do not run
             on the host's cores and both are 1, so compute and I/O overlap for free; with the CPU standing in
             for the GPU they share the cores (on a VM, with the disk emulation too), and both are below 1.
+        optimizer_tensor_s: the NVMe optimizer's fixed time per parameter tensor a step, besides its bytes and
+            its Adam work (the tensor's requests to the store and the worker thread's hand-offs: what makes a model
+            of many small tensors slower than its bytes say). ``calibrate`` measures it (steps over 16 and 64
+            tiny tensors); 0 in the built-in profiles and in profiles saved before the field (not measured).
     """
 
     name: str
@@ -93,6 +97,7 @@ class MachineProfile:
     interconnect_gbps: float | None = None
     compute_with_io: float = 1.0
     io_with_compute: float = 1.0
+    optimizer_tensor_s: float = 0.0
 
     def __post_init__(self):
         if self.device not in ("cuda", "cpu"):
@@ -124,6 +129,9 @@ class MachineProfile:
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 < value <= 1):
                 raise ValueError(f"MachineProfile.{name} must be a fraction in (0, 1], got {value!r}")
+        value = self.optimizer_tensor_s
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+            raise ValueError(f"MachineProfile.optimizer_tensor_s must be a non-negative number of seconds, got {value!r}")
 
     def block_rates(self, d_model: int) -> tuple[float, float, float]:
         """A block's matrices FLOP/s, attention FLOP/s and fixed seconds per pass at width ``d_model``
