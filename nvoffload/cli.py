@@ -336,7 +336,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             _print_plan(result, flags)
         return 0 if result.fits else 2
     if args.command == "finetune":
-        from nvoffload.finetune import FinetuneConfig, _postfix, finetune
+        from nvoffload.finetune import FinetuneConfig, finetune
+        from nvoffload.finetune.run import _postfix
         from nvoffload.planner.cost import human_count
         from nvoffload.memory import MemoryBudgetError
         from nvoffload.optim.offload import OffloadIOError

@@ -1,65 +1,11 @@
-"""``nvoffload finetune``: fine-tune a GPT-style model with its training state on NVMe.
-
-The model is built from a configuration in the package
-(:class:`nvoffload.models.GPTConfig` presets, no download) or loaded from a
-safetensors checkpoint, or it is a Hugging Face causal LM read from a local
-model directory (``model_dir``: ``config.json`` and safetensors weights; needs
-``transformers``, the ``[hf]`` extra). The text is the shipped corpus or a
-user's file, tokenized as bytes for a preset and by the directory's tokenizer
-for a Hugging Face model (as bytes when the directory has none, see
-:class:`FinetuneConfig`), and the swap directory lies under the user's cache
-directory (``$XDG_CACHE_HOME/nvoffload`` or ``~/.cache/nvoffload``), removed at
-the end. Two modes:
-
-- default: the model stays on the device, AdamW's state (fp32 master weights
-  and moments) is on NVMe (:class:`nvoffload.optim.NVMeAdamW`);
-- ``stream=True``: the parameters are on NVMe too, streamed block by block
-  through host memory to the device within ``cpu_memory_bytes`` and
-  ``device_memory_bytes`` (:func:`nvoffload.initialize`); the model is built on
-  the meta device, so it never is in memory at once. Gradients are consumed
-  during backward; accumulation, clipping and fp16 loss scaling are the
-  optimizer's (:class:`nvoffload.OffloadConfig`'s ``gradient_accumulation_steps``,
-  ``max_grad_norm`` and ``loss_scaling``).
-
-Under ``torchrun --nproc-per-node N`` (or any launcher that sets ``WORLD_SIZE``,
-``RANK`` and ``MASTER_ADDR``) the run is data parallel (:mod:`nvoffload.distributed`,
-NCCL on CUDA, gloo on the CPU): every micro-batch of ``batch_size`` sequences is
-split between the ranks, each keeps its share of the optimizer state in its own
-``rank<r>`` subdirectory of the swap directory, and rank 0 reports and writes
-``save_to``; checkpoints are written by all ranks together and resume on any
-number of ranks.
-
-Instruction and chat data (``data_path``: JSONL of ``{"text"}``,
-``{"prompt", "completion"}`` or ``{"messages"}``, Parquet, or a ``datasets``
-directory; :mod:`nvoffload.data.sft`) train with the loss on the completion's
-or assistant's tokens, packed to ``seq_len``; each step's loss is the mean over
-every target of its micro-batches (:func:`nvoffload.sft.causal_lm_loss`). An
-evaluation split (``eval_data_path`` or ``eval_fraction``) is evaluated every
-``eval_every`` steps and after the last, on the same model, its weights where
-they live (:func:`nvoffload.sft.evaluate`). The metrics of every step go to
-``log_dir`` (:class:`nvoffload.metrics.MetricsLog`: ``metrics.jsonl``, and
-``loss.png`` at the end and at each checkpoint, at most one drawing every 10 s).
-
-A Hugging Face model is written back as a Hugging Face directory
-(:func:`nvoffload.pretrained.save_pretrained`, with the tokenizer); a preset's
-as one safetensors file.
-
-Each step reports loss, tokens/s, memory per tier and I/O GB/s.
-
-Example::
-
-    from nvoffload.finetune import FinetuneConfig, finetune
-    result = finetune(FinetuneConfig(steps=50))
-    print(result.losses[0], "->", result.losses[-1])
-"""
+"""The training loop of ``nvoffload finetune``: the model and its optimizer built in the configured mode, the
+steps, evaluation, metrics, checkpoints and what each step reports."""
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import dataclasses
 import datetime
-import errno
 import math
 import os
 import resource
@@ -78,26 +24,33 @@ from nvoffload import trace
 from nvoffload.activations import offload_activations
 from nvoffload.checkpoint import open_checkpoint, save_file
 from nvoffload.data import ByteTokenizer, TokenDataset, load_text
-from nvoffload.data.sft import LOSS_ON, SFTBatch, SFTDataset, resolve_data_path
-from nvoffload.device import cuda_available
+from nvoffload.data.sft import SFTBatch, SFTDataset
 from nvoffload.distributed import DEFAULT_TIMEOUT_S, rank_swap_dirs
+from nvoffload.finetune.checks import (
+    _check_batch_memory,
+    _check_init_from,
+    _check_save_to,
+    _check_saveable,
+    _check_swap_space,
+    _check_writable,
+    _host_budgets_named,
+    _model_shape,
+    _rank,
+)
+from nvoffload.finetune.config import _DTYPES, FinetuneConfig, default_swap_root, max_text_bytes
 from nvoffload.io.ownership import SwapDirectoryInUse, claim
-from nvoffload.io.store import swap_directories
 from nvoffload.metrics import MetricsLog
-from nvoffload.models import GPT, GPTConfig
+from nvoffload.models import GPT
 from nvoffload.optim import LossScaling
 from nvoffload.optim.offload import NVMeAdamW, OffloadOptimizer
-from nvoffload.planner.calibrate import _host_available_bytes
-from nvoffload.planner.cost import ModelShape, human_count, human_size
-from nvoffload.sft import causal_lm_loss, evaluate
+from nvoffload.planner.cost import human_count, human_size
 from nvoffload.pretrained import (
     _dtype_kwargs,
     build_meta_model,
-    check_save_directory,
     import_transformers,
     save_pretrained,
-    saved_tensors,
 )
+from nvoffload.sft import causal_lm_loss, evaluate
 from nvoffload.training import OffloadConfig, initialize
 from nvoffload.training_checkpoint import (
     check_checkpoint_directory,
@@ -107,262 +60,11 @@ from nvoffload.training_checkpoint import (
     save_training_checkpoint,
 )
 
-__all__ = ["FinetuneConfig", "FinetuneResult", "StepStats", "default_swap_root", "finetune", "header", "max_text_bytes"]
+__all__ = ["FinetuneResult", "StepStats", "finetune", "header"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 _HF_SEQ_LEN = 128  # default tokens per sequence for a Hugging Face model (at most its context)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
-def default_swap_root() -> str:
-    """``$XDG_CACHE_HOME/nvoffload``, or ``~/.cache/nvoffload``."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "nvoffload")
-
-
-@dataclass(frozen=True)
-class FinetuneConfig:
-    """One fine-tuning run. Defaults finish in a few minutes on a 2-core CPU.
-
-    Attributes (besides the usual training hyperparameters):
-        preset: the built-in GPT to train (ignored with ``model_dir``).
-        model_dir: a Hugging Face causal-LM directory (``config.json`` and
-            ``*.safetensors``, as ``save_pretrained`` writes it) to fine-tune
-            instead of a preset; needs ``transformers``. With ``stream`` it is
-            built on the meta device and filled from the directory one block at
-            a time, else loaded with ``from_pretrained``. The text is tokenized
-            by the directory's tokenizer (``AutoTokenizer``) when it has one;
-            without one, as UTF-8 bytes (ids 0-255), which only makes sense for
-            a model trained on bytes, and is refused for a vocabulary under 256.
-            ``seq_len`` defaults to 128 tokens (at most the model's context).
-        text_path: the text to train on (None: the shipped corpus), a regular file of at most
-            1/32 of this machine's memory (:func:`max_text_bytes`), decoded as ``text_encoding``
-            (a byte not valid in it is refused, naming its offset).
-        dtype: parameters on the device: float32, bfloat16 or float16 (fp32
-            master on NVMe; float16 with dynamic loss scaling: a
-            ``torch.amp.GradScaler``, or with ``stream`` the optimizer's).
-        grad_accum_steps: micro-batches per optimizer step.
-        max_grad_norm: clip the global gradient norm (the updates then run in ``step()``).
-        swap_dir: directory on NVMe; None: :func:`default_swap_root`, reused run
-            after run so that what a killed run left there is cleaned up (a fresh
-            subdirectory, removed at the end, while another run holds it).
-        cpu_memory_bytes: host memory for the optimizer's staging buffers (with
-            ``stream``, also the cache of parameter blocks).
-        stream: stream the parameters from NVMe too (see the module docstring).
-        device_memory_bytes: with ``stream``, device memory for streamed blocks,
-            the other parameters and gradients in flight.
-        offload_activations: send the activations saved for backward to NVMe.
-        activation_memory_bytes: with ``offload_activations``, the host memory
-            staging their transfers (a saved tensor larger than half of it
-            moves through it in pieces); None: with ``stream`` an eighth of
-            ``cpu_memory_bytes`` (taken from it), otherwise the offload's own
-            default.
-        init_from: a safetensors checkpoint (file, directory of shards or
-            ``*.index.json``) of the preset's model to start from.
-        save_to: write the fine-tuned weights there: a safetensors file for a
-            preset; for ``model_dir`` a Hugging Face directory (weights,
-            ``config.json``, the tokenizer), replaced atomically. Checked for
-            writing before the model is built.
-        checkpoint_dir: write training checkpoints there
-            (:func:`nvoffload.save_training_checkpoint`: weights, optimizer
-            state, scheduler, loss scaler, RNG and the position in the data),
-            every ``save_every`` steps and after the last; the last
-            ``keep_last`` are kept. Checked for writing before the model is built.
-        trace_path: write a :mod:`nvoffload.trace` of one step (the second this run takes, or its only one)
-            there: Chrome trace-event JSON for Perfetto, a track each for compute per block, copies, NVMe
-            reads and writes and Adam chunks.
-        resume: go on from the latest complete checkpoint in ``checkpoint_dir``
-            (from the start when there is none yet): the run ends as if it had
-            never stopped, bit for bit.
-        data_path: instruction or chat data instead of ``text_path``: a JSONL, Parquet or ``datasets``
-            directory, or ``chat`` (the shipped chat data); see :class:`nvoffload.data.sft.SFTDataset`.
-        loss_on: with ``data_path``, ``completion`` (the completion's or the assistant's tokens) or ``all``.
-        packing: with ``data_path``, pack examples into rows of ``seq_len`` (else one a row, padded).
-        eval_data_path, eval_fraction: the evaluation data: another file, or this fraction of
-            ``data_path``'s examples held out from training.
-        eval_every: evaluate every this many steps (and after the last; None: after the last only).
-        log_dir: write the metrics of every step there (``metrics.jsonl``, ``loss.png``; TensorBoard when
-            installed); None: ``checkpoint_dir`` when given, else none.
-        lora_rank: with ``model_dir``, train LoRA adapters of this rank (``peft.get_peft_model``; needs peft)
-            over the frozen model instead of the whole model; ``save_to`` then writes the adapter as PEFT
-            does (``adapter_model.safetensors``, ``adapter_config.json``).
-        lora_targets: with ``lora_rank``, the modules to adapt (names or suffixes, as PEFT's ``target_modules``);
-            None: PEFT's default for the model's family.
-    """
-
-    preset: str = "small"
-    model_dir: str | None = None
-    text_path: str | None = None  # None: the shipped corpus
-    text_encoding: str = "utf-8"
-    steps: int = 150
-    batch_size: int = 8
-    seq_len: int | None = None  # None: the preset's
-    grad_accum_steps: int = 1
-    lr: float = 1e-3
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
-    max_grad_norm: float | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
-    swap_dir: str | None = None
-    cpu_memory_bytes: int = 64 << 20
-    stream: bool = False
-    device_memory_bytes: int = 1 << 30
-    offload_activations: bool = False
-    activation_memory_bytes: int | None = None
-    init_from: str | None = None
-    save_to: str | None = None
-    checkpoint_dir: str | None = None
-    save_every: int | None = None  # None: after the last step only
-    keep_last: int = 2
-    resume: bool = False
-    trace_path: str | None = None
-    seed: int = 0
-    data_path: str | None = None
-    loss_on: str = "completion"
-    packing: bool = True
-    eval_data_path: str | None = None
-    eval_fraction: float | None = None
-    eval_every: int | None = None
-    log_dir: str | None = None
-    lora_rank: int | None = None
-    lora_targets: tuple[str, ...] | None = None
-
-    def __post_init__(self):
-        GPTConfig.preset(self.preset)  # raises for an unknown preset
-        for name in ("steps", "batch_size", "grad_accum_steps", "cpu_memory_bytes", "device_memory_bytes", "keep_last"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.save_every is not None and self.save_every < 1:
-            raise ValueError(f"save_every must be >= 1, got {self.save_every}")
-        for name in ("save_every", "resume"):
-            if getattr(self, name) not in (None, False) and self.checkpoint_dir is None:
-                raise ValueError(f"{name} needs a checkpoint_dir")
-        if self.trace_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.trace_path))):
-            raise ValueError(f"trace_path: the directory of {self.trace_path} does not exist")
-        if self.activation_memory_bytes is not None and self.activation_memory_bytes < 1:
-            raise ValueError(f"activation_memory_bytes must be >= 1, got {self.activation_memory_bytes}")
-        if self.seq_len is not None and self.seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
-        context = GPTConfig.preset(self.preset).seq_len
-        if self.model_dir is None and self.seq_len is not None and self.seq_len > context:
-            raise ValueError(f"seq_len {self.seq_len} exceeds the {self.preset} preset's context of {context} positions")
-        try:
-            device = torch.device(self.device)
-        except RuntimeError as exc:
-            raise ValueError(f"device: {exc}") from None
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if device.type == "cuda" and not cuda_available():
-            raise ValueError(f"device {self.device}: no CUDA GPU is usable here (torch {torch.__version__}); use --device cpu")
-        if not -(1 << 63) <= self.seed < 1 << 64:
-            raise ValueError(f"seed must be in [-2**63, 2**64) (torch's range), got {self.seed}")
-        try:
-            codecs.lookup(self.text_encoding)
-        except LookupError:
-            raise ValueError(f"text_encoding: unknown encoding {self.text_encoding!r}") from None
-        _check_memory_sizes(self, device)
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr must be positive and finite, got {self.lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise ValueError(f"weight_decay must be finite and >= 0, got {self.weight_decay}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
-            raise ValueError(f"max_grad_norm must be positive and finite, got {self.max_grad_norm}")
-        if self.model_dir is not None:
-            if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
-                raise ValueError(f"model_dir: {self.model_dir} is not a Hugging Face model directory (no config.json)")
-            if self.init_from is not None:
-                raise ValueError("init_from is for presets: a Hugging Face model starts from its directory's weights")
-        if self.init_from is not None and not os.path.exists(self.init_from):
-            raise ValueError(f"init_from: no such file or directory: {self.init_from}")
-        self._check_data()
-        if self.lora_rank is not None and (self.lora_rank < 1 or self.model_dir is None):
-            raise ValueError(f"lora_rank must be >= 1 and needs a model_dir (adapters over a Hugging Face model), got {self.lora_rank}")
-        if self.lora_targets is not None and self.lora_rank is None:
-            raise ValueError("lora_targets needs lora_rank")
-        parent = os.path.dirname(os.path.abspath(self.save_to)) if self.save_to is not None else None
-        if parent is not None and not os.path.isdir(parent):
-            what = "is not a directory" if os.path.exists(parent) else "does not exist"
-            raise ValueError(f"save_to: the directory of {self.save_to} {what}")
-
-    def _check_data(self) -> None:
-        if self.data_path is not None and self.text_path is not None:
-            raise ValueError("data_path and text_path: one or the other")
-        if self.loss_on not in LOSS_ON:
-            raise ValueError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
-        for name in ("data_path", "eval_data_path"):
-            path = getattr(self, name)
-            if path is not None and not os.path.exists(resolve_data_path(path)):
-                raise ValueError(f"{name}: no such file or directory: {path}")
-        evaluated = self.eval_data_path is not None or self.eval_fraction is not None
-        if evaluated and self.data_path is None:
-            raise ValueError("eval_data_path and eval_fraction need a data_path")
-        if self.eval_data_path is not None and self.eval_fraction is not None:
-            raise ValueError("eval_data_path and eval_fraction: one or the other")
-        if self.eval_fraction is not None and not 0 < self.eval_fraction < 1:
-            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.eval_every is not None and (self.eval_every < 1 or not evaluated):
-            raise ValueError(f"eval_every must be >= 1 and needs eval_data_path or eval_fraction, got {self.eval_every}")
-
-    @property
-    def metrics_dir(self) -> str | None:
-        """Where the metrics go: ``log_dir``, else ``checkpoint_dir``."""
-        return self.log_dir if self.log_dir is not None else self.checkpoint_dir
-
-    @property
-    def model_config(self) -> GPTConfig:
-        base = GPTConfig.preset(self.preset)
-        if self.seq_len is None:
-            return base
-        return GPTConfig(**{**base.__dict__, "seq_len": self.seq_len})
-
-
-def _host_memory_bytes() -> int:
-    """This machine's physical memory."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def max_text_bytes() -> int:
-    """The largest text ``finetune`` reads: 1/32 of this machine's memory (its tokens are held in memory, as int64
-    ids: 8 bytes a byte for a preset's byte tokenizer)."""
-    return _host_memory_bytes() // 32
-
-
-@contextlib.contextmanager
-def _host_budgets_named(config: FinetuneConfig):
-    """An allocation the host refuses (``OSError(ENOMEM)``, no more than "Cannot allocate memory") raised again
-    naming the budgets asked and the memory this machine has available."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.errno != errno.ENOMEM:
-            raise
-        asked = [("cpu_memory_bytes", config.cpu_memory_bytes)]
-        if config.offload_activations and config.activation_memory_bytes is not None:
-            asked.append(("activation_memory_bytes", config.activation_memory_bytes))
-        named = " and ".join(f"{name} {n} ({human_size(n)})" for name, n in asked)
-        free = _host_available_bytes()
-        raise OSError(errno.ENOMEM, f"cannot allocate the host memory asked, {named}: {free} ({human_size(free)}) of this"
-                      f" machine's {human_size(_host_memory_bytes())} is available") from None  # fmt: skip
-
-
-def _check_memory_sizes(config: FinetuneConfig, device: torch.device) -> None:
-    """Raise ValueError for a memory budget larger than what this machine has (host memory; with ``stream``, the
-    device budget against the device's memory), naming the field, the size asked and the machine's."""
-    host = _host_memory_bytes()
-    sizes = [("cpu_memory_bytes", config.cpu_memory_bytes, host, "this machine's memory")]
-    if config.activation_memory_bytes is not None:
-        sizes.append(("activation_memory_bytes", config.activation_memory_bytes, host, "this machine's memory"))
-    if config.stream:
-        on_device = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else host
-        sizes.append(("device_memory_bytes", config.device_memory_bytes, on_device, f"the memory of {device}"))
-    for name, asked, has, what in sizes:
-        if asked > has:
-            raise ValueError(f"{name} {asked} ({human_size(asked)}) is more than {what}, {has} ({human_size(has)})")
 
 
 class _HFModel:
@@ -435,103 +137,6 @@ def _data(
 def _batch(data: TokenDataset | SFTDataset, batch_size: int) -> SFTBatch:
     drawn = data.batch(batch_size)
     return drawn if isinstance(drawn, SFTBatch) else SFTBatch(*drawn)
-
-
-def _check_save_to(config: FinetuneConfig) -> None:
-    """Raise (OSError) before any training when ``save_to`` cannot be written."""
-    if config.save_to is None:
-        return
-    if config.model_dir is not None:
-        check_save_directory(config.save_to)
-        return
-    _check_writable(config.save_to, "save_to", "a safetensors file")
-
-
-def _check_saveable(model: nn.Module, config: FinetuneConfig) -> None:
-    """Raise ValueError, naming the field, before step 1 when the model cannot be written as ``save_to`` or
-    ``checkpoint_dir`` will write it (a conversion of transformers that is not reverted one tensor at a time)."""
-    field = "save_to" if config.save_to is not None else "checkpoint_dir" if config.checkpoint_dir is not None else None
-    if field is not None:
-        try:
-            saved_tensors(model)
-        except ValueError as exc:
-            raise ValueError(f"{field}: {exc}") from None
-
-
-def _check_writable(path: str, field: str, kind: str) -> None:
-    """Raise OSError, naming ``field``, when the file ``path`` (``kind``) cannot be written: a directory is there, or
-    its directory takes no new file (probed with a temporary file, removed)."""
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"{field}: {path} is a directory, not {kind}")
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".nvoffload-probe-"):
-            pass
-    except OSError as exc:
-        raise type(exc)(exc.errno, f"{field}: cannot write {path}: {exc.strerror} in {directory}") from None
-
-
-def _check_init_from(config: FinetuneConfig) -> None:
-    """Raise ValueError when ``init_from`` is damaged (:class:`~nvoffload.checkpoint.CheckpointError`) or holds
-    tensors the preset's model lacks or shapes it differs in, before anything is built (what it lacks is named
-    when it is loaded)."""
-    with torch.device("meta"):
-        shapes = {name: tuple(t.shape) for name, t in GPT(config.model_config).state_dict().items()}
-    with open_checkpoint(config.init_from) as ckpt:
-        found = {name: tuple(ckpt.info(name).shape) for name in ckpt.keys()}
-    wrong = [f"{n} has shape {s} (the model's {shapes[n]})" for n, s in found.items() if shapes.get(n, s) != s]
-    wrong += [f"{n} is not in the model" for n in found if n not in shapes]
-    if wrong:
-        more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
-        what = f"init_from: {config.init_from} does not fit the {config.preset!r} model"
-        raise ValueError(f"{what}: {'; '.join(wrong[:3])}{more}")
-
-
-def _model_shape(config: FinetuneConfig) -> ModelShape | None:
-    """The model's sizes as the planner sees them; None for a Hugging Face configuration the planner does not know
-    (its checks below are then skipped rather than guessed)."""
-    if config.model_dir is None:
-        return ModelShape.from_preset(config.preset)
-    try:
-        return ModelShape.from_hf_config(config.model_dir)
-    except (ValueError, TypeError):
-        return None
-
-
-def _check_batch_memory(config: FinetuneConfig, shape: ModelShape, rows: int, seq_len: int, dev: torch.device) -> None:
-    """Raise ValueError when one micro-batch (this rank's ``rows`` sequences) saves more for backward than ``dev``
-    has free: half the planner's measure of what autograd saves in nvoffload's GPT blocks (a model that saves less
-    is not refused), or with ``offload_activations`` twice the largest saved tensor. Logits, gradients and the rest
-    come on top: a run it passes may still run out of memory; it refuses only what is far out of reach."""
-    dtype_bytes = _DTYPES[config.dtype].itemsize
-    if config.offload_activations:
-        need = 2 * rows * seq_len * max(shape.ffn, shape.d_model) * dtype_bytes
-    else:
-        need = shape.activation_bytes(rows, seq_len, dtype_bytes) // 2
-    free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else _host_available_bytes()
-    if need > free:
-        raise ValueError(
-            f"batch_size {config.batch_size}: a micro-batch of {rows} x {seq_len} tokens saves at least {need} bytes"
-            f" ({human_size(need)}) for backward, more than the {free} ({human_size(free)}) free on {dev}: lower batch_size or"
-            f" seq_len{'' if config.offload_activations else ', or set offload_activations'}"
-        )
-
-
-def _check_swap_space(config: FinetuneConfig, shape: ModelShape | None, rows: int, seq_len: int, swap_dir: str) -> None:
-    """Raise OSError before anything is written when ``swap_dir`` is missing, not a writable directory, or has too
-    little free space for this rank's optimizer state (two generations of fp32 master weights and moments; with
-    ``stream`` the weights too) and, with ``offload_activations``, one micro-batch's activations."""
-    needed, what = 0, []
-    if shape is not None:
-        dtype_bytes = _DTYPES[config.dtype].itemsize
-        per_param = 2 * 12 + (dtype_bytes if config.stream else 0)
-        needed = -(-shape.params // _rank()[1]) * per_param
-        what.append(f"the optimizer state{' and the weights' if config.stream else ''} ({needed} bytes)")
-        if config.offload_activations:
-            activations = shape.activation_bytes(rows, seq_len, dtype_bytes)
-            needed += activations
-            what.append(f"a micro-batch's offloaded activations ({activations} bytes)")
-    swap_directories([swap_dir], needed_bytes=needed, what=" and ".join(what))
 
 
 @dataclass(frozen=True)
@@ -697,11 +302,6 @@ def _join_ranks(config: FinetuneConfig) -> bool:
     # the backend's own timeout as the optimizer's collectives': a rank that hangs ends every rank's run
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
     return True
-
-
-def _rank() -> tuple[int, int]:
-    """``(rank, world size)`` of the default process group; ``(0, 1)`` without one."""
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def _finetune(
