@@ -15,12 +15,11 @@ from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.streaming import _guard
 from nvoffload.streaming._blocks import Block
 from nvoffload.streaming._host_cache import HostCache
-from nvoffload.transfer import Future, TransferEngine
+from nvoffload.transfer import WAIT_LIMIT_S, Future, TransferEngine
 
 __all__ = ["DeviceResidency", "GradientLedger"]
 
 _POLL_S = 0.5  # how often a wait for device memory checks that it can still end
-_GRAD_STALL_S = 60.0  # longest wait for device memory while no gradient is freed
 
 
 def _flat(block: Block) -> torch.Tensor:
@@ -294,7 +293,7 @@ class DeviceResidency:
                 if before is not None and queued < before:
                     last_progress = now
                 short = needed - self.memory.available_bytes("device")
-                if queued < short or now - last_progress > _GRAD_STALL_S:
-                    why = "nothing that could free it is pending" if queued < short else "no gradient was freed for a minute"
+                if queued < short or now - last_progress > WAIT_LIMIT_S:
+                    why = "nothing that could free it is pending" if queued < short else f"no gradient was freed for {WAIT_LIMIT_S:g} s (NVOFFLOAD_WAIT_LIMIT_S)"
                     raise MemoryBudgetError(f"{e} ({why}); {self.describe()}") from None
         self.grad_wait_s += time.perf_counter() - start
