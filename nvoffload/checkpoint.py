@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from nvoffload._atomic_dir import fsync_path, naming
+from nvoffload._atomic import AtomicFile, naming
 from nvoffload.io.checksum import crc32c
 
 __all__ = [
@@ -543,10 +543,10 @@ class SafetensorsWriter:
     """Writes a safetensors file one tensor at a time, in any order.
 
     The header comes first in the file, so the writer is told every tensor's
-    name, dtype and shape up front. It writes to ``path + ".tmp"``; ``close``
-    checks that every tensor was written exactly once, fsyncs, and renames the
-    file to ``path``, so a crash never leaves a partial checkpoint under the
-    final name. Leaving a ``with`` block by an exception, or :meth:`abort`,
+    name, dtype and shape up front. It writes to a hidden sibling of ``path``
+    (an :class:`~nvoffload._atomic.AtomicFile`); ``close`` checks that every
+    tensor was written exactly once, fsyncs, and renames the file to ``path``,
+    so a crash never leaves a partial checkpoint under the final name. Leaving a ``with`` block by an exception, or :meth:`abort`,
     removes the partial file.
 
     ``checksums`` holds the CRC-32C of each tensor's bytes (of the parts written so far). An I/O error
@@ -565,18 +565,17 @@ class SafetensorsWriter:
         metadata: Mapping[str, str] | None = None,
     ):
         self.path = os.fspath(path)
-        self._tmp_path = self.path + ".tmp"
         self._layout = _plan(tensors_info)
         header = _encode_header(self._layout, metadata)
         self._data_start = _LENGTH_BYTES + len(header)
         self._written = dict.fromkeys(self._layout, 0)  # name -> elements written so far (write_slice: in order)
         self._done: set[str] = set()  # names written completely
         self.checksums: dict[str, int] = dict.fromkeys(self._layout, 0)  # name -> CRC-32C of its bytes so far
-        self._fd: int | None = os.open(self._tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        self._file: AtomicFile | None = AtomicFile(self.path)
         try:
-            with naming(self._tmp_path):
-                _pwrite_all(self._fd, len(header).to_bytes(_LENGTH_BYTES, "little") + header, 0)
-                os.ftruncate(self._fd, self._data_start + sum(info.nbytes for info, _ in self._layout.values()))
+            with naming(self._file.tmp_path):
+                _pwrite_all(self._file.fd, len(header).to_bytes(_LENGTH_BYTES, "little") + header, 0)
+                os.ftruncate(self._file.fd, self._data_start + sum(info.nbytes for info, _ in self._layout.values()))
         except BaseException:
             self.abort()
             raise
@@ -611,7 +610,7 @@ class SafetensorsWriter:
         self._put(name, start, values)
 
     def _check_write(self, call: str, name: str, tensor: torch.Tensor) -> TensorInfo:
-        if self._fd is None:
+        if self._file is None:
             raise ValueError(f"{call}({name!r}): the writer of {self.path} is closed")
         if name not in self._layout:
             raise KeyError(f"{call}({name!r}): the tensor was not declared when {self.path} was opened")
@@ -626,8 +625,8 @@ class SafetensorsWriter:
         info, offset = self._layout[name]
         if tensor.numel():
             data = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-            with naming(self._tmp_path):
-                _pwrite_all(self._fd, _bytes_of(data), self._data_start + offset + start * data.element_size())
+            with naming(self._file.tmp_path):
+                _pwrite_all(self._file.fd, _bytes_of(data), self._data_start + offset + start * data.element_size())
             self.checksums[name] = crc32c(data, self.checksums[name])
         self._written[name] = start + tensor.numel()
         if self._written[name] == math.prod(info.shape):
@@ -639,37 +638,24 @@ class SafetensorsWriter:
         Raises :class:`CheckpointError` (and removes the partial file) when a
         declared tensor was never written. Idempotent.
         """
-        if self._fd is None:
+        if self._file is None:
             return
         missing = sorted(set(self._layout) - self._done)
         if missing:
             self.abort()
             shown = ", ".join(map(repr, missing[:5])) + (", ..." if len(missing) > 5 else "")
             raise CheckpointError(self.path, f"closed before {len(missing)} declared tensor(s) were written: {shown}")
-        try:
-            with naming(self._tmp_path):
-                os.fsync(self._fd)
-            os.replace(self._tmp_path, self.path)
-        except BaseException:
-            self.abort()
-            raise
-        os.close(self._fd)
-        self._fd = None
-        fsync_path(os.path.dirname(os.path.abspath(self.path)))
+        file, self._file = self._file, None
+        file.commit()
 
     def abort(self) -> None:
         """Give up: close and remove the partial file, leaving ``path`` untouched.
 
         Does nothing once the writer is closed or aborted.
         """
-        if self._fd is None:
-            return
-        os.close(self._fd)
-        self._fd = None
-        try:
-            os.remove(self._tmp_path)
-        except FileNotFoundError:
-            pass
+        if self._file is not None:
+            self._file.abort()
+            self._file = None
 
     def __enter__(self) -> SafetensorsWriter:
         return self

@@ -29,9 +29,8 @@ import importlib.util
 import json
 import math
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import BinaryIO
+
+from nvoffload._atomic import replace_file
 
 __all__ = ["METRICS_NAME", "PLOT_NAME", "MetricsLog", "plotting_available"]
 
@@ -65,16 +64,6 @@ def _read(path: str) -> list[dict]:
     return records
 
 
-@contextmanager
-def _replacing(path: str) -> Iterator[BinaryIO]:
-    """A file that takes ``path``'s place when written whole (one hidden temporary name, reused: a kill leaves
-    at most that file, which the next write replaces)."""
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp")
-    with open(tmp, "wb") as f:
-        yield f
-    os.replace(tmp, path)
-
-
 class MetricsLog:
     """Per-step metrics of a run in ``directory``; see the module docstring.
 
@@ -87,7 +76,7 @@ class MetricsLog:
         os.makedirs(self.directory, exist_ok=True)
         self.path = os.path.join(self.directory, METRICS_NAME)
         kept = [r for r in _read(self.path) if r["step"] <= resume_step] if resume_step is not None else []
-        with _replacing(self.path) as f:
+        with replace_file(self.path) as f:
             f.write("".join(json.dumps(r) + "\n" for r in kept).encode())
         self._file = open(self.path, "a", encoding="utf-8")
         self._tensorboard = None
@@ -132,7 +121,7 @@ class MetricsLog:
         ax.grid(alpha=0.3)
         if records:
             ax.legend()
-        with _replacing(path) as f:
+        with replace_file(path) as f:
             fig.savefig(f, format="png")
         return path
 

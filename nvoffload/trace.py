@@ -30,6 +30,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from nvoffload._atomic import replace_file
+
 __all__ = ["TRACKS", "Trace", "active", "start", "stop", "tracing"]
 
 TRACKS = ("compute", "h2d", "d2h", "nvme read", "nvme write", "adam")
@@ -101,11 +103,8 @@ class Trace:
 
     def write(self, path: str | os.PathLike) -> None:
         """Write the trace to ``path`` (JSON object format), atomically."""
-        path = os.fspath(path)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with replace_file(path, "w", encoding="utf-8") as f:
             json.dump({"traceEvents": self.events(), "displayTimeUnit": "ms"}, f)
-        os.replace(tmp, path)
 
 
 _active: Trace | None = None

@@ -64,7 +64,7 @@ from typing import BinaryIO
 import torch
 from torch import nn
 
-from nvoffload._atomic_dir import fsync_path, naming, new_sibling, put_in_place
+from nvoffload._atomic import fsync_path, naming, new_sibling, put_in_place
 from nvoffload.checkpoint import (
     CheckpointError,
     CheckpointReader,

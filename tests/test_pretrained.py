@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nvoffload
-from nvoffload import _atomic_dir
+from nvoffload import _atomic
 from nvoffload.checkpoint import (
     SafetensorsReader,
     SafetensorsWriter,
@@ -172,7 +172,7 @@ def test_a_failure_mid_write_leaves_the_previous_directory_intact(tmp_path, monk
     # the same replacement succeeds, with one directory left: the new one
     for exchange in (True, False):  # renameat2(RENAME_EXCHANGE), and two renames where it is not supported
         if not exchange:
-            monkeypatch.setattr(_atomic_dir, "_exchange", lambda a, b: False)
+            monkeypatch.setattr(_atomic, "_exchange", lambda a, b: False)
         save_pretrained(new, out, max_shard_bytes=SMALL_SHARD)
         assert os.listdir(tmp_path) == ["out"] and tree(out).keys() == before.keys() and tree(out) != before
         back = load_file(out)

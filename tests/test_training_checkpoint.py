@@ -364,7 +364,7 @@ def test_a_full_disk_while_saving_names_the_file_and_leaves_the_last_checkpoint(
     got = json.loads(done.stdout.splitlines()[-1])
     held = [] if where == "lock" else ["nvoffload.lock"]  # the script's own claim (a lock is not left behind)
     assert got["errno"] == errno.ENOSPC and got["left"] == ["checkpoint-1", *held]  # nothing of checkpoint-2 left
-    name = {"lock": "nvoffload.lock", "model": "model.safetensors.tmp", "trainer_state": "trainer_state.pt"}[where]
+    name = {"lock": "nvoffload.lock", "model": ".model.safetensors.tmp", "trainer_state": "trainer_state.pt"}[where]
     assert os.path.basename(got["filename"]) == name
     assert got["filename"].startswith(f"{root}/ckpt/" if where == "lock" else f"{root}/ckpt/.checkpoint-2.tmp-")
     assert got["message"] == f"[Errno 28] No space left on device: {got['filename']!r}"

@@ -20,6 +20,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from nvoffload._atomic import replace_file
+
 __all__ = ["BUILTIN_PROFILES", "Drive", "MachineProfile", "builtin_profile", "load_profile"]
 
 _GB = 1e9
@@ -162,10 +164,8 @@ class MachineProfile:
         """Write the profile as JSON (atomically)."""
         path = os.fspath(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with replace_file(path, "w", encoding="utf-8") as f:
             f.write(self.to_json())
-        os.replace(tmp, path)
 
 
 def load_profile(name_or_path: str) -> MachineProfile:

@@ -1,5 +1,6 @@
-"""Directories that appear complete or not at all: written under a hidden sibling name, fsynced, then renamed
-(or exchanged) into place. Shared by :mod:`nvoffload.pretrained` and :mod:`nvoffload.training_checkpoint`."""
+"""Files and directories that appear complete or not at all: written under a hidden sibling name, fsynced, then
+renamed (or exchanged) into place, and the parent directory fsynced. Every file nvoffload writes for a user
+(checkpoints, saved models, traces, metrics, machine profiles) goes through here."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import os
 import secrets
 import shutil
 from collections.abc import Iterator
+from typing import IO
 
-__all__ = ["fsync_path", "naming", "new_sibling", "put_in_place"]
+__all__ = ["AtomicFile", "fsync_path", "naming", "new_sibling", "put_in_place", "replace_file"]
 
 
 @contextlib.contextmanager
@@ -34,6 +36,61 @@ def fsync_path(path: str) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class AtomicFile:
+    """A file that takes ``path``'s place only when :meth:`commit` says it is whole.
+
+    The bytes go to the hidden sibling ``.<name>.tmp`` (``fd``, opened for writing; one name, so a killed
+    writer leaves at most that file, which the next write replaces); :meth:`commit`
+    fsyncs it, renames it over ``path`` and fsyncs the directory, so after a crash ``path`` holds the old file
+    or the new one, never a part. :meth:`abort` (or a failed commit) removes the partial file. An OSError of a
+    write through :meth:`naming` ("No space left on device") names the partial file.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.path.abspath(os.fspath(path))
+        parent, base = os.path.split(self.path)
+        self.tmp_path = os.path.join(parent, f".{base}.tmp")
+        self.fd: int | None = os.open(self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+
+    def commit(self) -> None:
+        """fsync the file, rename it to ``path`` and fsync the directory. Idempotent after success."""
+        if self.fd is None:
+            return
+        try:
+            with naming(self.tmp_path):
+                os.fsync(self.fd)
+            os.replace(self.tmp_path, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        os.close(self.fd)
+        self.fd = None
+        fsync_path(os.path.dirname(self.path))
+
+    def abort(self) -> None:
+        """Close and remove the partial file, leaving ``path`` untouched; nothing once committed or aborted."""
+        if self.fd is None:
+            return
+        os.close(self.fd)
+        self.fd = None
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.tmp_path)
+
+
+@contextlib.contextmanager
+def replace_file(path: str | os.PathLike, mode: str = "wb", encoding: str | None = None) -> Iterator[IO]:
+    """``with replace_file(path) as f: f.write(...)``: ``path`` is replaced by what was written when the block
+    ends normally (fsynced, see :class:`AtomicFile`), and left as it was when it raises."""
+    atomic = AtomicFile(path)
+    try:
+        with naming(atomic.tmp_path), open(atomic.fd, mode, encoding=encoding, closefd=False) as f:
+            yield f
+            f.flush()
+        atomic.commit()
+    finally:
+        atomic.abort()
 
 
 def new_sibling(target: str, what: str) -> str:
