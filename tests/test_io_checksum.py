@@ -52,3 +52,11 @@ def test_continues_across_pieces_and_dtypes():
 def test_refuses_a_strided_tensor():
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
         crc32c(torch.zeros(4, 4)[:, 0])
+
+
+@pytest.mark.parametrize("len_a,len_b", [(0, 0), (1, 0), (0, 9), (4096, 1), (1 << 20, 12345), (77, (1 << 16) + 3)])
+def test_combine_joins_the_crcs_of_two_parts(len_a, len_b):
+    """crc32c_combine(crc(a), crc(b), len(b)) == crc(a + b): how a tensor's CRC is joined from its blocks'."""
+    data = torch.randint(0, 256, (len_a + len_b,), generator=torch.Generator().manual_seed(len_a + len_b), dtype=torch.uint8)
+    a, b = data[:len_a], data[len_a:]
+    assert _aio.crc32c_combine(crc32c(a), crc32c(b), len_b) == crc32c(data)

@@ -9,6 +9,7 @@ import torch
 
 from nvoffload.transfer import Future
 from nvoffload.io import IOConfig, IOEngine, StoreIOError, aligned_empty
+from nvoffload.io.checksum import crc32c
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -172,3 +173,34 @@ def test_aligned_empty(nbytes):
 def test_aligned_empty_rejects_negative():
     with pytest.raises(ValueError, match="nbytes must be >= 0"):
         aligned_empty(-1)
+
+
+@pytest.mark.parametrize("shift", [0, 5], ids=["aligned", "bounced"])
+def test_the_io_threads_checksum_the_blocks_they_move(engine, data_file, shift):
+    """With checksum=True each I/O thread computes its blocks' CRC-32C; the request's CRC is joined from them and
+    equals the CRC of the buffer's bytes (padding excluded), for a write and for the read of the same bytes."""
+    nbytes = 3 * MiB + 123  # 193 blocks of 16 KiB, the last partial, padded to 4 KiB
+    src = random_bytes(nbytes + shift, seed=7)[shift:]
+    padded = -(-nbytes // (4 * KiB)) * 4 * KiB
+    write = engine.submit(data_file, src, 0, write=True, nbytes=padded, checksum=True)
+    Future([write]).result(timeout=60)
+    assert write.crc() == crc32c(src)
+    back = torch.zeros(nbytes + shift, dtype=torch.uint8)[shift:]
+    read = engine.submit(data_file, back, 0, write=False, nbytes=padded, checksum=True)
+    Future([read]).result(timeout=60)
+    assert torch.equal(back, src) and read.crc() == crc32c(src)
+    with open(data_file.path, "r+b") as f:  # one flipped bit on disk: the read's CRC differs
+        f.seek(2 * MiB + 17)
+        byte = f.read(1)[0]
+        f.seek(2 * MiB + 17)
+        f.write(bytes([byte ^ 0x10]))
+    read = engine.submit(data_file, back, 0, write=False, nbytes=padded, checksum=True)
+    Future([read]).result(timeout=60)
+    assert read.crc() != crc32c(src) and read.crc() == crc32c(back)
+
+
+def test_a_request_without_checksum_has_no_crc(engine, data_file):
+    part = engine.submit(data_file, random_bytes(16 * KiB, seed=1), 0, write=True)
+    Future([part]).result(timeout=60)
+    with pytest.raises(ValueError, match="without checksum=True"):
+        part.crc()

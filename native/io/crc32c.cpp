@@ -139,6 +139,44 @@ uint32_t crc32c_software(const void* data, size_t nbytes, uint32_t crc) {
   return c ^ 0xffffffffu;
 }
 
+namespace {
+
+// a * b modulo the polynomial, both reflected (bit 31 is x^0).
+uint32_t multiply_mod_poly(uint32_t a, uint32_t b) {
+  uint32_t product = 0;
+  for (uint32_t m = 1u << 31; m; m >>= 1) {
+    if (a & m) {
+      product ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    b = b & 1 ? (b >> 1) ^ kPoly : b >> 1;
+  }
+  return product;
+}
+
+// x^(2^k) modulo the polynomial, for k = 0..63.
+struct PowerTable {
+  uint32_t x2k[64];
+  PowerTable() {
+    uint32_t p = 1u << 30;  // x^1
+    for (auto& entry : x2k) {
+      entry = p;
+      p = multiply_mod_poly(p, p);
+    }
+  }
+};
+
+}  // namespace
+
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  static const PowerTable powers;
+  uint32_t shift = 1u << 31;  // x^0; becomes x^(8 * len_b): appending len_b bytes multiplies by it
+  for (unsigned k = 3; len_b; len_b >>= 1, ++k) {
+    if (len_b & 1) shift = multiply_mod_poly(powers.x2k[k & 63], shift);
+  }
+  return multiply_mod_poly(shift, crc_a) ^ crc_b;
+}
+
 uint32_t crc32c(const void* data, size_t nbytes, uint32_t crc) {
 #if defined(__x86_64__)
   if (has_sse42()) return crc32c_sse42(static_cast<const unsigned char*>(data), nbytes, crc);

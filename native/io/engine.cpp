@@ -1,5 +1,7 @@
 #include "engine.h"
 
+#include "crc32c.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -47,6 +49,13 @@ void Ticket::finish_block(int err, const char* call, int64_t offset) {
     finished_ns_ = monotonic_ns();
     cv_.notify_all();
   }
+}
+
+uint32_t Ticket::crc() {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint32_t crc = 0;
+  for (const auto& [block_crc, nbytes] : crcs_) crc = crc32c_combine(crc, block_crc, nbytes);
+  return crc;
 }
 
 bool Ticket::done() {
@@ -111,15 +120,16 @@ Engine::Engine(int num_threads, size_t block_size_bytes, size_t queue_depth)
       backend_(std::make_unique<ThreadPoolBackend>(num_threads, queue_depth, this)) {}
 
 std::shared_ptr<Ticket> Engine::submit(int fd, char* ptr, size_t nbytes, size_t valid_bytes, int64_t offset,
-                                       bool write) {
+                                       bool write, bool checksum) {
   size_t nblocks = nbytes == 0 ? 0 : (nbytes + block_size_ - 1) / block_size_;
-  auto ticket = std::make_shared<Ticket>(nblocks);
+  auto ticket = std::make_shared<Ticket>(nblocks, checksum);
   std::vector<Block> blocks;
   blocks.reserve(nblocks);
   for (size_t done = 0; done < nbytes; done += block_size_) {
     size_t len = std::min(block_size_, nbytes - done);
     size_t valid = valid_bytes > done ? std::min(len, valid_bytes - done) : 0;
-    blocks.push_back(Block{fd, ptr + done, len, valid, offset + static_cast<int64_t>(done), write, ticket});
+    blocks.push_back(Block{fd, ptr + done, len, valid, offset + static_cast<int64_t>(done), write, checksum,
+                           blocks.size(), ticket});
   }
   backend_->submit(std::move(blocks));
   return ticket;
@@ -186,11 +196,16 @@ int Engine::run_bounced(const Block& b, Fault fault, const char** call) {
 
 int Engine::run_block(const Block& b, const char** call) {
   *call = b.write ? "pwrite" : "pread";
+  // A write's bytes are checksummed before they go out, a read's once they are in: by this thread, while
+  // the block is in its cache (a bounced block: the bounce copy reads it again from there).
+  if (b.checksum && b.write) b.ticket->set_block_crc(b.index, crc32c(b.ptr, b.valid, 0), b.valid);
   Fault fault = take_fault(b.write);
   if (fault == Fault::kEio) return EIO;
   if (fault == Fault::kEnospc) return ENOSPC;
-  if (b.valid < b.nbytes || reinterpret_cast<uintptr_t>(b.ptr) % kAlignment != 0) return run_bounced(b, fault, call);
-  return transfer(b, fault, call);
+  int err = b.valid < b.nbytes || reinterpret_cast<uintptr_t>(b.ptr) % kAlignment != 0 ? run_bounced(b, fault, call)
+                                                                                        : transfer(b, fault, call);
+  if (err == 0 && b.checksum && !b.write) b.ticket->set_block_crc(b.index, crc32c(b.ptr, b.valid, 0), b.valid);
+  return err;
 }
 
 int Engine::transfer(const Block& b, Fault fault, const char** call) {

@@ -18,9 +18,15 @@ namespace nvo {
 // Completion state of one submitted request (one or more blocks).
 class Ticket {
  public:
-  explicit Ticket(size_t blocks) : remaining_(blocks) {}
+  // `checksum`: each block records the CRC-32C of its valid bytes (see crc()).
+  Ticket(size_t blocks, bool checksum) : remaining_(blocks), checksum_(checksum), crcs_(checksum ? blocks : 0) {}
   // Records one finished block; err != 0 keeps the first failure.
   void finish_block(int err, const char* call, int64_t offset);
+  bool checksummed() const { return checksum_; }
+  // Block `index`'s CRC-32C of its `nbytes` valid bytes (computed by the worker that moved it).
+  void set_block_crc(size_t index, uint32_t crc, size_t nbytes) { crcs_[index] = {crc, nbytes}; }
+  // The CRC-32C of the request's valid bytes, joined from its blocks'; call once done().
+  uint32_t crc();
   bool done();
   // Waits up to timeout_s seconds (< 0: forever); true when done.
   bool wait(double timeout_s);
@@ -44,6 +50,8 @@ class Ticket {
   int64_t offset_ = -1;
   int64_t started_ns_ = 0;
   int64_t finished_ns_ = 0;
+  const bool checksum_;
+  std::vector<std::pair<uint32_t, size_t>> crcs_;  // per block: CRC-32C and bytes checksummed
 };
 
 // One transfer of `nbytes` at `offset`. Only the first `valid` bytes are backed by
@@ -57,6 +65,8 @@ struct Block {
   size_t valid;
   int64_t offset;
   bool write;
+  bool checksum;  // record the CRC-32C of the valid bytes in the ticket, as block `index`
+  size_t index;
   std::shared_ptr<Ticket> ticket;
 };
 
@@ -93,8 +103,11 @@ class Engine {
  public:
   Engine(int num_threads, size_t block_size_bytes, size_t queue_depth);
   // Splits a transfer of `nbytes` at file `offset` into blocks and queues them;
-  // [ptr, ptr + valid_bytes) is the caller's memory, the rest padding (see Block).
-  std::shared_ptr<Ticket> submit(int fd, char* ptr, size_t nbytes, size_t valid_bytes, int64_t offset, bool write);
+  // [ptr, ptr + valid_bytes) is the caller's memory, the rest padding (see Block). With `checksum`, the
+  // worker of each block computes the CRC-32C of its valid bytes (a write's before it is written, a read's
+  // once it is read) and the ticket joins them.
+  std::shared_ptr<Ticket> submit(int fd, char* ptr, size_t nbytes, size_t valid_bytes, int64_t offset, bool write,
+                                 bool checksum);
   // The next block operation the fault applies to, after `after_ops` such
   // operations have run, fails with `fault` (one shot).
   void inject_fault(Fault fault, int64_t after_ops);

@@ -40,6 +40,12 @@ PYBIND11_MODULE(_aio, m) {
       .def("wait", &Ticket::wait, py::arg("timeout_s") = -1.0, py::call_guard<nvo_py::ReleaseGil>())
       .def("started_ns", &Ticket::started_ns)
       .def("finished_ns", &Ticket::finished_ns)
+      .def("crc",
+           [](Ticket& t) {
+             if (!t.checksummed()) throw py::value_error("the request was submitted without checksum=True");
+             if (!t.done()) throw py::value_error("the request is not done yet");
+             return t.crc();
+           })
       .def("error", [](Ticket& t) -> py::object {
         if (t.error() == 0) return py::none();
         return py::make_tuple(t.error(), std::string(t.failed_call()), t.failed_offset());
@@ -50,11 +56,13 @@ PYBIND11_MODULE(_aio, m) {
            py::arg("queue_depth"))
       .def(
           "submit",
-          [](Engine& e, int fd, uintptr_t ptr, size_t nbytes, size_t valid_bytes, int64_t offset, bool write) {
+          [](Engine& e, int fd, uintptr_t ptr, size_t nbytes, size_t valid_bytes, int64_t offset, bool write,
+             bool checksum) {
             if (valid_bytes > nbytes) throw py::value_error("valid_bytes exceeds nbytes");
-            return e.submit(fd, reinterpret_cast<char*>(ptr), nbytes, valid_bytes, offset, write);
+            return e.submit(fd, reinterpret_cast<char*>(ptr), nbytes, valid_bytes, offset, write, checksum);
           },
           py::arg("fd"), py::arg("ptr"), py::arg("nbytes"), py::arg("valid_bytes"), py::arg("offset"), py::arg("write"),
+          py::arg("checksum") = false,
           py::call_guard<nvo_py::ReleaseGil>())
       .def(
           "inject_fault",
@@ -94,4 +102,5 @@ PYBIND11_MODULE(_aio, m) {
       },
       py::arg("ptr"), py::arg("nbytes"), py::arg("crc") = 0, py::arg("hardware") = true,
       py::call_guard<nvo_py::ReleaseGil>());
+  m.def("crc32c_combine", &nvo::crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"));
 }

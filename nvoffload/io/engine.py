@@ -45,6 +45,11 @@ class NativePart:
     def wait(self, timeout_s: float) -> bool:
         return self.ticket.wait(timeout_s)
 
+    def crc(self) -> int:
+        """The CRC-32C of the request's valid bytes, computed by the I/O threads block by block (submitted with
+        ``checksum=True``; once done)."""
+        return self.ticket.crc()
+
     def error(self, what: str | None) -> StoreIOError | None:
         recording = trace.active()
         if recording is not None and hasattr(self.ticket, "finished_ns") and self.ticket.finished_ns():
@@ -130,7 +135,8 @@ class IOEngine:
         return Future([self.submit(file, buffer, offset, write=True)], keepalive=buffer)
 
     def submit(
-        self, file: OpenFile, buffer: torch.Tensor, offset: int, *, write: bool, nbytes: int | None = None
+        self, file: OpenFile, buffer: torch.Tensor, offset: int, *, write: bool, nbytes: int | None = None,
+        checksum: bool = False,
     ) -> NativePart:
         """Queue one transfer of ``nbytes`` at ``offset`` and return it as a part of a :class:`~nvoffload.transfer.Future`.
 
@@ -140,6 +146,9 @@ class IOEngine:
         ``nbytes`` must be multiples of 4 KiB. The buffer's address need not be
         aligned: blocks of an unaligned or padded buffer pass through each
         worker thread's aligned bounce buffer (a copy, on the I/O threads).
+        With ``checksum`` each I/O thread also computes the CRC-32C of the
+        buffer's bytes in its blocks (a write's before writing them, a read's
+        once read), joined per request by :meth:`NativePart.crc`.
         """
         native = self._native
         if native is None:
@@ -155,7 +164,7 @@ class IOEngine:
                 f"O_DIRECT I/O on {file.path} needs sizes and offsets in multiples of 4 KiB "
                 f"(got {nbytes} bytes at offset {offset})"
             )
-        ticket = native.submit(file.fd, buffer.data_ptr(), nbytes, valid, offset, write)
+        ticket = native.submit(file.fd, buffer.data_ptr(), nbytes, valid, offset, write, checksum)
         return NativePart(ticket, file.path, offset, write=write, nbytes=nbytes)
 
     def inject_fault(self, fault: str, after_ops: int = 0) -> None:
