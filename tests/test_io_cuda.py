@@ -1,22 +1,28 @@
-"""CUDA tensors in the TensorStore: staged through the store's slab, or by GPUDirect Storage; ordered after the GPU's work."""
+"""CUDA tensors to and from NVMe: through the transfer engine (its slab, or GPUDirect Storage), ordered after the
+GPU's work; the store itself refuses them."""
 
 import pytest
 import torch
 
 from nvoffload.io import IOConfig, TensorStore
+from nvoffload.transfer import TransferEngine
 
 STAGED = pytest.param(False, id="staged")
 DIRECT = pytest.param(True, id="gds", marks=pytest.mark.gds)
 
 
-def _round_trip(store: TensorStore, n: int, dtype: torch.dtype) -> None:
-    x = torch.randn(n, device="cuda").to(dtype)
-    store.put("x", x).result()
-    back = store.get("x").result()
-    assert back.device.type == "cpu" and torch.equal(back, x.cpu())
-    out = torch.empty_like(x)
-    assert store.get("x", out=out).result() is out
-    assert torch.equal(out, x)
+def _store(path, gds: bool) -> TensorStore:
+    """A store whose CUDA tensors move by GPUDirect Storage (no checksums) or through host memory."""
+    return TensorStore(path, config=IOConfig(use_gds=gds), checksum=not gds)
+
+
+def _staging(engine: TransferEngine, like: torch.Tensor) -> torch.Tensor:
+    return engine.slab.allocate(like.numel() * like.element_size(), "staging").view(like.dtype)
+
+
+def _check_path(engine: TransferEngine, store: TensorStore, x: torch.Tensor, gds: bool) -> None:
+    if engine.direct(store, x) != gds:
+        pytest.skip("kvikio is not installed, or in compatibility mode: no GPUDirect Storage here")
 
 
 def _busy_stream() -> torch.Tensor:
@@ -29,83 +35,85 @@ def _busy_stream() -> torch.Tensor:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("n", [1, 4097, 3_000_001])
-def test_cuda_tensors_staged_through_host(tmp_path, n):
-    with TensorStore([tmp_path], config=IOConfig(use_gds=False)) as store:
-        _round_trip(store, n, torch.bfloat16)
+def test_the_store_refuses_cuda_tensors_naming_the_transfer_engine(tmp_path):
+    with TensorStore(tmp_path) as store:
+        with pytest.raises(ValueError, match=r"put\('x'\): .* on cuda:0: move it with TransferEngine\.save"):
+            store.put("x", torch.ones(10, device="cuda"))
+        store.put("x", torch.ones(10)).result()
+        with pytest.raises(ValueError, match=r"get\('x'\): .* on cuda:0: move it with TransferEngine\.load"):
+            store.get("x", out=torch.empty(10, device="cuda"))
 
 
 @pytest.mark.cuda
-@pytest.mark.gds
+@pytest.mark.parametrize("gds", [STAGED, DIRECT])
 @pytest.mark.parametrize("n", [1, 4097, 3_000_001])
-def test_cuda_tensors_by_gpudirect_storage(tmp_path, n):
+def test_cuda_tensors_round_trip(tmp_path, gds, n):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    with TensorStore([tmp_path / "a", tmp_path / "b"], config=IOConfig(use_gds=True)) as store:
-        _round_trip(store, n, torch.float16)
+    with _store([tmp_path / "a", tmp_path / "b"], gds) as store, TransferEngine(32 << 20, "cuda") as engine:
+        x = torch.randn(n, device="cuda").to(torch.bfloat16)
+        _check_path(engine, store, x, gds)
+        staging = _staging(engine, x)
+        engine.save(store, "x", x, staging).result()
+        assert torch.equal(store.get("x").result(), x.cpu())
+        out = torch.empty_like(x)
+        engine.wait(engine.load(store, "x", out, staging))
+        assert torch.equal(out, x)
+        engine.slab.free(staging)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("gds", [STAGED, DIRECT])
-def test_put_reads_what_the_last_kernel_wrote(tmp_path, gds):
+def test_save_reads_what_the_last_kernel_wrote(tmp_path, gds):
     expected = torch.randn(5_000_000, device="cuda")
     x = torch.zeros_like(expected)
-    with TensorStore(tmp_path, config=IOConfig(use_gds=gds), staging_bytes=1 << 20) as store:
+    with _store(tmp_path, gds) as store, TransferEngine(32 << 20, "cuda") as engine:
+        _check_path(engine, store, x, gds)
+        staging = _staging(engine, x)
         _busy_stream()
         x.copy_(expected)  # runs after the matmuls, on the current stream
-        assert not torch.cuda.current_stream().query()  # still queued when put is called
-        fut = store.put("x", x)
-        fut.result()
+        saved = engine.save(store, "x", x, staging)
+        assert not torch.cuda.current_stream().query()  # save returned while the kernels still run: no host wait
+        saved.result()
         assert torch.equal(store.get("x").result(), expected.cpu())
+        engine.slab.free(staging)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("gds", [STAGED, DIRECT])
-def test_get_writes_out_after_the_kernels_that_read_it(tmp_path, gds):
+def test_load_writes_dst_after_the_kernels_that_read_it(tmp_path, gds):
     new = torch.randn(5_000_000, device="cuda")
     out = torch.full_like(new, 3.0)
-    with TensorStore(tmp_path, config=IOConfig(use_gds=gds), staging_bytes=1 << 20) as store:
-        store.put("x", new).result()
+    with _store(tmp_path, gds) as store, TransferEngine(32 << 20, "cuda") as engine:
+        _check_path(engine, store, out, gds)
+        staging = _staging(engine, new)
+        engine.save(store, "x", new, staging).result()
         seen = torch.empty_like(out)  # allocated before: an allocation may synchronize
         _busy_stream()
         seen.copy_(out)  # reads out after the matmuls, on the current stream
-        assert not torch.cuda.current_stream().query()
-        store.get("x", out=out).result()
+        loaded = engine.load(store, "x", out, staging)
+        assert not torch.cuda.current_stream().query()  # load returned while the kernels still run: no host wait
+        engine.wait(loaded)
         assert bool((seen == 3.0).all())  # the old contents: the read did not overtake the kernel
         assert torch.equal(out, new)
+        engine.slab.free(staging)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("checksum", [False, True], ids=["plain", "crc"])
-def test_tensors_larger_than_the_staging_slab(tmp_path, checksum):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    config = IOConfig(use_gds=False, stripe_min_bytes=4096)
-    with TensorStore([tmp_path / "a", tmp_path / "b"], config=config, checksum=checksum, staging_bytes=64 << 10) as s:
-        x = torch.randn(1001, 301, device="cuda").to(torch.bfloat16)  # 602 KB: 19 pieces of 32 KiB, striped
-        s.put("x", x).result()
-        assert torch.equal(s.get("x").result(), x.cpu())  # the CRC of the pieces is that of the whole
-        out = torch.empty(301, 1001, dtype=torch.bfloat16, device="cuda").t()  # non-contiguous
-        assert s.get("x", out=out).result() is out and torch.equal(out, x)
-        s.put("xt", x.t()).result()  # a non-contiguous source
-        back = torch.empty(301, 1001, dtype=torch.bfloat16, device="cuda")
-        assert torch.equal(s.get("xt", out=back).result(), x.t())
-        assert s.pinned_bytes == 64 << 10
-
-
-@pytest.mark.cuda
-def test_the_staging_slab_is_the_whole_pinned_footprint(tmp_path):
+def test_the_engines_slab_is_the_whole_pinned_footprint(tmp_path):
     stats = getattr(torch.cuda.memory, "host_memory_stats", None)
-    with TensorStore(tmp_path, config=IOConfig(use_gds=False), staging_bytes=1 << 20) as store:
-        assert store.pinned_bytes == 0
-        before = stats() if stats is not None else None
+    if stats is None:
+        pytest.skip("torch.cuda.memory.host_memory_stats is not available: torch's pinned allocations not checked")
+    with TensorStore(tmp_path) as store, TransferEngine(16 << 20, "cuda") as engine:
+        before = stats()
         for i in range(4):
             x = torch.randn(3_000_000 + i, device="cuda")
-            store.put(f"x{i}", x).result()
-            assert torch.equal(store.get(f"x{i}", out=torch.empty_like(x)).result(), x)
-        assert store.pinned_bytes == 1 << 20
-        if before is None:
-            pytest.skip("torch.cuda.memory.host_memory_stats is not available: torch's pinned allocations not checked")
+            staging = _staging(engine, x)
+            engine.save(store, f"x{i}", x, staging).result()
+            out = torch.empty_like(x)
+            engine.wait(engine.load(store, f"x{i}", out, staging))
+            assert torch.equal(out, x)
+            engine.slab.free(staging)
         after = stats()
         assert after.get("num_host_alloc", 0) == before.get("num_host_alloc", 0)
         assert after.get("allocated_bytes.current", 0) == before.get("allocated_bytes.current", 0)

@@ -174,10 +174,18 @@ def test_quantized_tensors_are_refused_naming_the_dtype(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_tensors_off_cpu_and_cuda_are_refused_before_taking_space(store):
-    with pytest.raises(ValueError, match=r"put\('m'\): only CPU and CUDA tensors .* on meta"):
+def test_device_tensors_are_refused_naming_the_transfer_engine_before_taking_space(store):
+    """The store is host-side: a tensor off the CPU (here on the meta device; CUDA in test_io_cuda) is refused with
+    the way to move it, before it takes space (it was staged through the store's own slab, or refused as 'only CPU
+    and CUDA tensors')."""
+    with pytest.raises(ValueError, match=r"put\('m'\): the TensorStore holds host tensors, and this one is on meta: "
+                       r"move it with TransferEngine\.save"):  # fmt: skip
         store.put("m", torch.empty(1000, device="meta"))
     assert "m" not in store and store.used_bytes == 0
+    store.put("x", torch.ones(1000)).result()
+    with pytest.raises(ValueError, match=r"get\('x'\): .* on meta: move it with TransferEngine\.load"):
+        store.get("x", out=torch.empty(1000, device="meta"))
+    assert torch.equal(store.get("x").result(), torch.ones(1000))
 
 
 @pytest.mark.parametrize("checksum", [False, True], ids=["plain", "crc"])
@@ -453,22 +461,45 @@ def test_adjacent_freed_extents_coalesce_for_a_larger_tensor(store, order):
     assert int(store.get("c").result()[0]) == ord("c")
 
 
-def test_cpu_tensors_pin_nothing(tmp_path):
-    with TensorStore(tmp_path, staging_bytes=1 << 20) as store:
-        x = make_tensor((1000, 3), torch.float32, seed=3)
-        store.put("x", x).result()
-        out = torch.empty(3, 1000).t()  # non-contiguous: read into an aligned buffer, then copied
-        assert store.get("x", out=out).result() is out and same(out, x)
-        store.put("xt", x.t()).result()
-        assert same(store.get("xt").result(), x.t().contiguous())
-        assert store.pinned_bytes == 0  # the staging slab is made for the first CUDA tensor only
+def test_non_contiguous_cpu_tensors_round_trip(store):
+    x = make_tensor((1000, 3), torch.float32, seed=3)
+    store.put("x", x).result()
+    out = torch.empty(3, 1000).t()  # non-contiguous: read into an aligned buffer, then copied
+    assert store.get("x", out=out).result() is out and same(out, x)
+    store.put("xt", x.t()).result()
+    assert same(store.get("xt").result(), x.t().contiguous())
 
 
-@pytest.mark.parametrize("bad", [0, 4096, 8191, -1, 1.5e6, "64M", None, True])
-def test_staging_bytes_is_validated(tmp_path, bad):
-    with pytest.raises(ValueError, match=r"staging_bytes must be an int of at least 8192 \(two 4 KiB pieces\), got"):
-        TensorStore(tmp_path, staging_bytes=bad)
-    assert os.listdir(tmp_path) == []  # refused before any swap file was made
+def test_a_read_does_not_wait_for_the_lock_behind_a_write_blocked_in_a_full_native_queue(tmp_path):
+    """The native engine's submit blocks while its queue is full; the store submitted under its lock, so a read that
+    compute waits for queued behind the background writes for the lock, not just for the disk."""
+    with TensorStore(tmp_path) as store:
+        x = make_tensor((5000,), torch.float32, seed=8)
+        store.put("r", x).result()
+        native_submit = store._engine.submit
+        blocked, release = threading.Event(), threading.Event()
+
+        def submit(file, buffer, offset, *, write, nbytes=None):
+            if write:  # as the native submit does when 128 blocks are queued
+                blocked.set()
+                release.wait(60)
+            return native_submit(file, buffer, offset, write=write, nbytes=nbytes)
+
+        store._engine.submit = submit
+        writer = threading.Thread(target=lambda: store.put("w", torch.ones(8192)).result())
+        writer.start()
+        try:
+            assert blocked.wait(10)
+            read = []
+            reader = threading.Thread(target=lambda: read.append(store.get("r").result(timeout=30)))
+            reader.start()
+            reader.join(10)
+            assert read and same(read[0], x)  # done while the write is still blocked in its submit
+            assert "w" in store and "r" in store  # neither waits for the lock either
+        finally:
+            release.set()
+            writer.join(30)
+        assert torch.equal(store.get("w").result(), torch.ones(8192))
 
 
 def test_sigterm_unwinds_and_removes_the_swap_file_as_sigint_does(tmp_path):

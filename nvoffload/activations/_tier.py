@@ -155,7 +155,7 @@ class Tier:
         if self.store is None:
             host = self.allocate(flat.numel(), flat.dtype, name)
             return Write(self.engine.to_host(host, flat, what=name), host)
-        if self.store.direct_to_device(flat):
+        if self.engine.direct(self.store, flat):
             return Write(self.engine.save(self.store, name, flat, None), None)
         pieces = self._split(name, flat.numel(), flat.dtype)
         if len(pieces) > 1:
@@ -199,7 +199,7 @@ class Tier:
         dst = torch.empty(numel, dtype=dtype, device=device)
         if self.store is None:
             return Load(self.engine.to_device(dst, host, what=name), dst, prefetch)
-        if self.store.direct_to_device(dst):
+        if self.engine.direct(self.store, dst):
             return Load(self.engine.load(self.store, name, dst, None), dst, prefetch)
         futures = []
         for piece, start, end in pieces:

@@ -12,24 +12,29 @@ import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from nvoffload.device import Event
 from nvoffload.io.buffers import aligned_empty, byte_view, round_up
 from nvoffload.io.checksum import crc32c
 from nvoffload.io.config import IOConfig
 from nvoffload.io.engine import IOEngine, NativePart, OpenFile
 from nvoffload.io.errors import ChecksumError, StoreIOError
-from nvoffload.io.gds import GDSFile, gds_available
 from nvoffload.io.ownership import LOCK_NAME, claim
-from nvoffload.io.staging import DEFAULT_STAGING_BYTES, Stager, wait_for_device
+from nvoffload.transfer.deferred import Deferred
 from nvoffload.transfer.extents import Extents
 from nvoffload.transfer.future import Future
 
-__all__ = ["TensorStore", "swap_directories"]
+__all__ = ["ExtentIO", "TensorStore", "swap_directories"]
+
+ExtentIO = Callable[[str, int, int, int], Any]
+"""``io(path, offset, start, nbytes)``: the transfer of bytes ``[start, start + nbytes)`` of a tensor to or from
+``path`` at ``offset``, submitted by someone other than the store (the transfer engine, by GPUDirect Storage);
+returns a ticket like the native engine's: ``done()``, ``wait(timeout_s)``, ``error()`` -> None or
+``(errno, call, offset)``."""
 
 
 def _share_bytes(total_bytes: int, count: int) -> int:
@@ -110,7 +115,6 @@ class _SwapFile:
     file: OpenFile
     capacity_bytes: int | None  # None: grows as needed
     extents: Extents = field(default_factory=Extents)
-    gds: GDSFile | None = None  # opened on the first GPUDirect transfer
 
 
 @dataclass(frozen=True)
@@ -136,13 +140,18 @@ class _Record:
 
 
 class TensorStore:
-    """Named tensors stored in preallocated swap files, one per directory.
+    """Named host tensors stored in preallocated swap files, one per directory (like a kvikio ``CuFile``).
 
     Each tensor lives in 4 KiB-aligned extents; tensors of at least
     ``config.stripe_min_bytes`` are split evenly over the directories so that
-    several NVMe drives add their bandwidth. ``put`` and ``get`` return
-    :class:`Future`\\ s; failures raise from ``result()`` naming the tensor,
-    the file and the offset.
+    several NVMe drives add their bandwidth. ``put`` and ``get`` take and give
+    CPU tensors and return :class:`Future`\\ s; failures raise from
+    ``result()`` naming the tensor, the file and the offset. The store has no
+    device code: a device tensor moves with
+    :meth:`nvoffload.transfer.TransferEngine.save` and
+    :meth:`~nvoffload.transfer.TransferEngine.load` (through the engine's slab
+    and copy streams, or by GPUDirect Storage through :meth:`put_by` and
+    :meth:`get_by`).
 
     Args:
         swap_dirs: one directory or a list of them (one swap file each).
@@ -150,18 +159,13 @@ class TensorStore:
             before anything is written; ``None`` grows the files as needed.
         checksum: store a CRC-32C of each tensor and verify it on every read (a mismatch raises
             :class:`ChecksumError`). On by default: it costs a few percent of a
-            step here (``bench/results/bench_io.md``). CUDA tensors are then
-            staged through host memory, where they are checksummed, instead of
-            moving by GPUDirect Storage; ``checksum=False`` trades the check for GDS.
+            step here (``bench/results/bench_io.md``). The transfer engine then
+            moves CUDA tensors through host memory, where they are checksummed,
+            instead of by GPUDirect Storage; ``checksum=False`` trades the check for GDS.
         config: the I/O engine's settings.
-        staging_bytes: size of the page-locked host slab through which CUDA
-            tensors move when GPUDirect Storage is not used (default 64 MiB);
-            larger tensors move through it in pieces of half its size. It is
-            created on the first such transfer and is the store's whole pinned
-            footprint (:attr:`pinned_bytes`).
 
     Raises:
-        ValueError: a negative ``capacity_bytes``, or ``staging_bytes`` under 8 KiB.
+        ValueError: a negative ``capacity_bytes``.
 
     >>> import tempfile, torch
     >>> from nvoffload.io import TensorStore
@@ -173,12 +177,9 @@ class TensorStore:
     A tensor handed to ``put`` must stay alive and unmodified until its future
     is done; an ``out`` tensor handed to ``get`` must not be read before then.
 
-    CUDA tensors are ordered after the GPU work around them: ``put`` reads a
-    tensor once the work queued on the current stream when it was called is
-    done (or once the ``after`` event completes), and ``get`` writes into
-    ``out`` only after that point too (kernels queued before it may still read
-    the old contents). When a ``get`` future is done the data is in device
-    memory and visible to kernels launched afterwards on any stream.
+    The store's lock guards its records and extents only: native requests are
+    submitted after it is released (a submit blocks while the native queue is
+    full), so a read never waits behind another caller's writes for the lock.
     """
 
     def __init__(
@@ -188,9 +189,7 @@ class TensorStore:
         *,
         checksum: bool = True,
         config: IOConfig | None = None,
-        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ):
-        self._staging = Stager(staging_bytes, "the TensorStore's staging slab")
         if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes < 0):
             raise ValueError(f"capacity_bytes must be a non-negative int or None, got {capacity_bytes!r}")
         dirs = swap_directories(swap_dirs, needed_bytes=capacity_bytes or 0, what="its share of the store's capacity")
@@ -250,11 +249,6 @@ class TensorStore:
         return sum(s.extents.end for s in self._swaps)
 
     @property
-    def pinned_bytes(self) -> int:
-        """Bytes of page-locked host memory the store holds: its staging slab once a CUDA tensor was staged, else 0."""
-        return self._staging.pinned_bytes
-
-    @property
     def used_bytes(self) -> int:
         """Bytes of the swap files in use by stored tensors (aligned extents)."""
         with self._lock:
@@ -268,24 +262,16 @@ class TensorStore:
         with self._lock:
             return len(self._records.keys() | self._pending_puts.keys())
 
-    def put(self, name: str, tensor: torch.Tensor, *, after: Event | None = None) -> Future:
-        """Write ``tensor`` under ``name``; ``result()`` returns None once it is on disk.
+    def put(self, name: str, tensor: torch.Tensor) -> Future:
+        """Write host ``tensor`` under ``name``; ``result()`` returns None once it is on disk.
 
-        Any dtype but the quantized ones, any shape, size and contiguity; CPU or
-        CUDA. An older tensor of
-        the same name is replaced once this write succeeds (of concurrent puts
-        of one name, the one submitted last wins). The caller keeps ``tensor``
-        alive and unmodified until the future is done. I/O failures (disk full,
-        I/O error) raise from ``result()`` naming the tensor, file and offset.
-
-        A CUDA tensor is read once ``after`` completes (an event of
-        :mod:`nvoffload.device`, such as :meth:`nvoffload.transfer.TransferEngine.record`
-        returns), by default once the work queued on the current stream so far
-        is done. By GPUDirect Storage, ``put`` itself waits for that point, since
-        kvikio reads device memory outside stream order (at most
-        :data:`~nvoffload.transfer.WAIT_LIMIT_S`, then ``TimeoutError``); through
-        the staging slab, the copies wait for it on a copy stream and ``put``
-        returns at once.
+        Any dtype but the quantized ones, any shape, size and contiguity, in
+        CPU memory (a device tensor is refused: :meth:`nvoffload.transfer.TransferEngine.save`
+        moves it). An older tensor of the same name is replaced once this write
+        succeeds (of concurrent puts of one name, the one submitted last wins).
+        The caller keeps ``tensor`` alive and unmodified until the future is
+        done. I/O failures (disk full, I/O error) raise from ``result()`` naming
+        the tensor, file and offset.
         """
         if not isinstance(name, str):
             raise TypeError(f"tensor names are str, got {type(name).__name__}")
@@ -300,129 +286,52 @@ class TensorStore:
                 f"put({name!r}): quantized tensors ({tensor.dtype}) cannot be stored; "
                 "store tensor.int_repr() and the quantization parameters instead"
             )
-        if tensor.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"put({name!r}): only CPU and CUDA tensors can be stored, got one on {tensor.device}")
-        self._wait_pending_put(name)
-        tensor = tensor.detach()
-        staged = tensor.is_cuda and not self.direct_to_device(tensor)
-        if tensor.is_cuda:
-            if not tensor.is_contiguous():  # staged: copied on the current stream, read after that copy
-                if after is not None:
-                    self._staging.device(tensor.device).wait(after)
-                tensor, after = tensor.contiguous(), None
-            after = self._staging.ready_event(tensor, after)
-            if not staged:
-                wait_for_device(after, f"put({name!r}) by GPUDirect Storage")
-        source = byte_view(tensor.contiguous())  # CPU: the I/O threads bounce unaligned blocks themselves
-        checksum = crc32c(source) if self.checksum and not tensor.is_cuda else None
-        with self._lock:
-            self._check_open("put", name)
-            try:
-                extents = self._allocate(source.numel())
-            except StoreIOError as exc:
-                return Future.failed(exc)
-            except OSError as exc:
-                return Future.failed(
-                    StoreIOError(exc.errno or errno.EIO, "allocate", exc.filename or "", -1, name, str(exc.strerror))
-                )
-            self._seq += 1
-            record = _Record(name, tensor.dtype, tensor.shape, source.numel(), extents, checksum, seq=self._seq)
-            try:
-                if staged:
-                    job = self._staging.write(
-                        source, after, self._piece_io(extents, name, write=True), checksum=self.checksum, what=repr(name)
-                    )
-                    parts = [job]
-                else:
-                    job, parts = None, self._submit(extents, source, write=True)
-            except BaseException:
-                self._free(extents)
-                raise
+        _refuse_device("put", name, tensor)
+        source = byte_view(tensor.detach().contiguous())  # the I/O threads bounce unaligned blocks themselves
+        checksum = crc32c(source) if self.checksum else None
+        return self._write(name, tensor, checksum, lambda extents: self._submit(extents, source, write=True), source)
 
-            def finish(error: BaseException | None) -> None:
-                with self._lock:
-                    if self._pending_puts.get(name) is future:
-                        del self._pending_puts[name]
-                    old = self._records.get(name)
-                    if error is not None or self._closed or (old is not None and old.seq > record.seq):
-                        self._free(record.extents)  # failed, or a later put of this name already landed
-                        return
-                    if job is not None:
-                        record.checksum = job.value
-                    self._records[name] = record
-                if old is not None:
-                    self._release(old)
+    def put_by(self, name: str, tensor: torch.Tensor, io: ExtentIO) -> Future:
+        """Write the contiguous ``tensor`` under ``name``, each transfer submitted by ``io`` (:data:`ExtentIO`).
 
-            future = Future(parts, finish, what=name, keepalive=source)
-            self._pending_puts[name] = future
-        return future
+        For the transfer engine's GPUDirect Storage path
+        (:meth:`nvoffload.transfer.TransferEngine.save`): ``tensor`` (device
+        memory) is final when this is called. Otherwise as :meth:`put`.
 
-    def get(self, name: str, out: torch.Tensor | None = None, *, after: Event | None = None) -> Future:
+        Raises:
+            ValueError: a store with checksums (computed in host memory: the
+                tensor moves through it), or a non-contiguous ``tensor``.
+        """
+        self._check_direct("put_by", name, tensor)
+        return self._write(name, tensor, None, lambda extents: self._submit_by(extents, io, write=True), tensor)
+
+    def get(self, name: str, out: torch.Tensor | None = None) -> Future:
         """Read the tensor stored under ``name``; ``result()`` returns it.
 
         Without ``out`` the result is a new CPU tensor of the stored dtype and
-        shape. ``out`` (CPU or CUDA, any shape and contiguity) must have the
-        stored dtype and number of elements; it is filled in row-major order and
-        returned, and must not be read before the future is done. A name never
-        written (or deleted) raises KeyError here; I/O failures and checksum
-        mismatches raise from ``result()`` naming the tensor, file and offset.
-
-        A CUDA ``out`` is written only after ``after`` completes (default: the
-        work queued on the current stream so far), so kernels queued before the
-        call may still read its old contents. By GPUDirect Storage, ``get``
-        waits for that point itself (kvikio writes device memory outside stream
-        order; at most :data:`~nvoffload.transfer.WAIT_LIMIT_S`); through the
-        staging slab, the copies wait for it on a copy stream. Once the future
-        is done the bytes are in device memory and visible to kernels launched
-        afterwards, on any stream: kvikio returns a read only when it is
-        complete (cuFile's DMA, or its POSIX fallback's copy after a stream
-        synchronization), and the staged copies' events have completed.
+        shape. ``out`` (CPU, any shape and contiguity; a device tensor is
+        refused: :meth:`nvoffload.transfer.TransferEngine.load` moves it) must
+        have the stored dtype and number of elements; it is filled in row-major
+        order and returned, and must not be read before the future is done. A
+        name never written (or deleted) raises KeyError here; I/O failures and
+        checksum mismatches raise from ``result()`` naming the tensor, file and offset.
         """
-        self._wait_pending_put(name)
-        direct = out is not None and self.direct_to_device(out)
-        if out is not None and out.is_cuda:
-            after = self._staging.ready_event(out, after)
-            if direct:
-                wait_for_device(after, f"get({name!r}) by GPUDirect Storage")
-        with self._lock:
-            self._check_open("get", name)
-            record = self._records.get(name)
-            if record is None:
-                raise KeyError(f"no tensor named {name!r} in the store (never written, or deleted)")
-            padded = sum(e.nbytes for e in record.extents)
-            job, copy_back = None, False
-            if out is None:  # read straight into a new aligned tensor
-                target = aligned_empty(padded)[: record.nbytes]
-                out = target.view(record.dtype).view(record.shape)
-            else:
-                self._check_out(record, out)
-                if direct or (out.device.type == "cpu" and out.is_contiguous()):
-                    target = byte_view(out)
-                elif out.is_cuda:  # through the staging slab
-                    target = out
-                    job = self._staging.read(
-                        out, after, self._piece_io(record.extents, name, write=False), checksum=self.checksum,
-                        what=repr(name),
-                    )
-                else:  # a non-contiguous CPU view: read into an aligned buffer, then copy
-                    target, copy_back = aligned_empty(padded)[: record.nbytes], True
+        if out is not None:
+            _refuse_device("get", name, out)
+        return self._read(name, out, None)
 
-            def finish(error: BaseException | None) -> torch.Tensor:
-                if error is not None:
-                    raise error
-                if self.checksum and record.checksum is not None:
-                    actual = job.value if job is not None else crc32c(target)
-                    if actual != record.checksum:
-                        first = record.extents[0]
-                        raise ChecksumError(first.swap.file.path, first.offset, name, record.checksum, actual)
-                if copy_back and record.nbytes:
-                    out.copy_(target.view(record.dtype).view(out.shape))
-                return out
+    def get_by(self, name: str, out: torch.Tensor, io: ExtentIO) -> Future:
+        """Read ``name`` into the contiguous ``out``, each transfer submitted by ``io`` (:data:`ExtentIO`).
 
-            parts = [job] if job is not None else self._submit(record.extents, target, write=False)
-            future = Future(parts, finish, what=name, keepalive=target)
-            record.in_flight = [f for f in record.in_flight if not f.done()] + [future]
-        return future
+        For the transfer engine's GPUDirect Storage path
+        (:meth:`nvoffload.transfer.TransferEngine.load`): ``out`` (device memory)
+        is no longer read by anyone when this is called. Otherwise as :meth:`get`.
+
+        Raises:
+            ValueError: as :meth:`put_by`.
+        """
+        self._check_direct("get_by", name, out)
+        return self._read(name, out, io)
 
     def delete(self, name: str) -> None:
         """Forget ``name`` and free its extents for reuse (after its I/O in flight ends)."""
@@ -447,7 +356,6 @@ class TensorStore:
         self._records.clear()
         self._engine.close()  # drains blocks no future tracks any more (a put replaced in flight)
         self._remove_files()
-        self._staging.close()
 
     def __enter__(self) -> TensorStore:
         return self
@@ -464,6 +372,94 @@ class TensorStore:
     def _check_open(self, op: str, name: str) -> None:
         if self._closed:
             raise RuntimeError(f"{op}({name!r}): the TensorStore over {', '.join(self._dirs)} is closed")
+
+    def _check_direct(self, op: str, name: str, tensor: torch.Tensor) -> None:
+        if self.checksum:
+            raise ValueError(
+                f"{op}({name!r}): this TensorStore checksums its tensors in host memory: move {name!r} through "
+                "host memory (TransferEngine.save/load with a staging buffer), or make the store with checksum=False"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError(f"{op}({name!r}): the tensor must be contiguous")
+
+    def _write(
+        self, name: str, tensor: torch.Tensor, checksum: int | None, submit: Callable[[list[_Extent]], list], keepalive
+    ) -> Future:
+        """Store ``tensor``'s type under ``name`` in new extents, its bytes moved by ``submit(extents)``."""
+        self._wait_pending_put(name)
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._lock:
+            self._check_open("put", name)
+            try:
+                extents = self._allocate(nbytes)
+            except StoreIOError as exc:
+                return Future.failed(exc)
+            except OSError as exc:
+                return Future.failed(
+                    StoreIOError(exc.errno or errno.EIO, "allocate", exc.filename or "", -1, name, str(exc.strerror))
+                )
+            self._seq += 1
+            record = _Record(name, tensor.dtype, tensor.shape, nbytes, extents, checksum, seq=self._seq)
+
+            def finish(error: BaseException | None) -> None:
+                with self._lock:
+                    if self._pending_puts.get(name) is future:
+                        del self._pending_puts[name]
+                    old = self._records.get(name)
+                    if error is not None or self._closed or (old is not None and old.seq > record.seq):
+                        self._free(record.extents)  # failed, or a later put of this name already landed
+                        return
+                    self._records[name] = record
+                if old is not None:
+                    self._release(old)
+
+            submitted = Deferred()
+            future = Future([submitted], finish, what=name, keepalive=keepalive)
+            self._pending_puts[name] = future
+        _start(submitted, future, lambda: submit(extents))
+        return future
+
+    def _read(self, name: str, out: torch.Tensor | None, io: ExtentIO | None) -> Future:
+        """Read ``name`` into ``out`` (None: a new CPU tensor), natively or, with ``io``, by it."""
+        self._wait_pending_put(name)
+        with self._lock:
+            self._check_open("get", name)
+            record = self._records.get(name)
+            if record is None:
+                raise KeyError(f"no tensor named {name!r} in the store (never written, or deleted)")
+            padded = sum(e.nbytes for e in record.extents)
+            copy_back = False
+            if out is None:  # read straight into a new aligned tensor
+                target = aligned_empty(padded)[: record.nbytes]
+                out = target.view(record.dtype).view(record.shape)
+            else:
+                self._check_out(record, out)
+                if out.is_contiguous():
+                    target = byte_view(out)
+                else:  # a non-contiguous view: read into an aligned buffer, then copy
+                    target, copy_back = aligned_empty(padded)[: record.nbytes], True
+
+            def finish(error: BaseException | None) -> torch.Tensor:
+                if error is not None:
+                    raise error
+                if self.checksum and record.checksum is not None:
+                    actual = crc32c(target)
+                    if actual != record.checksum:
+                        first = record.extents[0]
+                        raise ChecksumError(first.swap.file.path, first.offset, name, record.checksum, actual)
+                if copy_back and record.nbytes:
+                    out.copy_(target.view(record.dtype).view(out.shape))
+                return out
+
+            submitted = Deferred()
+            future = Future([submitted], finish, what=name, keepalive=target)
+            # The extents stay this record's until the read ends: a delete or a replacing put waits for it.
+            record.in_flight = [f for f in record.in_flight if not f.done()] + [future]
+        if io is None:
+            _start(submitted, future, lambda: self._submit(record.extents, target, write=False))
+        else:
+            _start(submitted, future, lambda: self._submit_by(record.extents, io, write=False))
+        return future
 
     @staticmethod
     def _check_out(record: _Record, out: torch.Tensor) -> None:
@@ -568,49 +564,58 @@ class TensorStore:
         for e in extents:
             e.swap.extents.give(e.offset, e.nbytes)
 
-    def direct_to_device(self, tensor: torch.Tensor) -> bool:
-        """True when ``tensor`` moves by GPUDirect Storage (CUDA, contiguous, no checksum)."""
-        return (
-            tensor.is_cuda and tensor.is_contiguous() and self.config.use_gds and not self.checksum and gds_available()
-        )
+    def _submit(self, extents: list[_Extent], buffer: torch.Tensor, *, write: bool) -> list[NativePart]:
+        """The native transfers of a tensor stored in ``extents``, from or into ``buffer`` (its bytes, flat ``uint8``
+        on the CPU), one per extent, each padded to the extent's aligned size (zeros written, padding read dropped)."""
+        return [
+            self._engine.submit(e.swap.file, buffer[start : start + e.data_bytes], e.offset, write=write, nbytes=e.nbytes)
+            for e, start in _starts(extents)
+        ]
 
-    def _submit(self, extents: list[_Extent], buffer: torch.Tensor, *, write: bool, at: int = 0) -> list[NativePart]:
-        """The transfers of bytes ``[at, at + buffer.numel())`` of a tensor stored in ``extents``.
-
-        ``buffer`` (flat ``uint8``) holds those bytes; the tensor's bytes are the
-        extents' back to back. One transfer per extent the range touches; one
-        that reaches the end of its extent is padded to the extent's aligned
-        size (zeros written, padding read dropped). A CUDA buffer moves by
-        GPUDirect Storage.
-        """
-        parts, start, end = [], 0, at + buffer.numel()
-        for e in extents:
-            lo, hi = max(start, at), min(start + e.data_bytes, end)
-            if lo < hi:
-                piece, offset = buffer[lo - at : hi - at], e.offset + lo - start
-                if buffer.is_cuda:
-                    if e.swap.gds is None:
-                        e.swap.gds = GDSFile(e.swap.file.path)
-                    ticket = e.swap.gds.submit(piece, offset, write=write)
-                    parts.append(NativePart(ticket, e.swap.file.path, offset, write=write, nbytes=piece.numel()))
-                else:
-                    nbytes = hi - lo if hi < start + e.data_bytes else e.offset + e.nbytes - offset
-                    parts.append(self._engine.submit(e.swap.file, piece, offset, write=write, nbytes=nbytes))
-            start += e.data_bytes
-        return parts
-
-    def _piece_io(self, extents: list[_Extent], name: str, *, write: bool):
-        """The staging slab's NVMe transfer of a piece: ``io(buffer, at)`` -> :class:`Future`."""
-        return lambda buffer, at: Future(self._submit(extents, buffer, write=write, at=at), what=name)
+    @staticmethod
+    def _submit_by(extents: list[_Extent], io: ExtentIO, *, write: bool) -> list[NativePart]:
+        """The transfers of a tensor stored in ``extents``, one per extent, each submitted by ``io`` (unpadded)."""
+        return [
+            NativePart(io(e.swap.file.path, e.offset, start, e.data_bytes), e.swap.file.path, e.offset, write=write,
+                       nbytes=e.data_bytes)
+            for e, start in _starts(extents)
+        ]  # fmt: skip
 
     def _remove_files(self) -> None:
         swaps = list(self._swaps)
         self._clean_up()  # while the files are open: one whose directory was renamed is found by its descriptor
         for swap in swaps:
-            if swap.gds is not None:
-                swap.gds.close()
             self._engine.close_file(swap.file)
         self._swaps = []
+
+
+def _starts(extents: list[_Extent]) -> Iterator[tuple[_Extent, int]]:
+    """Each extent with the offset in the tensor of its first byte (the tensor's bytes are the extents' back to back)."""
+    start = 0
+    for e in extents:
+        yield e, start
+        start += e.data_bytes
+
+
+def _start(submitted: Deferred, future: Future, submit: Callable[[], list]) -> None:
+    """Submit ``future``'s requests (``submit()``), outside the store's lock: a native submit blocks while the native
+    queue is full, and a read that compute waits for must not wait for the lock behind it. A submit that raises
+    settles ``future`` (its completion step gives back its extents) and raises."""
+    try:
+        submitted.set(Future(submit(), what=future.what))
+    except BaseException as exc:
+        submitted.set(Future.failed(exc))
+        _settle(future)
+        raise
+
+
+def _refuse_device(op: str, name: str, tensor: torch.Tensor) -> None:
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"{op}({name!r}): the TensorStore holds host tensors, and this one is on {tensor.device}: move it with "
+            f"TransferEngine.{'save' if op == 'put' else 'load'} (nvoffload.transfer), which stages it through host "
+            "memory or moves it by GPUDirect Storage"
+        )
 
 
 _SWAP_NAME = re.compile(r"nvoffload-(\d+)-[0-9a-f]{12}\.swap")

@@ -9,9 +9,14 @@ move and *when it is needed*; a :class:`TransferEngine` decides how:
   each queued behind an event (by default: the compute stream's work so far),
   and complete at an event of their own; :meth:`TransferEngine.wait` orders the
   compute stream after one without blocking the host on a GPU;
-- NVMe<->device goes by GPUDirect Storage (kvikio) when the store can, else
-  through a slab buffer and a copy, chained on the engine's dispatcher thread
-  so that the caller never waits for the NVMe half;
+- NVMe<->device (:meth:`TransferEngine.save`, :meth:`TransferEngine.load`)
+  goes through a slab buffer and a copy, chained on the engine's dispatcher
+  thread so that the caller never waits for the NVMe half; or by GPUDirect
+  Storage (kvikio, where it is not in compatibility mode, and the store keeps
+  no checksums: :meth:`TransferEngine.direct`), started by the dispatcher once
+  the device memory is ready (it waits for the event, the caller does not);
+- the :class:`~nvoffload.io.TensorStore` is host-side: it lays tensors out in
+  its swap files and moves host memory; device memory moves only here;
 - every operation returns a :class:`~nvoffload.transfer.Future`.
 
 The same code runs on a GPU and on the CPU stand-in
@@ -22,7 +27,6 @@ missing wait is a wrong result in the tests rather than a corrupted run.
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Callable
 
@@ -30,7 +34,9 @@ import torch
 
 from nvoffload._workers import Worker
 from nvoffload.device import ComputeDevice, Event, compute_device
+from nvoffload.transfer.deferred import Deferred
 from nvoffload.transfer.future import WAIT_LIMIT_S, Future
+from nvoffload.transfer.gds import GDSFile, gds_available
 from nvoffload.transfer.slab import HostSlab
 
 __all__ = ["TransferEngine"]
@@ -57,42 +63,6 @@ class _EventPart:
         return error
 
 
-class _Chained:
-    """The second half of a two-stage transfer, known once the dispatcher has started it."""
-
-    __slots__ = ("_started", "inner")
-
-    def __init__(self):
-        self._started = threading.Event()
-        self.inner: Future | None = None
-
-    def set(self, inner: Future) -> None:
-        self.inner = inner
-        self._started.set()
-
-    def wait_started(self, timeout_s: float) -> bool:
-        return self._started.wait(timeout_s)
-
-    def done(self) -> bool:
-        return self._started.is_set() and self.inner.done()
-
-    def wait(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        if not self._started.wait(timeout_s):
-            return False
-        exc = None
-        try:
-            self.inner.result(max(0.0, deadline - time.monotonic()))
-        except TimeoutError as e:
-            exc = e
-        except BaseException:  # noqa: BLE001 - reported by error()
-            pass
-        return exc is None or self.inner.done()
-
-    def error(self, what: str | None) -> BaseException | None:
-        return self.inner.exception(0)
-
-
 class TransferEngine:
     """Moves tensors between NVMe, host memory and the compute device; see the module docs.
 
@@ -116,6 +86,8 @@ class TransferEngine:
             self.device, self._owns_device = device, False
         self._chains = Worker("nvoffload-transfer", _run_chain)
         self._stop_chains = weakref.finalize(self, self._chains.stop)
+        self._gds_files: dict[str, GDSFile] = {}  # swap file path -> its cuFile handle, opened at its first use
+        self._gds_lock = threading.Lock()
         self._closed = False
 
     # ---------------------------------------------------------------- host <-> device
@@ -177,38 +149,90 @@ class TransferEngine:
         with :meth:`load`.
         """
         self._check_open(what)
-        chained = _Chained()
+        chained = Deferred()
         self._chains.submit((first, start_next, chained))
         future = Future([chained], what=what)
         future.chain = chained
         return future
 
+    def direct(self, store, tensor: torch.Tensor) -> bool:
+        """True when ``tensor`` moves between ``store`` and device memory by GPUDirect Storage.
+
+        That is: a contiguous CUDA tensor, a store without checksums (they are
+        computed in host memory) whose ``config.use_gds`` is on, and kvikio
+        installed and not in compatibility mode
+        (:func:`nvoffload.transfer.gds.gds_available`: kvikio's POSIX fallback
+        is slower than the path through the slab).
+        """
+        return (
+            tensor.is_cuda and tensor.is_contiguous() and store.config.use_gds and not store.checksum and gds_available()
+        )
+
     def load(self, store, name: str, dst: torch.Tensor, staging: torch.Tensor | None, *, after: Event | None = None) -> Future:
         """Read ``name`` from ``store`` into device tensor ``dst``, once ``dst`` is free at ``after``
         (default: the compute stream's work so far).
 
-        By GPUDirect Storage when the store can move ``dst`` directly (then
-        ``staging`` is unused), else into the host buffer ``staging`` (``dst``'s
-        dtype and size) and then to the device on the copy stream. The future
-        completes when ``dst`` holds the data; :meth:`wait` before computing on it.
+        By GPUDirect Storage when :meth:`direct` (``staging`` unused, may be
+        None): the dispatcher starts the read once ``after`` has completed, the
+        caller does not wait for it. Else into the host buffer ``staging``
+        (``dst``'s dtype and size, from the slab) and then to the device on the
+        copy stream, queued behind ``after``. The future completes when ``dst``
+        holds the data; :meth:`wait` before computing on it.
+
+        Raises:
+            ValueError: no ``staging`` where GPUDirect Storage is not used.
         """
         after = after or self.device.record()
-        if staging is None or store.direct_to_device(dst):
-            return store.get(name, out=dst, after=after)
+        if self.direct(store, dst):
+            io = self._gds_io(dst, write=False)
+            return self.then(self._reached(after, name), lambda _: store.get_by(name, dst, io), what=name)
+        _need_staging("load", name, staging)
         read = store.get(name, out=staging)
         return self.then(read, lambda _: self.to_device(dst.view(-1), staging.view(-1), after=after, what=name), what=name)
 
     def save(self, store, name: str, src: torch.Tensor, staging: torch.Tensor | None, *, after: Event | None = None) -> Future:
-        """Write device tensor ``src`` to ``store`` under ``name``: directly by GPUDirect Storage when possible,
-        else copied into the host buffer ``staging`` on the device-to-host stream and written from there.
+        """Write device tensor ``src`` to ``store`` under ``name``, final at ``after`` (default: the compute
+        stream's work so far).
 
-        Queued behind ``after`` (default: the compute stream's work so far).
-        ``src`` and ``staging`` must stay untouched until the future is done.
+        By GPUDirect Storage when :meth:`direct` (``staging`` unused, may be
+        None): the dispatcher starts the write once ``after`` has completed,
+        the caller does not wait for it. Else copied into the host buffer
+        ``staging`` on the device-to-host stream, queued behind ``after``, and
+        written from there once the copy has landed. ``src`` and ``staging``
+        must stay untouched until the future is done.
+
+        Raises:
+            ValueError: no ``staging`` where GPUDirect Storage is not used.
         """
-        if staging is None or store.direct_to_device(src):
-            return store.put(name, src, after=after)  # kvikio reads device memory once ``after`` completed
+        if self.direct(store, src):
+            io = self._gds_io(src, write=True)
+            ready = self._reached(after or self.device.record(), name)
+            return self.then(ready, lambda _: store.put_by(name, src, io), what=name)
+        _need_staging("save", name, staging)
         copied = self.to_host(staging.view(-1), src.reshape(-1), after=after, what=name)
         return self.then(copied, lambda _: store.put(name, staging), what=name)
+
+    @staticmethod
+    def _reached(event: Event, what: str) -> Future:
+        """A future done when ``event`` has completed: the dispatcher waits for it (bounded) before a GDS transfer,
+        since kvikio reads and writes device memory outside stream order."""
+        return Future([_EventPart(event)], what=what)
+
+    def _gds_io(self, tensor: torch.Tensor, *, write: bool):
+        """The :data:`~nvoffload.io.store.ExtentIO` that moves bytes of the contiguous CUDA ``tensor`` by cuFile."""
+        data = tensor.reshape(-1).view(torch.uint8)
+
+        def io(path: str, offset: int, start: int, nbytes: int):
+            return self._gds_file(path).submit(data[start : start + nbytes], offset, write=write)
+
+        return io
+
+    def _gds_file(self, path: str) -> GDSFile:
+        with self._gds_lock:
+            file = self._gds_files.get(path)
+            if file is None:
+                file = self._gds_files[path] = GDSFile(path)
+        return file
 
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:
@@ -217,6 +241,10 @@ class TransferEngine:
             return
         self._closed = True
         self._stop_chains()
+        with self._gds_lock:
+            files, self._gds_files = list(self._gds_files.values()), {}
+        for file in files:
+            file.close()
         if self._owns_device:
             self.device.close()
         if self._owns_slab:
@@ -243,3 +271,11 @@ def _run_chain(item: tuple) -> None:
         nxt = Future.failed(exc)
     del first, start_next, item
     chained.set(nxt)
+
+
+def _need_staging(op: str, name: str, staging: torch.Tensor | None) -> None:
+    if staging is None:
+        raise ValueError(
+            f"{op}({name!r}): a host staging buffer (from the engine's slab) is needed where the tensor does not move"
+            " by GPUDirect Storage (TransferEngine.direct is False)"
+        )

@@ -1,7 +1,10 @@
-"""GPUDirect Storage through kvikio: NVMe to CUDA memory without a host bounce.
+"""GPUDirect Storage through kvikio: NVMe to CUDA memory without a host bounce, for the transfer engine.
 
 kvikio is an optional dependency (``pip install nvoffload[gpu]``), imported
-lazily: it needs a GPU driver, and the package works without it.
+lazily: it needs a GPU driver, and the package works without it. GDS is used
+only where kvikio reports that it is *not* in compatibility mode: in that mode
+kvikio moves the bytes by POSIX I/O through its own bounce buffer, slower than
+the engine's native path through its slab.
 """
 
 from __future__ import annotations
@@ -14,19 +17,37 @@ import torch
 
 from nvoffload import device
 
-__all__ = ["gds_available", "GDSFile"]
+__all__ = ["GDSFile", "compat_mode", "gds_available"]
 
 
 @functools.cache
 def gds_available() -> bool:
-    """True when CUDA is present and kvikio imports."""
+    """True when CUDA is present, kvikio imports, and kvikio is not in compatibility mode (:func:`compat_mode`)."""
     if not device.cuda_available():
         return False
     try:
-        import kvikio  # noqa: F401
+        import kvikio
     except ImportError:
         return False
-    return True
+    return not compat_mode(kvikio)
+
+
+def compat_mode(kvikio) -> bool:
+    """Whether ``kvikio`` would move bytes by POSIX I/O instead of cuFile.
+
+    kvikio 24.12 and later say so with ``defaults.is_compat_mode_preferred()``
+    (its ``AUTO`` mode resolved); older ones with ``defaults.compat_mode()``, a
+    bool before 24.12. A mode this cannot tell (``AUTO`` without the resolving
+    call) counts as compatibility mode: the native path is then the sure one.
+    """
+    defaults = kvikio.defaults
+    preferred = getattr(defaults, "is_compat_mode_preferred", None)
+    if preferred is not None:
+        return bool(preferred())
+    mode = defaults.compat_mode()
+    if isinstance(mode, bool):
+        return mode
+    return getattr(mode, "name", None) != "OFF"
 
 
 class _KvikioTicket:
@@ -63,7 +84,7 @@ class _KvikioTicket:
 
 
 class GDSFile:
-    """A swap file opened for cuFile transfers (kvikio falls back to POSIX where GDS is absent)."""
+    """A swap file opened for cuFile transfers."""
 
     def __init__(self, path: str):
         import kvikio
