@@ -1,0 +1,211 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 32): what whoever is lent a GPU runs first, in at most 8 minutes.
+#
+#   bash bench/gpu_check.sh              # on a CUDA machine: every step below on the GPU
+#   bash bench/gpu_check.sh --dry-run    # (or GPU_CHECK_DRY=1) the same steps on the CPU stand-in, tiny sizes
+#   GPU_CHECK_SWAP=/mnt/nvme0 bash bench/gpu_check.sh   # swap files there (default: TMPDIR or /tmp)
+#
+# Steps, in this order (the most telling first: a step that finds no time left is skipped):
+#   environment         torch, CUDA, the device, kvikio's compatibility mode, nvidia-smi
+#   cuda_tests          pytest -k "cuda or gds": the tests marked cuda or gds and the CUDA cases of the
+#                       tests parametrized over devices (junit XML beside the log)
+#   finetune_trace      a streamed `nvoffload finetune` with --trace (Perfetto JSON)
+#   overlap_profiler    bench/bench_overlap.py under torch.profiler (a Chrome trace and the top operators)
+#   bench_*             each benchmark's --quick run (with --device where it takes one), results in a folder
+#                       of its own; in the dry run each command line is only parsed by the benchmark's own
+#                       parser (their quick runs on the CPU are in the suite: tests/test_bench_*.py)
+#
+# Everything goes to bench/results/gpu_check/<device>/ (GPU_CHECK_OUT overrides it): a log per step, each
+# step's files, and summary.md, a table of every step with its status (passed, failed (exit N), timed out
+# after N s, skipped: no time left; "arguments ok" for a benchmark in the dry run), a row written as each
+# step ends, so a run cut short still says how far it got. Each step runs under `timeout`, within what is
+# left of GPU_CHECK_BUDGET_S (480 s). Installs nothing, needs no network.
+# Exit status: 0 when every step passed, 1 otherwise, 2 without a GPU (and without --dry-run).
+set -uo pipefail
+
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$repo"
+dry="${GPU_CHECK_DRY:-0}"
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) dry=1 ;;
+    *) echo "gpu_check.sh: unknown argument $arg (use --dry-run, or nothing)" >&2; exit 2 ;;
+  esac
+done
+python="${PYTHON:-python}"
+budget_s="${GPU_CHECK_BUDGET_S:-480}"
+start_s=$SECONDS
+
+if [[ "$dry" == 1 ]]; then
+  device=cpu
+  device_name="cpu-stand-in-dry-run"
+else
+  device=cuda
+  if ! device_name="$("$python" -c 'import torch; assert torch.cuda.is_available(); print(torch.cuda.get_device_name())' 2>/dev/null)"; then
+    echo "gpu_check.sh: torch sees no CUDA device here; --dry-run checks the script on the CPU" >&2
+    exit 2
+  fi
+fi
+slug="$(echo "$device_name" | tr '[:upper:]' '[:lower:]' | tr -cs 'a-z0-9.' '-' | sed 's/^-//; s/-$//')"
+out="${GPU_CHECK_OUT:-bench/results/gpu_check/$slug}"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+# Swap directories under GPU_CHECK_SWAP (put it on an NVMe drive; default: TMPDIR or /tmp), removed at exit.
+swap="$(mktemp -d "${GPU_CHECK_SWAP:-${TMPDIR:-/tmp}}/gpu_check.XXXXXX")"
+trap 'rm -rf "$swap"' EXIT
+mkdir "$swap/finetune" "$swap/bench"
+summary="$out/summary.md"
+failures=0
+
+commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+[[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]] && commit="$commit (working tree changed)"
+{
+  echo "# GPU check on $device_name"
+  echo
+  echo "Started $(date -u '+%Y-%m-%d %H:%M:%S UTC') at commit $commit with \`--device $device\`"
+  echo "$([[ "$dry" == 1 ]] && echo '(a dry run on the CPU stand-in) ')within ${budget_s} s; logs and files beside this summary."
+  echo
+  echo "| step | status | seconds | limit (s) | files |"
+  echo "|---|---|---|---|---|"
+} > "$summary"
+
+# run STEP LIMIT_S FILES -- COMMAND...: COMMAND under timeout (LIMIT_S, or what is left of the budget), its
+# output in STEP.log; adds the step's row to the summary.
+run() {
+  local step="$1" limit="$2" files="$3"
+  shift 4
+  local left=$((budget_s - (SECONDS - start_s)))
+  if ((left < 5)); then
+    echo "| $step | skipped: no time left | 0 | 0 | |" >> "$summary"
+    failures=$((failures + 1))
+    echo "gpu_check: $step skipped: no time left"
+    return
+  fi
+  ((limit > left)) && limit=$left
+  local began=$SECONDS status rc
+  timeout --kill-after=5 "$limit" "$@" > "$out/$step.log" 2>&1
+  rc=$?
+  if ((rc == 0)); then
+    status=$([[ "$step" == bench_* && "$dry" == 1 ]] && echo "arguments ok" || echo passed)
+  elif ((rc == 124 || rc == 137)); then
+    status="timed out after $limit s"
+  else
+    status="failed (exit $rc)"
+  fi
+  ((rc == 0)) || failures=$((failures + 1))
+  echo "| $step | $status | $((SECONDS - began)) | $limit | $step.log${files:+ $files} |" >> "$summary"
+  echo "gpu_check: $step: $status ($((SECONDS - began)) s)"
+}
+
+# benchmark NAME LIMIT_S ARGS...: the benchmark's run with its results in a folder of its own; in the dry run
+# the same command line parsed by the benchmark's own parser, nothing run.
+benchmark() {
+  local name="$1" limit="$2"
+  shift 2
+  local command=("bench/$name.py" "$@" --results-dir "$out/$name")
+  if [[ "$dry" == 1 ]]; then
+    run "$name" "$limit" "" -- "$python" - "${command[@]}" <<'PY'
+import argparse
+import os
+import runpy
+import sys
+
+
+class Parsed(Exception):
+    pass
+
+
+parse = argparse.ArgumentParser.parse_args
+
+
+def parse_only(self, *args, **kwargs):
+    print(parse(self, *args, **kwargs))
+    raise Parsed
+
+
+argparse.ArgumentParser.parse_args = parse_only
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except Parsed:
+    pass
+else:
+    sys.exit(f"{sys.argv[0]} ran without parsing its arguments")
+PY
+  else
+    run "$name" "$limit" "$name/" -- "$python" "${command[@]}"
+  fi
+}
+
+run environment 30 "" -- "$python" - <<'PY'
+import importlib.util
+import shutil
+import subprocess
+
+import torch
+
+print("torch", torch.__version__, "CUDA", torch.version.cuda, "available:", torch.cuda.is_available())
+if torch.cuda.is_available():
+    props = torch.cuda.get_device_properties(0)
+    print("device", props.name, props.total_memory, "bytes")
+if importlib.util.find_spec("kvikio") is None:
+    print("kvikio: not installed")
+else:
+    import kvikio.defaults
+
+    print("kvikio", kvikio.__version__, "compatibility mode:", kvikio.defaults.compat_mode())
+if shutil.which("nvidia-smi"):
+    subprocess.run(["nvidia-smi"], check=False)
+else:
+    print("nvidia-smi: not found")
+PY
+
+run cuda_tests 150 "cuda_tests.xml" -- "$python" -m pytest -q -p no:cacheprovider -rs -k "cuda or gds" \
+  --junitxml="$out/cuda_tests.xml" tests
+
+if [[ "$dry" == 1 ]]; then
+  finetune_size=(--preset tiny --steps 2 --batch-size 2 --seq-len 32)
+  overlap_size=(--quick)
+else
+  finetune_size=(--preset small --steps 4 --batch-size 4 --offload-activations)
+  overlap_size=()  # the sizes of bench/results/bench_overlap_h100.*
+fi
+run finetune_trace 60 "finetune_trace.json" -- "$python" -m nvoffload finetune "${finetune_size[@]}" --stream \
+  --device "$device" --swap-dir "$swap/finetune" --trace "$out/finetune_trace.json" --no-progress
+
+run overlap_profiler 60 "overlap_profile.json overlap_profile_top.txt overlap_profiled/" -- \
+  "$python" - "$device" "$out" "${overlap_size[@]}" <<'PY'
+import sys
+
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, "bench")
+import bench_overlap  # noqa: E402
+
+device, out, *sizes = sys.argv[1:]
+activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+with profile(activities=activities) as prof:
+    bench_overlap.main([*sizes, "--device", device, "--results-dir", f"{out}/overlap_profiled"])
+prof.export_chrome_trace(f"{out}/overlap_profile.json")
+with open(f"{out}/overlap_profile_top.txt", "w") as f:
+    f.write(prof.key_averages().table(sort_by=f"{'cuda' if device == 'cuda' else 'cpu'}_time_total", row_limit=40))
+PY
+
+benchmark bench_overlap 30 --quick --device "$device"
+benchmark bench_streaming 40 --quick --swap-dir "$swap/bench"
+benchmark bench_activations 40 --quick --swap-dir "$swap/bench"
+benchmark bench_offload_optim 40 --quick --swap-dir "$swap/bench"
+benchmark bench_memory 40 --quick --swap-dir "$swap/bench"
+benchmark bench_plan 60 --quick --device "$device" --swap-dir "$swap/bench"
+benchmark bench_checkpoint 30 --quick --dir "$swap/bench"
+benchmark bench_distributed 40 --quick --swap-dir "$swap/bench"
+benchmark bench_adam 20 --quick --no-deepspeed
+benchmark bench_io 30 --quick --dirs "$swap/bench"
+
+{
+  echo
+  echo "Finished after $((SECONDS - start_s)) s: $failures step(s) did not pass."
+} >> "$summary"
+cat "$summary"
+((failures == 0))
