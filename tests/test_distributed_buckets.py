@@ -53,7 +53,7 @@ def test_no_released_gradient_bucket_passes_bucket_bytes_but_a_gradient_alone(tm
     try:
         numels = [60, 60, 60, 300, 30]
         ranks = Ranks(None, 0, 1, torch.device("cpu"))
-        buckets = GradientBuckets(ranks, Partition(numels, 1), bucket_bytes=100 * 4)
+        buckets = GradientBuckets(ranks, Partition(numels, 1, align_numel=1024), bucket_bytes=100 * 4)
         launched: list[tuple[object, int]] = []  # (the bucket's reduction, a gradient's size) in delivery order
         for index, numel in enumerate(numels):
             grad = torch.full((numel,), float(index))

@@ -2,7 +2,8 @@
 
 The parameters, in the optimizer's group order, form one flat range of
 elements; rank ``r`` owns the ``r``-th of ``world_size`` equal shares of it
-(share boundaries on :data:`~nvoffload.optim._layout.ALIGN_NUMEL` elements).
+(share boundaries on multiples of ``align_numel`` elements, which the optimizer
+gives: its chunks' alignment, so that every share starts a chunk).
 A parameter may so be split between ranks; each rank keeps the fp32 master
 weights and moments of its elements only, and updates only them.
 """
@@ -11,19 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from nvoffload.optim._layout import ALIGN_NUMEL
-
 
 class Partition:
-    """The shares of ``numels`` (the parameters' element counts, in order) among ``world_size`` ranks."""
+    """The shares of ``numels`` (the parameters' element counts, in order) among ``world_size`` ranks, each
+    share starting on a multiple of ``align_numel`` elements of the flat range."""
 
-    def __init__(self, numels: Sequence[int], world_size: int):
+    def __init__(self, numels: Sequence[int], world_size: int, align_numel: int):
         self.world_size = world_size
         self.offsets = [0]
         for n in numels:
             self.offsets.append(self.offsets[-1] + n)
         total = self.offsets[-1]
-        bounds = [min(total, -(-total * r // world_size // ALIGN_NUMEL) * ALIGN_NUMEL) for r in range(world_size)]
+        bounds = [min(total, -(-total * r // world_size // align_numel) * align_numel) for r in range(world_size)]
         self.bounds = [*bounds, total]  # rank r owns flat elements [bounds[r], bounds[r + 1])
 
     def owned(self, index: int, rank: int) -> tuple[int, int]:

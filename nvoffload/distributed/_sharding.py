@@ -13,11 +13,12 @@ from nvoffload.distributed._ranks import Ranks
 
 class Sharding:
     """This rank's share of the state of ``params`` (the optimizer's parameters in group order, the same on
-    every rank), with the buckets its gradients and weights travel in."""
+    every rank), shares starting on multiples of ``align_numel`` elements (the optimizer's chunk alignment),
+    with the buckets its gradients and weights travel in."""
 
-    def __init__(self, ranks: Ranks, params: Sequence[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, ranks: Ranks, params: Sequence[torch.Tensor], align_numel: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.ranks = ranks
-        self.partition = Partition([p.numel() for p in params], ranks.world_size)
+        self.partition = Partition([p.numel() for p in params], ranks.world_size, align_numel)
         self.bucket_bytes = bucket_bytes
         self.gradients = GradientBuckets(ranks, self.partition, bucket_bytes)
 

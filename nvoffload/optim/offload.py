@@ -435,7 +435,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         summary = [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in params]
         ranks.same(summary, "the optimizer's parameters (shapes, dtypes, requires_grad, in group order)")
-        return Sharding(ranks, params, self.config.bucket_bytes)
+        return Sharding(ranks, params, ALIGN_NUMEL, self.config.bucket_bytes)
 
     def _open_store(self, swap_dir):
         """The store to use, and whether this optimizer opened it (and closes it)."""
