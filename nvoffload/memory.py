@@ -25,9 +25,9 @@ hand large blocks back as soon as they are freed.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import platform
 import threading
-from dataclasses import dataclass
 
 __all__ = [
     "MemoryManager", "MemoryBudgetError", "TierStats", "TIERS", "release_freed_host_memory", "retain_freed_host_memory",
@@ -113,13 +113,22 @@ class MemoryBudgetError(MemoryError):
         self.host_shortfall_bytes = host_shortfall_bytes
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class TierStats:
-    """One tier's accounting, in bytes."""
+    """One tier's accounting, in bytes.
+
+    For the device tier of a CUDA device, ``reserved_bytes`` and ``reserved_peak_bytes`` are what torch's
+    caching allocator holds on it now and at most (``torch.cuda.memory_reserved``/``max_memory_reserved``:
+    the whole process, since it started or since ``torch.cuda.reset_peak_memory_stats()``), to read beside
+    the budget's ``used_bytes``/``peak_bytes``: the budget counts the engines' tensors, the allocator adds
+    activations, workspaces and its rounding. None for the host tier and for other devices.
+    """
 
     used_bytes: int
     peak_bytes: int
     limit_bytes: int
+    reserved_bytes: int | None = None
+    reserved_peak_bytes: int | None = None
 
 
 class MemoryManager:
@@ -128,6 +137,8 @@ class MemoryManager:
     Args:
         device_memory_bytes: the most device memory the engines may hold at once.
         cpu_memory_bytes: the most host memory the engines may hold at once.
+        device: the device whose memory the device tier is (a ``torch.device``); on CUDA, :meth:`stats`
+            reports what the caching allocator reserves there beside the budget.
 
     >>> mm = MemoryManager(device_memory_bytes=1 << 20, cpu_memory_bytes=4 << 20)
     >>> mm.allocate("host", 3 << 20, "a cached block")
@@ -136,7 +147,7 @@ class MemoryManager:
     3145728
     """
 
-    def __init__(self, *, device_memory_bytes: int, cpu_memory_bytes: int):
+    def __init__(self, *, device_memory_bytes: int, cpu_memory_bytes: int, device=None):
         for name, value in (("device_memory_bytes", device_memory_bytes), ("cpu_memory_bytes", cpu_memory_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int number of bytes, got {value!r}")
@@ -145,6 +156,7 @@ class MemoryManager:
         self._tracked = dict.fromkeys(TIERS, 0)  # of which: counted with track(), freed by other threads
         self._peak = dict.fromkeys(TIERS, 0)
         self._lock = threading.Condition()
+        self._cuda_device = device if device is not None and device.type == "cuda" else None
 
     def limit_bytes(self, tier: str) -> int:
         return self._limit[self._check(tier)]
@@ -194,9 +206,18 @@ class MemoryManager:
             self._lock.notify_all()
 
     def stats(self) -> dict[str, TierStats]:
-        """Used, peak and limit of each tier."""
+        """Used, peak and limit of each tier; on CUDA, the device tier with what the allocator reserves."""
         with self._lock:
-            return {t: TierStats(self._used[t], self._peak[t], self._limit[t]) for t in TIERS}
+            stats = {t: TierStats(self._used[t], self._peak[t], self._limit[t]) for t in TIERS}
+        if self._cuda_device is not None:
+            import torch
+
+            stats["device"] = dataclasses.replace(
+                stats["device"],
+                reserved_bytes=torch.cuda.memory_reserved(self._cuda_device),
+                reserved_peak_bytes=torch.cuda.max_memory_reserved(self._cuda_device),
+            )
+        return stats
 
     def reset_peaks(self) -> None:
         """Restart each tier's peak from its current use (at the start of a step)."""

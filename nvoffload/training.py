@@ -175,7 +175,9 @@ class OffloadSession:
         self.closed = False
 
     def memory_stats(self) -> dict[str, TierStats]:
-        """Used, peak and limit bytes of the device and host tiers, plus the bytes on NVMe (as ``nvme``)."""
+        """Used, peak and limit bytes of the device and host tiers, plus the bytes on NVMe (as ``nvme``); on
+        CUDA the device tier also has what torch's caching allocator reserves (``reserved_bytes``, and its
+        peak), which the budget bounds up to activations, workspaces and the allocator's rounding."""
         stats = self.memory.stats()
         used = self.store.used_bytes
         stats["nvme"] = TierStats(used, used, self.store.capacity_bytes)
@@ -356,7 +358,10 @@ def initialize(
         trace.start()  # before anything moves: the materialization is traced too
     if not config.retain_host_memory:
         release_freed_host_memory()
-    memory = MemoryManager(device_memory_bytes=config.device_memory_bytes, cpu_memory_bytes=config.cpu_memory_bytes)
+    device = concrete(config.device) if config.device is not None else compute_device_of(model)
+    memory = MemoryManager(
+        device_memory_bytes=config.device_memory_bytes, cpu_memory_bytes=config.cpu_memory_bytes, device=device
+    )
     optimizer_bytes = int(config.cpu_memory_bytes * config.optimizer_memory_fraction)
     memory.allocate("host", optimizer_bytes, "the optimizer's staging buffers")
     if config.activation_bytes:
@@ -364,7 +369,6 @@ def initialize(
     ranks = Ranks.resolve(process_group)
     if ranks is not None:  # reduced gradients: two buckets in flight at most
         reserve_buckets(memory, ranks, list(model.parameters()), config.bucket_bytes)
-    device = concrete(config.device) if config.device is not None else compute_device_of(model)
     resources = _Transfers(config.cpu_memory_bytes, device)
     store = streamer = None
     try:
