@@ -4,13 +4,15 @@ their ratio, and the worst ratio.
 
 Configurations (a GPT on ``--device``: CUDA when present, else the CPU standing in for it): the optimizer
 alone (the model on the device, its AdamW state on NVMe) and streaming (all three tiers), two host budgets,
-activation offload on and off, two batch sizes. Each runs ``--steps`` steps after one warm-up step; the
-median step is compared.
+activation offload on and off, two batch sizes. Then ``nvoffload finetune`` commands as a user runs them (some
+with ``--plan auto`` and the profile just measured), each beside ``nvoffload plan`` given the same flags verbatim:
+the ``small`` preset (3.3M parameters) optimizer only and streamed with activation offload, and GPT-2 124M (not
+with --quick).
 
-Then ``nvoffload finetune`` commands as a user runs them (some with ``--plan auto`` and the profile just
-measured), each beside ``nvoffload plan`` given the same flags verbatim: the plan's step time against the
-median of the tokens/s that ``finetune`` printed for its steps after the first. The ``small`` preset
-(3.3M parameters) optimizer only and streamed with activation offload, and GPT-2 124M (not with --quick).
+Each case runs ``--repeats`` times, in turns (every case once, then again: a load that comes and goes on the
+machine falls on all of them), each time ``--steps`` steps after a warm-up step that is not counted (for
+``finetune``: the steps after the first, from the tokens/s it printed). The plan is compared with the median of
+all those steps; the table also shows the fastest and the slowest repetition's median (the spread).
 
     python bench/bench_plan.py            # calibrate (about 40 s), then the configurations
     python bench/bench_plan.py --quick    # smaller sizes: a smoke run
@@ -85,31 +87,40 @@ def finetune_commands(quick: bool) -> dict[str, list[str]]:
     }
 
 
-def finetune_vs_plan(flags: list[str], profile_path: str, swap: str, steps: int, device: str) -> tuple[dict, float]:
-    """``nvoffload plan`` of the ``finetune`` command line ``flags`` (its JSON, for the profile's device), and
-    the median tokens/s that ``nvoffload finetune`` with the same flags printed on ``device`` for its steps
-    after the first."""
-    nvoffload_cli = [sys.executable, "-m", "nvoffload"]
-    flags = [*flags, "--steps", str(steps + 1), "--swap-dir", swap, "--device", device, "--no-progress"]
-    profile = ["--profile", profile_path]
-    planned = subprocess.run([*nvoffload_cli, "plan", *flags, *profile, "--json"], capture_output=True, text=True)
+_NVOFFLOAD = [sys.executable, "-m", "nvoffload"]
+
+
+def finetune_flags(flags: list[str], swap: str, steps: int, device: str) -> list[str]:
+    """``flags`` with the run's length (a warm-up step and ``steps``), swap directory and device."""
+    return [*flags, "--steps", str(steps + 1), "--swap-dir", swap, "--device", device, "--no-progress"]
+
+
+def plan_finetune(flags: list[str], profile_path: str) -> dict:
+    """``nvoffload plan`` of the ``finetune`` command line ``flags`` (its JSON, for the profile's device)."""
+    planned = subprocess.run([*_NVOFFLOAD, "plan", *flags, "--profile", profile_path, "--json"], capture_output=True, text=True)
     if planned.returncode != 0:
         raise RuntimeError(f"nvoffload plan {' '.join(flags)} does not fit:\n{planned.stdout[-3000:]}{planned.stderr[-3000:]}")
     planned = json.loads(planned.stdout)
     if "--plan" not in flags and (planned["stream"], planned["activations"]) != ("--stream" in flags, "offload" if "--offload-activations" in flags else "keep"):
         raise RuntimeError(f"nvoffload plan chose another run than finetune {' '.join(flags)} starts: {planned['placement']}")
-    ran = subprocess.run([*nvoffload_cli, "finetune", *flags, *(profile if "--plan" in flags else [])],
+    return planned
+
+
+def run_finetune(flags: list[str], profile_path: str, steps: int, tokens: int) -> list[float]:
+    """The seconds of each step after the first that ``nvoffload finetune`` with ``flags`` printed (as tokens/s
+    of its ``tokens`` a step)."""
+    ran = subprocess.run([*_NVOFFLOAD, "finetune", *flags, *(["--profile", profile_path] if "--plan" in flags else [])],
                          capture_output=True, text=True)  # fmt: skip
     if ran.returncode != 0:
         raise RuntimeError(f"nvoffload finetune {' '.join(flags)} failed:\n{ran.stderr[-3000:]}")
     tokens_per_s = [float(m.replace(",", "")) for m in re.findall(r"\| ([\d,.]+) tok/s", ran.stdout)]
     if len(tokens_per_s) != steps + 1:
         raise RuntimeError(f"expected {steps + 1} step lines from finetune, got:\n{ran.stdout[-3000:]}")
-    return planned, statistics.median(tokens_per_s[1:])
+    return [tokens / t for t in tokens_per_s[1:]]
 
 
-def measure(case: Case, cfg: GPTConfig, swap: str, steps: int, device_memory_bytes: int, device: str) -> float:
-    """The median step time of ``steps`` steps of the real engine on ``device`` (after a warm-up step)."""
+def measure(case: Case, cfg: GPTConfig, swap: str, steps: int, device_memory_bytes: int, device: str) -> list[float]:
+    """The time of each of ``steps`` steps of the real engine on ``device`` (after a warm-up step)."""
     torch.manual_seed(0)
     if case.stream:
         with torch.device("meta"):
@@ -139,13 +150,14 @@ def measure(case: Case, cfg: GPTConfig, swap: str, steps: int, device_memory_byt
                 times.append(time.perf_counter() - start)
     finally:
         opt.close()
-    return statistics.median(times)
+    return times
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6, help="steps timed each repetition, after a warm-up step")
+    p.add_argument("--repeats", type=int, default=3, help="repetitions of each case, in turns")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when present")
     p.add_argument("--swap-dir", default=None, help="default: a temporary directory under /tmp")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
@@ -159,38 +171,47 @@ def main(argv=None) -> Path:
     cfg = GPTConfig(seq_len=64 if args.quick else 128, n_layer=4 if args.quick else 8, n_head=8, d_model=256 if args.quick else 512)
     shape = ModelShape("bench", cfg.n_layer, cfg.d_model, cfg.n_head, cfg.mlp_ratio * cfg.d_model, cfg.vocab_size, cfg.seq_len)
     device_memory_bytes = 256 * MiB
-    rows, commands = [], []
-    load_before = os.getloadavg()[0]
+    steps, repeats = (2, 1) if args.quick else (args.steps, args.repeats)
+    loads = [os.getloadavg()[0]]  # at the start and after each run
     with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap:
         profile = calibrate([swap], device=args.device, quick=args.quick)
+        profile_path = str(Path(swap) / "profile.json")
+        profile.save(profile_path)
+        runs = {}  # name: (the plan as a dict, how to run it once: its steps' seconds)
         for case in cases(args.quick):
             request = PlanRequest(
                 shape, batch_size=case.batch, seq_len=cfg.seq_len, dtype="float32",
                 cpu_memory_bytes=case.cpu_memory_bytes, device_memory_bytes=device_memory_bytes,
                 stream=case.stream, activations="offload" if case.offload_activations else "keep",
             )  # fmt: skip
-            predicted = plan(request, profile)
-            measured = measure(case, cfg, swap, 2 if args.quick else args.steps, device_memory_bytes, args.device)
-            rows.append(row(case.name, predicted.to_dict(), measured))
-            print(rows[-1], flush=True)
-        profile_path = str(Path(swap) / "profile.json")
-        profile.save(profile_path)
+            runs[case.name] = (plan(request, profile).to_dict(),
+                               lambda case=case: measure(case, cfg, swap, steps, device_memory_bytes, args.device))  # fmt: skip
+        commands = []
         for name, flags in finetune_commands(args.quick).items():
-            planned, tokens_per_s = finetune_vs_plan(flags, profile_path, swap, 2 if args.quick else args.steps, args.device)
+            flags = finetune_flags(flags, swap, steps, args.device)
+            planned = plan_finetune(flags, profile_path)
             label = f"{name}: stream {planned['stream']}, activations {planned['activations']}"
-            rows.append(row(label, planned, tokens_per_step(planned) / tokens_per_s))
-            commands.append(f"{label}: `nvoffload finetune {' '.join(flags)} --device {args.device}`")
-            print(rows[-1], flush=True)
+            runs[label] = (planned, lambda flags=flags, planned=planned: run_finetune(flags, profile_path, steps, tokens_per_step(planned)))
+            commands.append(f"{label}: `nvoffload finetune {' '.join(flags[: flags.index('--steps')])} --device {args.device}`")
+        times = {name: [] for name in runs}  # each repetition's step times
+        for turn in range(repeats):
+            for name, (_, run) in runs.items():
+                times[name].append(run())
+                loads.append(os.getloadavg()[0])
+                print(f"{name} ({turn + 1}/{repeats}): steps {', '.join(f'{t:.3f}' for t in times[name][-1])} s", flush=True)
+        rows = [row(name, planned, times[name]) for name, (planned, _) in runs.items()]
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
-    load = f"Load average (1 minute) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores."
+    load = (f"Load average (1 minute) {loads[0]:.1f} at the start, {loads[-1]:.1f} at the end, {min(loads):.1f} to {max(loads):.1f}"
+            f" after the runs, on {os.cpu_count()} cores.")
     notes = (
         f"GPT d_model {cfg.d_model}, {cfg.n_layer} layers, seq {cfg.seq_len}, fp32 ({shape.params / 1e6:.1f}M parameters)."
         f" Profile calibrated in this run: {profile.source}. Worst ratio {worst['ratio']:.3f} ({worst['case']});"
-        f" every ratio within 15%: {all(abs(r['ratio'] - 1) <= 0.15 for r in rows)}. {load}\n\n"
+        f" every ratio within 15%: {all(abs(r['ratio'] - 1) <= 0.15 for r in rows)}. Measured: the median of {repeats} x {steps}"
+        f" steps, each repetition after a warm-up step; low and high: the fastest and slowest repetition's median. {load}\n\n"
         + "\n".join(f"- {c}" for c in commands)
     )
     return save_report(
-        "bench_plan", rows, settings={"steps": args.steps, "quick": args.quick, "device": args.device, "model": shape.__dict__},
+        "bench_plan", rows, settings={"steps": steps, "repeats": repeats, "quick": args.quick, "device": args.device, "model": shape.__dict__},
         plot_column="ratio", notes=notes, results_dir=args.results_dir,
         extra={"profile": profile.to_json(), "worst_ratio": worst["ratio"]},
         plot=lambda plt: plot_predicted_vs_measured(plt, rows),
@@ -202,11 +223,15 @@ def tokens_per_step(planned: dict) -> int:
     return r["batch_size"] * r["seq_len"] * r["grad_accum_steps"]
 
 
-def row(name: str, planned: dict, measured_s: float) -> dict:
-    """A table row: the plan (``Plan.to_dict()``) beside the measured step."""
+def row(name: str, planned: dict, repetitions: list[list[float]]) -> dict:
+    """A table row: the plan (``Plan.to_dict()``) beside the measured steps (their median; the fastest and slowest
+    repetition's median)."""
     engines = planned["engine_s"]
+    measured_s = statistics.median(t for times in repetitions for t in times)
+    each = [statistics.median(times) for times in repetitions]
     return {
         "case": name, "predicted_s": planned["step_s"], "measured_s": measured_s, "ratio": planned["step_s"] / measured_s,
+        "measured_low_s": min(each), "measured_high_s": max(each),
         "tokens_per_s_predicted": planned["tokens_per_s"], "tokens_per_s_measured": tokens_per_step(planned) / measured_s,
         "bottleneck": planned["bottleneck"], "forward_s": planned["phases_s"]["forward"], "backward_s": planned["phases_s"]["backward"],
         "compute_s": engines["compute"], "nvme_s": engines["nvme"], "cached_blocks": planned["cached_blocks"],
@@ -220,12 +245,13 @@ def plot_predicted_vs_measured(plt, rows: list[dict]):
         ax.barh(i - 0.2, r["forward_s"], 0.38, color="tab:blue", label="predicted forward" if i == 0 else None)
         ax.barh(i - 0.2, r["predicted_s"] - r["forward_s"], 0.38, left=r["forward_s"], color="tab:cyan",
                 label="predicted backward and step()" if i == 0 else None)  # fmt: skip
-        ax.barh(i + 0.2, r["measured_s"], 0.38, color="tab:orange", label="measured" if i == 0 else None)
-        ax.text(max(r["predicted_s"], r["measured_s"]), i, f" x{r['ratio']:.2f}", va="center")
+        spread = [[r["measured_s"] - r["measured_low_s"]], [r["measured_high_s"] - r["measured_s"]]]
+        ax.barh(i + 0.2, r["measured_s"], 0.38, xerr=spread, color="tab:orange", label="measured (repetitions' spread)" if i == 0 else None)
+        ax.text(max(r["predicted_s"], r["measured_high_s"]), i, f" x{r['ratio']:.2f}", va="center")
     ax.set_yticks(range(len(rows)), [r["case"] for r in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("seconds a step (ratio: predicted / measured)")
-    ax.set_xlim(0, 1.12 * max(max(r["predicted_s"], r["measured_s"]) for r in rows))
+    ax.set_xlim(0, 1.12 * max(max(r["predicted_s"], r["measured_high_s"]) for r in rows))
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     return fig

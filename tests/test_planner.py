@@ -48,6 +48,7 @@ def test_calibrate_measures_every_engine(profile_path):
     assert 0 < profile.compute_with_io <= 1 and 0 < profile.io_with_compute <= 1  # measured beside the store
     assert "measured by nvoffload calibrate --quick" in profile.source
     assert 0 < profile.optimizer_tensor_s < 0.1  # a step's fixed time per parameter tensor (about 1 ms here)
+    assert 0 < profile.saved_tensor_s < 0.1  # a saved tensor's round trip through activation offload (about 0.5 ms here)
 
 
 def test_plan_json_has_the_documented_shape(profile_path, capsys):
@@ -228,15 +229,16 @@ def test_interconnect_figures_are_built_in_and_old_profiles_load(tmp_path):
     assert eight.adam_params_per_s["bfloat16"] == pytest.approx(one.adam_params_per_s["bfloat16"] / 8)
     assert all(f"between GPUs {p.interconnect_gbps:g} GB/s" in p.source for p in BUILTIN_PROFILES.values())
     old = json.loads(BUILTIN_PROFILES["h100-pcie-512g-4xgen4"].to_json())
-    for name in ("interconnect_gbps", "compute_with_io", "io_with_compute", "optimizer_tensor_s"):
+    for name in ("interconnect_gbps", "compute_with_io", "io_with_compute", "optimizer_tensor_s", "saved_tensor_s"):
         del old[name]  # a profile saved before these fields
     (tmp_path / "old.json").write_text(json.dumps(old))
     loaded = load_profile(str(tmp_path / "old.json"))
     assert loaded.interconnect_gbps == 55.0  # the host link
     assert loaded.compute_with_io == loaded.io_with_compute == 1.0  # compute and I/O overlap for free
-    assert loaded.optimizer_tensor_s == 0.0  # not measured
-    with pytest.raises(ValueError, match="optimizer_tensor_s must be a non-negative number of seconds"):
-        MachineProfile(**{**old, "optimizer_tensor_s": -1e-3})
+    assert loaded.optimizer_tensor_s == loaded.saved_tensor_s == 0.0  # not measured
+    for name in ("optimizer_tensor_s", "saved_tensor_s"):
+        with pytest.raises(ValueError, match=f"{name} must be a non-negative number of seconds"):
+            MachineProfile(**{**old, name: -1e-3})
     with pytest.raises(ValueError, match="interconnect_gbps must be a positive number"):
         MachineProfile(**{**old, "interconnect_gbps": 0})
 
@@ -277,7 +279,9 @@ def test_offloaded_activations_are_written_in_forward_and_read_in_backward():
     request = PlanRequest(shape, 8, 128, dtype="float32", cpu_memory_bytes=64 << 20, device_memory_bytes=1 << 30,
                           stream=False, activations="offload")  # fmt: skip
     slow = plan(request, _cpu_profile(1.0, 1.0, drive_gbps=0.05))  # the drive binds both phases
-    written = shape.activation_bytes(8, 128, 4)
+    outside = 2 * 8 * 128 * 512 * 4 + 8 * 128 * 256 * 4  # the final norm's input and output, the log-probabilities
+    written = shape.activation_bytes(8, 128, 4) + outside
+    assert slow.nvme_written_bytes == 2 * 12 * shape.params // 2 + written
     assert slow.phases_s["forward"] == pytest.approx(written / 0.05e9)
     assert slow.phases_s["backward"] == pytest.approx((slow.nvme_read_bytes + slow.nvme_written_bytes - written) / 0.05e9)
 
@@ -449,3 +453,54 @@ def test_the_optimizers_fixed_time_per_tensor_counts_each_trained_tensor():
     lora = PlanRequest(llama, 1, 128, lora_rank=8, stream=False, activations="keep")  # q_proj, v_proj: A and B each
     assert lora.trainable_tensors == 2 * 2 * 2
     assert plan(lora, costly).engine_s["cpu adam"] - plan(lora, free).engine_s["cpu adam"] == pytest.approx(8e-3, rel=1e-9)
+
+
+def test_saved_tensors_are_counted_as_activation_offload_moves_them(tmp_path):
+    """ModelShape.saved_tensor_bytes: the tensors nvoffload's GPT saves that activation offload writes (those of at
+    least its min_bytes), 10 a block and 3 outside (the small preset at batch 8: 43), their sizes those written."""
+    import torch
+
+    from nvoffload.activations import offload_activations
+    from nvoffload.models import GPT, GPTConfig
+
+    small = ModelShape.from_preset("small")
+    block, outside = small.saved_tensor_bytes(8, 128, 4)
+    d, f = 8 * 128 * 256 * 4, 8 * 128 * 1024 * 4
+    assert sorted(block) == [d] * 8 + [f] * 2 and outside == [d, d, d]  # vocab 256: the log-probabilities are d-sized
+    model, x = GPT(GPTConfig.preset("small")), torch.randint(0, 256, (8, 128))
+    offload = offload_activations(str(tmp_path), keep_recent_bytes=0)
+    with offload:
+        loss = model(x, x)
+    stats = offload.stats()
+    assert stats.tensors_written == 4 * len(block) + len(outside) == 43
+    assert stats.bytes_written == 4 * sum(block) + sum(outside)
+    loss.backward()
+    offload.close()
+    assert small.saved_tensor_bytes(1, 8, 4) == ([], [])  # each under 256K: left where they are
+    assert small.saved_tensor_bytes(1, 128, 4) == ([1 << 19] * 2, [])  # a block's MLP hidden (512K) only
+
+
+def test_each_saved_tensor_costs_a_fixed_time_and_compute_waits_for_those_filling_the_staging():
+    """Activation offload's costs besides its bytes' bandwidth, which left the small preset's streamed finetune step
+    0.77x of the measured one: each saved tensor's fixed round trip (calibrate measures it: 0.4-0.9 ms here), on the
+    training thread, and compute waiting for the share of the transfers that do not fit beside others in half of
+    the staging (writes in flight, reads ahead): all of a tensor that fills it, a quarter of one that fills a
+    quarter; with eight times the staging, an eighth of that."""
+    small = ModelShape.from_preset("small")
+    request = PlanRequest(small, 8, 128, dtype="float32", cpu_memory_bytes=64 << 20, device_memory_bytes=1 << 30,
+                          stream=True, activations="offload")  # fmt: skip
+    free = _cpu_profile(1.0, 1.0, drive_gbps=2.0)
+    costly = dataclasses.replace(free, saved_tensor_s=1e-3)
+    without, with_ = plan(request, free), plan(request, costly)
+    assert with_.step_s - without.step_s == pytest.approx(43e-3, rel=1e-9)  # added to the CPU device's work
+    assert with_.phases_s["forward"] - without.phases_s["forward"] == pytest.approx(21.5e-3, rel=1e-9)
+    on_gpu = dataclasses.replace(costly, device="cuda")  # the training thread runs ahead of the device: hidden
+    assert plan(request, on_gpu).step_s == plan(request, dataclasses.replace(free, device="cuda")).step_s
+
+    roomy = plan(dataclasses.replace(request, cpu_memory_bytes=512 << 20), free)
+    assert (without.activation_memory_bytes, roomy.activation_memory_bytes) == (8 << 20, 64 << 20)
+    act = small.activation_bytes(8, 128, 4) + 3 * (1 << 20)  # the blocks' and the 3 outside them: written, read
+    assert without.cached_blocks == roomy.cached_blocks == 4 and without.nvme_written_bytes == 12 * small.params + act
+    # per block eight 1M tensors and two 4M (the MLP's hidden), outside three 1M: 67M; halves of 4M and of 32M
+    waited = (4 * (8 / 4 + 2 * 4) + 3 / 4) / 67, (4 * (8 / 32 + 2 * 4 * 4 / 32) + 3 / 32) / 67
+    assert without.step_s - roomy.step_s == pytest.approx((waited[0] - waited[1]) * 2 * act / 2e9, rel=1e-9)

@@ -10,6 +10,9 @@
   large matmul, in TFLOP/s: fp32 on the CPU, bf16 on a GPU;
 - the NVMe optimizer's fixed time per parameter tensor (:class:`~nvoffload.optim.NVMeAdamW` steps over 16 and
   64 tiny tensors in the first swap directory: the difference, per tensor);
+- activation offload's fixed time per saved tensor (forward and backward over 32 and 128 small saved tensors
+  through :class:`~nvoffload.activations.offload_activations` in the first swap directory: the difference,
+  per tensor);
 - how much compute and the store's I/O slow each other down when they run at once
   (:func:`~nvoffload.planner.contention.measure_contention` beside the first swap directory);
 - the free host and device memory; the GPU's name by NVML (``nvidia-ml-py``) where present.
@@ -70,6 +73,8 @@ def calibrate(
     matmul = _matmul_tflops(dev, quick)
     tensor_s = _optimizer_tensor_seconds(swap_dirs[0], quick)
     log(f"NVMe optimizer: {tensor_s * 1e3:.2f} ms a parameter tensor a step, besides its bytes")
+    saved_s = _saved_tensor_seconds(swap_dirs[0], dev, quick)
+    log(f"activation offload: {saved_s * 1e3:.2f} ms a saved tensor, written and read back, besides its bytes")
     probe = measure_contention(swap_dirs[0], device=dev, **(QUICK if quick else {"seconds": 3.0}))
     log("block forward+backward, matrices / attention TFLOP/s, fixed ms: " + ", ".join(f"d_model {w}: {m:.3f} / {a:.3f}, {o * 1e3:.1f}" for w, m, a, o in blocks) + f"; matmul {matmul:.3f}")
     log(probe.describe())
@@ -84,7 +89,7 @@ def calibrate(
         matmul_tflops=matmul, h2d_gbps=h2d, d2h_gbps=d2h, drives=tuple(drives), drives_together=together,
         adam_params_per_s=adam, cpu_cores=os.cpu_count() or 1,
         compute_with_io=min(1.0, probe.compute_with_io), io_with_compute=min(1.0, probe.io_with_compute),
-        optimizer_tensor_s=tensor_s,
+        optimizer_tensor_s=tensor_s, saved_tensor_s=saved_s,
         source=f"measured by nvoffload calibrate{' --quick' if quick else ''} on {socket.gethostname()},"
         f" {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, swap directories {', '.join(map(str, swap_dirs))}",
     )  # fmt: skip
@@ -147,6 +152,34 @@ def _optimizer_tensor_seconds(swap_dir: str, quick: bool) -> float:
             finally:
                 opt.close()
     return max(0.0, (seconds[1] - seconds[0]) / 48)
+
+
+def _saved_tensor_seconds(swap_dir: str, dev: torch.device, quick: bool) -> float:
+    """Activation offload's time per saved tensor beyond its bytes: forward and backward of a chain of 128 and of
+    32 ``sin`` (each saves its input, 1024 elements: its bytes take microseconds), every one written to the store
+    and read back (nothing kept in memory), the difference over 96."""
+    from nvoffload.activations import offload_activations
+
+    seconds = []
+    for count in (32, 128):
+        x = torch.zeros(1024, device=dev, requires_grad=True)
+        with tempfile.TemporaryDirectory(dir=swap_dir) as d:
+            offload = offload_activations(d, min_bytes=0, keep_recent_bytes=0)
+            try:
+
+                def once(x=x, count=count, offload=offload):
+                    with offload:
+                        y = x
+                        for _ in range(count):
+                            y = y.sin()
+                    y.sum().backward()
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize(dev)
+
+                seconds.append(_median_seconds(once, 3 if quick else 8))
+            finally:
+                offload.close()
+    return max(0.0, (seconds[1] - seconds[0]) / 96)
 
 
 def _copy_bandwidth(dev: torch.device, quick: bool) -> tuple[float, float]:

@@ -49,6 +49,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from nvoffload.activations.config import ActivationOffloadConfig
 from nvoffload.planner.contention import overlapped_s
 from nvoffload.planner.profile import MachineProfile
 
@@ -177,6 +178,20 @@ class ModelShape:
         block = 9 if self.gated_mlp else 12
         resident = (1 if self.tied_embeddings else 2) + (1 if self.learned_positions else 0) + (1 if self.gated_mlp else 2)
         return self.n_layer * block + resident
+
+    def saved_tensor_bytes(self, batch: int, seq: int, dtype_bytes: int) -> tuple[list[int], list[int]]:
+        """The sizes of the tensors autograd saves for backward in one micro-batch of ``batch`` sequences that
+        activation offload moves (those of at least its ``min_bytes``): one block's, and those outside the blocks.
+        As counted on nvoffload's GPT: a block saves its two norms' inputs and outputs, q, k and v, and
+        attention's output (d_model elements a token each, its heads merged in place: one tensor; k and v fewer
+        with grouped queries), and its MLP's hidden before and after the activation (ffn a token; a gated MLP is
+        taken to save four: the gate's, the up projection's, the activation's and their product); outside the
+        blocks, the final norm's input and output and the loss's log-probabilities (vocab_size a token)."""
+        d = self.d_model
+        kv = d * (self.kv_heads or self.n_head) // self.n_head
+        block = [d] * 6 + [kv] * 2 + [self.ffn] * (4 if self.gated_mlp else 2)
+        sizes = ([w * batch * seq * dtype_bytes for w in widths] for widths in (block, [d, d, self.vocab_size]))
+        return tuple([size for size in group if size >= ActivationOffloadConfig.min_bytes] for group in sizes)
 
     def flops(self, batch: int, seq: int) -> tuple[float, float]:
         """Forward and backward FLOPs of one micro-batch: the matrices' (the LM head's included) and attention's."""
@@ -453,7 +468,9 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     evicted = m.n_layer - cached
     weight_reads = 2 * evicted * block_bytes * g if stream else 0
     weight_writes = m.n_layer * changed_block_bytes if (stream and evicted > 0) else 0
-    act_io = g * activations if offload else 0
+    # activation offload moves the blocks' activations and the tensors saved outside them (the loss's log-probabilities)
+    block_saved, outside_saved = m.saved_tensor_bytes(rows, r.seq_len, dtype_bytes) if offload else ([], [])
+    act_io = g * (activations + sum(outside_saved)) if offload else 0
     kept_io = (g - 1) * kept_grads
     read = state + weight_reads + act_io + kept_io
     written = state + weight_writes + act_io + kept_io
@@ -479,6 +496,13 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     # the updates' work, and each of a rank's tensors' fixed time (its requests to the store, the worker's hand-offs)
     adam = shard / profile.adam_params_per_s["float32" if r.dtype == "float32" else "bfloat16"]
     adam += -(-r.trainable_tensors // n) * profile.optimizer_tensor_s
+    # Activation offload: each saved tensor's fixed work (its pack and unpack on the training thread, its store
+    # requests), half in forward and half in backward; and the share of its bytes that compute waits for. Its staging
+    # holds half of activation_host in writes in flight and half in reads ahead: a tensor's transfer overlaps compute
+    # only as far as that half leaves room beside it (one that fills it is written, or read back, while compute waits).
+    saved = block_saved * m.n_layer + outside_saved
+    saved_s = g * len(saved) * profile.saved_tensor_s
+    serial = sum(b * min(1.0, 2 * b / activation_host) for b in saved) / sum(saved) if saved else 0.0
     nvme_read_s, nvme_write_s = read / (drives.read_gbps * 1e9), written / (drives.write_gbps * 1e9)
     copies = h2d / (profile.h2d_gbps * 1e9) + d2h / (profile.d2h_gbps * 1e9)
     checksums = (read + written) / 15e9 if r.checksum else 0.0  # CRC-32C, one thread (bench/results/bench_io.md)
@@ -491,8 +515,14 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
         return overlapped_s(compute_s, io_s, profile.compute_with_io, profile.io_with_compute)
 
     # forward reads the blocks the cache lacks and writes the offloaded activations; backward does the rest
-    fwd_io = (evicted * block_bytes * g if stream else 0) / (drives.read_gbps * 1e9) + act_io / (drives.write_gbps * 1e9)
-    forward = beside_io(compute * fwd_share + (copies / 2 if on_cpu else 0), fwd_io)
+    act_write_s, act_read_s = act_io / (drives.write_gbps * 1e9), act_io / (drives.read_gbps * 1e9)
+    fwd_io = (evicted * block_bytes * g if stream else 0) / (drives.read_gbps * 1e9) + act_write_s
+
+    def with_thread(device_s: float, thread_s: float) -> float:  # the training thread's own work beside the device's
+        return device_s + thread_s if on_cpu else max(device_s, thread_s)  # a GPU's thread runs ahead of it
+
+    forward_io = fwd_io - serial * act_write_s
+    forward = with_thread(beside_io(compute * fwd_share + (copies / 2 if on_cpu else 0), forward_io) + serial * act_write_s, saved_s / 2)
     held = r.max_grad_norm and not stream  # gradients held for clipping: the updates run in step()
     # The parameters outside the blocks (embeddings, a tied LM head) have their last gradient only as backward
     # ends: their updates and their optimizer state's traffic run after it, a tail the step waits for.
@@ -500,11 +530,12 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     state_io = state / (drives.read_gbps * 1e9) + state / (drives.write_gbps * 1e9)
     state_checksums = 2 * state / 15e9 if r.checksum else 0.0
     tail = beside_io(last * (adam + state_checksums), last * state_io)
-    nvme_rest = nvme_read_s + nvme_write_s - fwd_io - last * state_io
+    nvme_rest = nvme_read_s + nvme_write_s - fwd_io - last * state_io - serial * act_read_s
     cpu_backward = (compute * (1 - fwd_share) if on_cpu else 0) + (0 if held else adam + checksums - last * (adam + state_checksums)) + (copies / 2 if on_cpu else 0)
     # streaming reduces each backward's gradients; held ones are all-reduced in the last micro-batch's backward
     reducing = reduce_s if stream else (g - 1) / g * compute * (1 - fwd_share) + reduce_s
-    backward = max(beside_io(max(compute * (1 - fwd_share), cpu_backward), 0 if held else nvme_rest), reducing, 0 if on_cpu else copies) + tail
+    backward = max(beside_io(max(compute * (1 - fwd_share), cpu_backward), 0 if held else nvme_rest), reducing, 0 if on_cpu else copies)
+    backward = with_thread(backward + serial * act_read_s, saved_s / 2) + tail
     step_call = (beside_io(adam + checksums, nvme_rest) if held else 0.0) + gather_s
     step = forward + backward + step_call
     engines = {"compute": compute, "cpu adam": adam, "checksums": checksums, "nvme": nvme_read_s + nvme_write_s, "copies": copies,

@@ -80,6 +80,12 @@ class MachineProfile:
             its Adam work (the tensor's requests to the store and the worker thread's hand-offs: what makes a model
             of many small tensors slower than its bytes say). ``calibrate`` measures it (steps over 16 and 64
             tiny tensors); 0 in the built-in profiles and in profiles saved before the field (not measured).
+        saved_tensor_s: activation offload's fixed time per saved tensor a step, there and back, besides its bytes
+            (its pack and unpack on the training thread, the store's write and read requests, the transfer engine's
+            hand-offs: what makes many small activations slower than their bytes say). ``calibrate`` measures it
+            (forward and backward over 32 and 128 small saved tensors through
+            :class:`~nvoffload.activations.offload_activations`); 0 in the built-in profiles and in profiles saved
+            before the field (not measured).
     """
 
     name: str
@@ -100,6 +106,7 @@ class MachineProfile:
     compute_with_io: float = 1.0
     io_with_compute: float = 1.0
     optimizer_tensor_s: float = 0.0
+    saved_tensor_s: float = 0.0
 
     def __post_init__(self):
         if self.device not in ("cuda", "cpu"):
@@ -131,9 +138,10 @@ class MachineProfile:
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 < value <= 1):
                 raise ValueError(f"MachineProfile.{name} must be a fraction in (0, 1], got {value!r}")
-        value = self.optimizer_tensor_s
-        if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
-            raise ValueError(f"MachineProfile.optimizer_tensor_s must be a non-negative number of seconds, got {value!r}")
+        for name in ("optimizer_tensor_s", "saved_tensor_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                raise ValueError(f"MachineProfile.{name} must be a non-negative number of seconds, got {value!r}")
 
     def block_rates(self, d_model: int) -> tuple[float, float, float]:
         """A block's matrices FLOP/s, attention FLOP/s and fixed seconds per pass at width ``d_model``
