@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from nvoffload.io import TensorStore
 from nvoffload.models import GPT, GPTConfig
@@ -336,6 +337,81 @@ def test_read_ahead_follows_gradient_arrival(tmp_path):
         train(model, opt, data[1:])
     train(ref, opt_ref, data)
     assert_params_equal(model, ref)
+
+
+class RefusingStore(TensorStore):
+    """A real store whose reads are refused at submission while ``refusing`` is set; counts the refusals."""
+
+    refusing = False
+    refused = 0
+
+    def get(self, name, *args, **kwargs):
+        if self.refusing:
+            self.refused += 1
+            raise OSError(errno.EIO, f"read of {name} refused")
+        return super().get(name, *args, **kwargs)
+
+    def wait_refused(self, count: int) -> None:
+        deadline = time.monotonic() + 10
+        while self.refused < count:
+            assert time.monotonic() < deadline, f"{self.refused} reads refused, waited for {count}"
+            time.sleep(0.001)
+
+
+def test_read_ahead_refused_at_submission_keeps_its_slot(tmp_path):
+    """A read ahead that the store refuses fails the next step and gives its slot back: five steps in a row
+    (more than the four slots) fail, then the optimizer still runs, exactly as AdamW over the steps that ran
+    (the slot used to be lost with each refusal, and the fifth step then found none)."""
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    data = batches(8)
+    with RefusingStore(tmp_path) as store, \
+         NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=store, chunk_bytes=CHUNK, prefetch_chunks=2) as opt:  # fmt: skip
+        store.refusing = True  # the first step reads nothing: its updates initialize the state
+        train(model, opt, data[:1])  # the read ahead of the next step starts at its end
+        for i, (x, y) in enumerate(data[1:6]):
+            store.wait_refused(i + 1)  # the read ahead started after the last step() was refused: this one fails
+            store.refusing = i < 4
+            (model(x) - y).square().mean().backward()
+            with pytest.raises(OffloadIOError, match="refused"):
+                opt.step()
+            opt.zero_grad()
+        train(model, opt, data[6:])
+    train(ref, opt_ref, data[:1] + data[6:])
+    assert_params_equal(model, ref)
+
+
+class HostReads(TorchFunctionMode):
+    """Notes the calls that read a tensor's values on the host: on a GPU, each waits for the device."""
+
+    READS = frozenset({"cpu", "item", "tolist", "numpy", "__float__", "__int__", "__bool__"})
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in self.READS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_grad_norm_reduces_on_the_device_and_reads_the_host_once(tmp_path):
+    """grad_norm() of held gradients is clip_grad_norm_'s norm, read from the device once (it read each
+    parameter's norm: a wait for the device per parameter)."""
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = batches(1)[0]
+    with NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path, chunk_bytes=CHUNK) as opt:
+        (model(x) - y).square().mean().backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        expected = float(torch.nn.utils.get_total_norm(grads))
+        with HostReads() as reads:
+            norm = opt.grad_norm()
+        assert norm == expected and reads.calls == ["__float__"]
+        opt.step()
 
 
 def mse(m, x, y):

@@ -8,6 +8,7 @@ code runs on the copy streams.
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -77,6 +78,73 @@ def test_a_gradient_copy_not_waited_for_gives_wrong_weights(tmp_path, monkeypatc
         run(model, opt, 3, "cpu")
     run(ref, ref_opt, 3, "cpu")
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+class _Recorded:
+    """A stand-in event, with the name of the thread that recorded it."""
+
+    __slots__ = ("event", "thread")
+
+    def __init__(self, event, thread: str):
+        self.event, self.thread = event, thread
+
+    def query(self):
+        return self.event.query()
+
+    def synchronize(self, timeout_s):
+        return self.event.synchronize(timeout_s)
+
+    def error(self):
+        return self.event.error()
+
+
+class _Noted:
+    """A stand-in copy stream that notes, for each copy, what it moved and which thread recorded the event
+    it was queued behind."""
+
+    def __init__(self, stream, direction: str, copies: list):
+        self._stream, self._direction, self._copies = stream, direction, copies
+
+    def copy(self, dst, src, after, what=None):
+        self._copies.append((self._direction, what, after.thread))
+        return self._stream.copy(dst, src, after.event, what)
+
+
+class WitnessDevice(SimDevice):
+    """The stand-in, noting behind which thread's event each copy was queued."""
+
+    def __init__(self):
+        super().__init__(copy_delay_us=2000)
+        self.copies: list[tuple[str, str, str]] = []  # (direction, what, thread that recorded its event)
+
+    def record(self):
+        return _Recorded(super().record(), threading.current_thread().name)
+
+    def copy_stream(self, direction):
+        return _Noted(super().copy_stream(direction), direction, self.copies)
+
+
+@pytest.mark.parametrize("release", [False, True])
+def test_the_workers_copies_wait_for_the_training_threads_events(tmp_path, release):
+    """Every copy of weights or gradients that the optimizer's worker queues waits for the event of the work
+    that produced its source, recorded by the training thread (the hook's, or step()'s for an update redone
+    from kept gradients): never for an event of the worker's own, which on CUDA orders the copy after the
+    worker's stream (all of backward queued so far, or not the stream that produced the tensor). The fp32
+    weights' reads, first and later, and the redone updates' uploads recorded their events on the worker."""
+    device = WitnessDevice()
+    model, ref = pair("cpu")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    # With released gradients a tiny max_grad_norm makes step() redo every update from the kept gradients.
+    config = {"release_grads": True, "max_grad_norm": 1e-3} if release else {}
+    with TransferEngine(8 << 20, device) as engine, \
+         NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path, chunk_bytes=CHUNK, transfer=engine, **config) as opt:  # fmt: skip
+        losses = run(model, opt, 3, "cpu")
+    assert {"weights", "a gradient"} <= {what for _, what, _ in device.copies}
+    assert {thread for _, _, thread in device.copies} == {threading.main_thread().name}, device.copies
+    if not release:
+        assert losses == run(ref, ref_opt, 3, "cpu")
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p, q)
 
 
 def test_shared_engine_carves_the_slots_and_keeps_running(tmp_path):

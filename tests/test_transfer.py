@@ -214,6 +214,22 @@ def test_write_behind_keeps_the_budget_and_every_error():
     wb.drain()  # the error was reported once
 
 
+def test_write_behind_waits_for_its_oldest_write_and_can_leave_errors_to_the_done_hooks():
+    gates = [threading.Event() for _ in range(3)]
+    done = []
+    wb = WriteBehind(1000, "test writes", keep_errors=False)
+    for i, gate in enumerate(gates):
+        error = OSError(errno.EIO, f"write {i} failed") if i == 0 else None
+        wb.submit(10, lambda gate=gate, error=error: Future([_Gate(gate, error)]), lambda err, i=i: done.append((i, err)))
+    threading.Timer(0.05, gates[0].set).start()
+    assert wb.wait_oldest() and [i for i, _ in done] == [0] and wb.in_flight_bytes == 20
+    assert "write 0 failed" in str(done[0][1])
+    for gate in gates[1:]:
+        gate.set()
+    wb.drain()  # the error went to its done hook only
+    assert [i for i, _ in done] == [0, 1, 2] and not wb.wait_oldest()
+
+
 class _Gate:
     def __init__(self, gate, error=None):
         self.gate, self._error = gate, error

@@ -8,9 +8,13 @@ while its worker runs.
 
 Parameters and gradients are device memory (on the CPU stand-in too): every
 byte between them and a host slot moves on the transfer engine's copy streams,
-queued behind an event of the compute stream (the one recorded when the
-gradient was final), and the host waits for a copy's future before it reads
-what the copy brought.
+queued behind an event of the compute stream, and the host waits for a copy's
+future before it reads what the copy brought. The optimizer's worker thread
+computes nothing on the device, so an event it recorded itself would order its
+copies after the wrong work (on CUDA its own default stream: all of backward
+queued so far, or not the stream that produced the tensor): every copy it
+queues waits for the event of its request (``Request.ready``), recorded by the
+thread that queued the request when the gradient was final.
 """
 
 from __future__ import annotations
@@ -55,14 +59,16 @@ class ModelWeights:
         """The weights of ``elements`` as a host tensor an update may write in place, or None (device memory)."""
         return self.flat[elements] if self.on_host else None
 
-    def read(self, elements: slice, out: torch.Tensor, slot: Slot) -> None:
-        """Copy the weights of ``elements`` into the host tensor ``out`` (fp32 or the parameter's dtype)."""
+    def read(self, elements: slice, out: torch.Tensor, slot: Slot, *, after: Event | None = None) -> None:
+        """Copy the weights of ``elements`` into the host tensor ``out`` (fp32 or the parameter's dtype); on the
+        device the copy is queued behind ``after`` (default: the calling thread's compute stream so far: the
+        worker thread passes its request's event)."""
         src = self.flat[elements]
         if self.on_host:
             out.copy_(src)
             return
         staging = out if out.dtype == src.dtype else slot.out(src.dtype, src.numel())
-        self._transfer.to_host(staging, src, what="weights").result()
+        self._transfer.to_host(staging, src, after=after, what="weights").result()
         if staging is not out:
             out.copy_(staging)
 
@@ -169,11 +175,12 @@ class ChunkIO:
         chunk.gen = 0
         chunk.scalars = scalars
 
-    def init(self, chunk: Chunk, slot: Slot) -> None:
-        """First update of a chunk: master = the model's weights, zero state; saved as generation 0."""
+    def init(self, chunk: Chunk, slot: Slot, *, after: Event | None) -> None:
+        """First update of a chunk: master = the model's weights (read once ``after`` completed), zero state;
+        saved as generation 0."""
         rows = self.layout.chunk_rows(chunk, slot)
         with self.model_weights(chunk.record, modify=False) as weights:
-            weights.read(chunk.elements, rows[0], slot)
+            weights.read(chunk.elements, rows[0], slot, after=after)
         rows[1:].zero_()
         self.write_first(chunk, rows, {})
 

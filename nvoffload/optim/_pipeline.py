@@ -7,6 +7,14 @@ an update request, ``set_plan`` (the order in which chunks are read ahead),
 slots, never the optimizer, so a dropped optimizer is collected (and stops its
 worker) while the thread runs.
 
+Its reads ahead and writes behind are the transfer engine's queues
+(:class:`~nvoffload.transfer.ReadAhead`, :class:`~nvoffload.transfer.WriteBehind`)
+over one pool of slots: a chunk read ahead holds a slot until its update takes
+it, an update's writes hold theirs until the state is on disk and the weights
+reached the model. Reads ahead hold at most ``prefetch_chunks`` of the
+``prefetch_chunks + 2`` slots, so when none is free a write holds one, and the
+worker waits for the oldest write.
+
 No wait on the worker is unbounded: each raises a RuntimeError naming what it
 waited for as soon as the worker thread ends, or when the worker made no
 progress for :data:`~nvoffload.transfer.WAIT_LIMIT_S` (``NVOFFLOAD_WAIT_LIMIT_S``).
@@ -15,10 +23,10 @@ progress for :data:`~nvoffload.transfer.WAIT_LIMIT_S` (``NVOFFLOAD_WAIT_LIMIT_S`
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -27,9 +35,8 @@ from nvoffload import trace
 from nvoffload.optim._chunk_io import ChunkIO
 from nvoffload.optim._layout import LOW_PRECISION, Chunk, Slot
 from nvoffload.optim._updates import Request, Update
-from nvoffload.transfer import WAIT_LIMIT_S, Future  # longest time without progress before a wait reports it stuck
+from nvoffload.transfer import WAIT_LIMIT_S, Future, ReadAhead, WriteBehind
 
-_POLL_S = 0.005  # while chunks can be read ahead, the worker looks for requests this often
 THREAD_NAME = "nvoffload-optimizer"
 
 
@@ -52,12 +59,16 @@ class Pipeline:
         self._update = update
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from a finalizer
         self._free = slots
-        # chunk: (slot, read future, with master, bytes read: counted when the read is used or dropped)
-        self._prefetched: dict[Chunk, tuple[Slot, object, bool, int]] = {}
-        self._writes: deque = deque()  # (slot, future)
-        self._plan: list[Chunk] = []
-        self._plan_pos = 0
+        self._slot_bytes = io.layout.slot_bytes
+        # The slots bound the writes in flight: the budget never holds one back.
+        self._writes = WriteBehind(len(slots) * self._slot_bytes, "the optimizer's updates", keep_errors=False)
+        self._read_ahead = ReadAhead(prefetch_chunks * self._slot_bytes, lambda chunk: self._slot_bytes,
+                                     self._start_read, self._drop_read)  # fmt: skip
+        # A chunk read ahead: its slot, whether the read holds the master row, the bytes read (counted when
+        # the read is used or dropped).
+        self._ahead: dict[Chunk, tuple[Slot, bool, int]] = {}
         self._prefetch = prefetch_chunks
+        self._short_of_slots = False  # the last pump stopped at a read that found no free slot
         self._lock = threading.Condition()
         self._pending = 0  # requests and drains queued and not done
         self._progress = 0  # requests, drains and lends done: a wait's limit counts from the last one
@@ -172,28 +183,35 @@ class Pipeline:
 
     def _loop(self) -> None:
         while True:
-            try:
-                item = self._queue.get(timeout=_POLL_S) if self._can_prefetch() else self._queue.get()
-            except queue.Empty:
-                self._prefetch_one()
-                continue
+            item = self._next_item()
             if isinstance(item, Request):
                 self._run_request(item)
                 continue
             kind, arg = item
             if kind == "stop":
-                self._drop_prefetched()
-                self._finish_writes(0)
+                self._read_ahead.clear()
+                self._writes.drain()
                 self._run_then()
                 return
             if kind == "plan":
-                self._drop_prefetched()
-                self._plan, self._plan_pos = arg, 0
+                self._read_ahead.clear()  # read at the generations of before: a new plan follows a commit or a load
+                self._read_ahead.plan(arg if self._prefetch else ())
             elif kind == "lend":
                 self._lend(arg)
             else:  # drain: writes stay in flight while updates come in (reads ahead overlap them)
-                self._finish_writes(0)
+                self._writes.drain()
                 self._done()
+
+    def _next_item(self):
+        """The next queued item. While none is queued, read ahead, and when a read waits for a slot, wait for
+        the oldest write to free one and read on; idle (waiting for the next item) once reading ahead is done."""
+        while True:
+            try:
+                return self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            if not (self._pump() and self._writes.wait_oldest()):
+                return self._queue.get()  # idle: stop() ends this wait
 
     def _run_request(self, req: Request) -> None:
         try:
@@ -235,63 +253,63 @@ class Pipeline:
             self._progress += 1
             self._lock.notify_all()
         if slot is not None:
+            # The lender gives the slot back in a ``finally``, and each of its own waits is bounded; how long it
+            # keeps the slot is its own (a state dict streamed to a slow checkpoint takes as long as it takes).
             handover.given_back.wait()
             self._free.append(slot)
 
-    def _can_prefetch(self) -> bool:
-        return (
-            not self._errors
-            and len(self._prefetched) < self._prefetch
-            and self._plan_pos < len(self._plan)
-            and bool(self._free or self._writes)
-        )
-
-    def _prefetch_one(self) -> None:
-        while self._plan_pos < len(self._plan):
-            chunk = self._plan[self._plan_pos]
-            self._plan_pos += 1
-            if chunk.gen is None or chunk.pending_gen is not None or chunk in self._prefetched:
-                continue
-            try:
-                slot = self._take_slot()
-                master = self._io.layout.needs_master(chunk)
-                future, nbytes = self._io.read_ahead(chunk, chunk.gen, slot, master=master)
-                self._prefetched[chunk] = (slot, future, master, nbytes)
-            except BaseException as exc:  # noqa: BLE001
-                self._errors.append(exc)
-            return
-
-    def _settle_prefetched(self, chunk: Chunk) -> None:
-        """Wait for the read ahead of ``chunk`` (its errors do not matter: it was not used) and free its slot."""
-        slot, fut, _, nbytes = self._prefetched.pop(chunk)
-        self._io.count_read(nbytes)  # read for nothing, but read
+    # ---- reads ahead and writes behind (the transfer engine's queues)
+    def _pump(self) -> bool:
+        """Start the planned reads ahead that the budget and the free slots allow; True when one waits for a slot."""
+        self._short_of_slots = False
         try:
-            fut.result()
-        except BaseException:  # noqa: BLE001
-            pass
+            self._read_ahead.pump()
+        except BaseException as exc:  # noqa: BLE001 - reported from step()
+            self._errors.append(exc)
+        return self._short_of_slots
+
+    def _start_read(self, chunk: Chunk) -> tuple[Future | None, int] | None:
+        """:class:`ReadAhead`'s ``start``: read ``chunk``'s committed state into a free slot."""
+        if self._errors:
+            return None  # the step fails: nothing more to read for it
+        if chunk.gen is None or chunk.pending_gen is not None:
+            return None, 0  # no state yet (its first update initializes it), or updated already this step
+        if not self._free:
+            self._writes.poll()
+        if not self._free:
+            self._short_of_slots = True
+            return None
+        slot = self._free.pop()
+        master = self._io.layout.needs_master(chunk)
+        try:
+            future, nbytes = self._io.read_ahead(chunk, chunk.gen, slot, master=master)
+        except BaseException:
+            self._free.append(slot)
+            raise
+        self._ahead[chunk] = (slot, master, nbytes)
+        return future, self._slot_bytes
+
+    def _drop_read(self, chunk: Chunk, future: Future) -> None:
+        """:class:`ReadAhead`'s ``drop``: a read ahead that no update took; its slot is free once it ended."""
+        slot, _, nbytes = self._ahead.pop(chunk)
+        self._io.count_read(nbytes)  # read for nothing, but read
+        future.exception()  # its error does not matter (the read is not used); a read still running raises
         self._free.append(slot)
 
-    def _drop_prefetched(self) -> None:
-        for chunk in list(self._prefetched):
-            self._settle_prefetched(chunk)
+    def _write_behind(self, slot: Slot, future: Future) -> None:
+        """Hand ``future`` (writes out of ``slot``) to the write-behind queue; the slot is free once it finished."""
+        self._writes.submit(self._slot_bytes, lambda: future, functools.partial(self._written, slot))
+
+    def _written(self, slot: Slot, error: BaseException | None) -> None:
+        if error is not None:
+            self._errors.append(error)  # reported from step()
+        self._free.append(slot)
 
     def _take_slot(self) -> Slot:
-        if not self._free:
-            if self._writes:
-                self._finish_writes(len(self._writes) - 1)
-            elif self._prefetched:  # read-ahead of chunks that did not come: give one back
-                self._settle_prefetched(next(reversed(self._prefetched)))
+        """A free slot, waiting for the oldest writes when none is (see the module docs)."""
+        while not self._free and self._writes.wait_oldest():
+            pass
         return self._free.pop()
-
-    def _finish_writes(self, keep: int) -> None:
-        """Wait for the oldest writes until at most ``keep`` are in flight; their errors go to the errors."""
-        while len(self._writes) > keep:
-            slot, fut = self._writes.popleft()
-            try:
-                fut.result()
-            except BaseException as exc:  # noqa: BLE001 - reported from step()
-                self._errors.append(exc)
-            self._free.append(slot)
 
     def _process(self, req: Request) -> None:
         if not req.update:
@@ -299,15 +317,16 @@ class Pipeline:
             return
         chunk, io = req.chunk, self._io
         fresh = not chunk.applied  # else the model holds an update of this step: the master comes from the store
-        if chunk in self._prefetched:
-            slot, fut, master, nbytes = self._prefetched.pop(chunk)
+        fut = self._read_ahead.take(chunk)
+        if fut is not None:
+            slot, master, nbytes = self._ahead.pop(chunk)
             self._io.count_read(nbytes)
         else:
             slot = self._take_slot()
-            fut, master = None, True
+            master = True
             try:
                 if chunk.gen is None:
-                    io.init(chunk, slot)
+                    io.init(chunk, slot, after=req.ready)
                 else:
                     fut = io.read(chunk, chunk.gen, slot, master=io.layout.needs_master(chunk))
             except BaseException:
@@ -323,7 +342,8 @@ class Pipeline:
             dtype = chunk.record.param.dtype
             with io.model_weights(chunk.record, modify=True) as weights:
                 if dtype == torch.float32 and fresh:
-                    weights.read(chunk.elements, rows[0], slot)  # the model's fp32 weights are the master (as in torch)
+                    # the model's fp32 weights are the master (as in torch), as they were when the request was queued
+                    weights.read(chunk.elements, rows[0], slot, after=req.ready)
                 grad, kept = self._gradient(req, slot)
                 out = None
                 if dtype in LOW_PRECISION:
@@ -345,10 +365,8 @@ class Pipeline:
             raise
         chunk.pending_gen = gen
         # The slot is free again once the weights reached the model and the state is on disk.
-        self._writes.append((slot, Future.all_of([upload, wfut], what=f"the update of {chunk.record.name}")))
-        # Keep reading ahead while the update computes next.
-        if self._can_prefetch():
-            self._prefetch_one()
+        self._write_behind(slot, Future.all_of([upload, wfut], what=f"the update of {chunk.record.name}"))
+        self._pump()  # keep reading ahead while the next update computes
 
     def _gradient(self, req: Request, slot: Slot) -> tuple[torch.Tensor, Future | None]:
         """The request's gradient in host memory (summed with the kept one when asked; the kept one alone
@@ -381,4 +399,4 @@ class Pipeline:
         except BaseException:
             self._free.append(slot)
             raise
-        self._writes.append((slot, kept))
+        self._write_behind(slot, kept)

@@ -224,11 +224,12 @@ class StepProtocol:
         """Queue ``rec``'s update from its kept gradient, from the committed generation."""
         hp = _hparams(rec.group)
         self._stepped.add(rec)
+        ready = self._io.transfer.record()  # the worker's copies of the weights wait for compute queued so far
         for chunk in rec.chunks:
             if chunk.pending_gen is not None and chunk.pending_gen != chunk.gen:
                 self._io.delete(chunk, chunk.pending_gen)
             chunk.pending_gen = None
-            self._pipeline.submit(Request(chunk, None, hp, rec.step + 1, grad_scale, None))
+            self._pipeline.submit(Request(chunk, None, hp, rec.step + 1, grad_scale, ready))
 
     # ------------------------------------------------------------------ step()
     def finish(self, *, found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None) -> None:

@@ -26,7 +26,8 @@ _ELEMENTWISE = ("SGD", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam"
 class Request:
     """One chunk's work for the worker: its slice of the gradient (device memory, final at the compute
     stream's event ``ready``; None: the gradient kept in the store), the hyperparameters and step number
-    to use, and the gradient scale.
+    to use, and the gradient scale. ``ready`` is recorded by the thread that queued the request (the
+    hook's, or ``step()``'s); every copy the worker queues for the request waits for it.
 
     With released gradients (see :mod:`nvoffload.optim._protocol`) the gradient may also be summed with
     the one kept in the store (``add_kept``, the step's earlier micro-batches), kept in the store

@@ -64,7 +64,8 @@ worker is stopped and joined before the interpreter finalizes. After
 ``close()``, ``step``, ``zero_grad``, ``synchronize``, the state dict methods,
 ``add_param_group`` and ``set_weight_home`` raise ``RuntimeError("the
 OffloadOptimizer is closed")``. No wait on the worker hangs: it raises as soon
-as the worker thread ends, or when the worker made no progress for ten minutes.
+as the worker thread ends, or when the worker made no progress for
+``NVOFFLOAD_WAIT_LIMIT_S`` (ten minutes by default).
 
 The pieces: :mod:`~nvoffload.optim._layout` (records, chunks, store names,
 chunk sizes), :mod:`~nvoffload.optim._chunk_io` (chunk state to and from the
@@ -545,7 +546,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return None
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()).cpu() for g in grads])))
+        # Reduced on the device; one host read (a read per gradient would wait for the device each time).
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+        return float(torch.linalg.vector_norm(torch.stack(norms)))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; waits for updates still reading gradients."""

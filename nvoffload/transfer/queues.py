@@ -18,10 +18,12 @@ class WriteBehind:
     in flight (oldest first), then calls ``start()`` for the write's
     :class:`~nvoffload.transfer.Future`. When a write finishes, ``done(error)``
     runs (releasing its buffer) on whichever thread reaps it. Errors are kept
-    and raised by :meth:`drain`, so a failed write is never lost.
+    and raised by :meth:`drain`, so a failed write is never lost; with
+    ``keep_errors=False`` a write's error goes to its ``done`` hook only, whose
+    caller keeps it (and :meth:`drain` raises nothing).
     """
 
-    def __init__(self, budget_bytes: int, what: str):
+    def __init__(self, budget_bytes: int, what: str, *, keep_errors: bool = True):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"the write-behind budget must be a positive int of bytes, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
@@ -29,6 +31,7 @@ class WriteBehind:
         self._in_flight: collections.deque[tuple[Future, int, Callable | None]] = collections.deque()
         self._bytes = 0
         self._errors: list[BaseException] = []
+        self._keep_errors = keep_errors
         self._lock = threading.RLock()
 
     @property
@@ -55,6 +58,14 @@ class WriteBehind:
             while self._in_flight and self._in_flight[0][0].done():
                 self._finish_oldest()
 
+    def wait_oldest(self) -> bool:
+        """Wait for the oldest write in flight (its ``done`` hook runs); False when none is in flight."""
+        with self._lock:
+            if not self._in_flight:
+                return False
+            self._finish_oldest()
+            return True
+
     def drain(self) -> None:
         """Wait for every write; raise the first error of those reaped since the last drain."""
         with self._lock:
@@ -71,7 +82,7 @@ class WriteBehind:
             error = future.exception()
         finally:
             self._bytes -= nbytes
-            if error is not None:
+            if error is not None and self._keep_errors:
                 self._errors.append(error)
             if done is not None:
                 done(error)
