@@ -504,3 +504,15 @@ def test_each_saved_tensor_costs_a_fixed_time_and_compute_waits_for_those_fillin
     # per block eight 1M tensors and two 4M (the MLP's hidden), outside three 1M: 67M; halves of 4M and of 32M
     waited = (4 * (8 / 4 + 2 * 4) + 3 / 4) / 67, (4 * (8 / 32 + 2 * 4 * 4 / 32) + 3 / 32) / 67
     assert without.step_s - roomy.step_s == pytest.approx((waited[0] - waited[1]) * 2 * act / 2e9, rel=1e-9)
+
+
+def test_calibrate_times_what_it_compares_in_turns():
+    """The figures calibrate takes a difference of (a block's three shapes, 16 and 64 optimizer tensors, 32 and 128
+    saved tensors) are timed in turns, so that a load that comes and goes on the machine falls on all of them alike
+    rather than on one of them (timed one after the other, it was all in the one timed under it)."""
+    from nvoffload.planner.calibrate import _median_seconds
+
+    calls = []
+    medians = _median_seconds([lambda: calls.append("a"), lambda: calls.append("b")], 3)
+    assert calls == ["a", "b"] * 4  # a warm-up of each, then in turns
+    assert len(medians) == 2 and all(0 <= m < 0.1 for m in medians)

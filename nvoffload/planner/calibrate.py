@@ -23,6 +23,7 @@ host link's (see :class:`~nvoffload.planner.profile.MachineProfile`); edit the J
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import socket
@@ -127,59 +128,57 @@ def _adam_rate(grad_dtype: torch.dtype, quick: bool) -> float:
         step[0] += 1
         adam_step(p, g, m, v, step=step[0], lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, param_out=out)
 
-    return n / _median_seconds(once, 3 if quick else 10)
+    return n / _median_seconds([once], 3 if quick else 10)[0]
 
 
 def _optimizer_tensor_seconds(swap_dir: str, quick: bool) -> float:
     """The NVMe optimizer's step time per parameter tensor beyond its bytes: steps over 64 and over 16 tensors of
-    1024 elements (whose bytes and Adam work take microseconds), the difference over 48."""
+    1024 elements (whose bytes and Adam work take microseconds), in turns, the difference over 48."""
     from nvoffload.optim import NVMeAdamW
 
-    seconds = []
-    for count in (16, 64):
-        params = [torch.nn.Parameter(torch.zeros(1024)) for _ in range(count)]
-        with tempfile.TemporaryDirectory(dir=swap_dir) as d:
+    with contextlib.ExitStack() as stack:
+        runs = []
+        for count in (16, 64):
+            params = [torch.nn.Parameter(torch.zeros(1024)) for _ in range(count)]
+            d = stack.enter_context(tempfile.TemporaryDirectory(dir=swap_dir))
             opt = NVMeAdamW(params, lr=1e-4, swap_dir=d, cpu_memory_bytes=16 * _MiB)
-            try:
+            stack.callback(opt.close)
 
-                def once(params=params, opt=opt):
-                    for p in params:
-                        p.grad = torch.ones_like(p)
-                    opt.step()
-                    opt.zero_grad()
+            def once(params=params, opt=opt):
+                for p in params:
+                    p.grad = torch.ones_like(p)
+                opt.step()
+                opt.zero_grad()
 
-                seconds.append(_median_seconds(once, 3 if quick else 8))
-            finally:
-                opt.close()
-    return max(0.0, (seconds[1] - seconds[0]) / 48)
+            runs.append(once)
+        few, many = _median_seconds(runs, 3 if quick else 8)
+    return max(0.0, (many - few) / 48)
 
 
 def _saved_tensor_seconds(swap_dir: str, dev: torch.device, quick: bool) -> float:
     """Activation offload's time per saved tensor beyond its bytes: forward and backward of a chain of 128 and of
     32 ``sin`` (each saves its input, 1024 elements: its bytes take microseconds), every one written to the store
-    and read back (nothing kept in memory), the difference over 96."""
+    and read back (nothing kept in memory), in turns, the difference over 96."""
     from nvoffload.activations import offload_activations
 
-    seconds = []
-    for count in (32, 128):
-        x = torch.zeros(1024, device=dev, requires_grad=True)
-        with tempfile.TemporaryDirectory(dir=swap_dir) as d:
-            offload = offload_activations(d, min_bytes=0, keep_recent_bytes=0)
-            try:
+    x = torch.zeros(1024, device=dev, requires_grad=True)
+    with tempfile.TemporaryDirectory(dir=swap_dir) as d:
+        offload = offload_activations(d, min_bytes=0, keep_recent_bytes=0)
+        try:
 
-                def once(x=x, count=count, offload=offload):
-                    with offload:
-                        y = x
-                        for _ in range(count):
-                            y = y.sin()
-                    y.sum().backward()
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize(dev)
+            def chain(count: int) -> None:
+                with offload:
+                    y = x
+                    for _ in range(count):
+                        y = y.sin()
+                y.sum().backward()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
 
-                seconds.append(_median_seconds(once, 3 if quick else 8))
-            finally:
-                offload.close()
-    return max(0.0, (seconds[1] - seconds[0]) / 96)
+            few, many = _median_seconds([lambda: chain(32), lambda: chain(128)], 3 if quick else 8)
+        finally:
+            offload.close()
+    return max(0.0, (many - few) / 96)
 
 
 def _copy_bandwidth(dev: torch.device, quick: bool) -> tuple[float, float]:
@@ -190,8 +189,8 @@ def _copy_bandwidth(dev: torch.device, quick: bool) -> tuple[float, float]:
         host = engine.slab.allocate(nbytes, "calibrate copies")
         host.fill_(1)
         on_device = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        h2d = nbytes / _median_seconds(lambda: engine.to_device(on_device, host).result(), 3) / 1e9
-        d2h = nbytes / _median_seconds(lambda: engine.to_host(host, on_device).result(), 3) / 1e9
+        h2d_s, d2h_s = _median_seconds([lambda: engine.to_device(on_device, host).result(), lambda: engine.to_host(host, on_device).result()], 3)
+        h2d, d2h = nbytes / h2d_s / 1e9, nbytes / d2h_s / 1e9
         engine.slab.free(host)
     return h2d, d2h
 
@@ -205,7 +204,7 @@ def _block_tflops(dev: torch.device, d_model: int, quick: bool) -> tuple[float, 
     tokens = 512 if quick else 1024
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     shapes = [(tokens // 128, 128), (2 * tokens // 128, 128), (tokens // 512, 512)]  # (batch, seq)
-    seconds = []
+    runs = []
     for batch, seq in shapes:
         cfg = GPTConfig(seq_len=seq, n_layer=1, n_head=max(1, d_model // 64), d_model=d_model)
         block = Block(cfg).to(device=dev, dtype=dtype)
@@ -216,7 +215,8 @@ def _block_tflops(dev: torch.device, d_model: int, quick: bool) -> tuple[float, 
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
 
-        seconds.append(_median_seconds(once, 2 if quick else 4))
+        runs.append(once)
+    seconds = _median_seconds(runs, 2 if quick else 6)
     (m0, a0), (m1, a1), (m2, a2) = (block_flops(d_model, cfg.mlp_ratio, b, s) for b, s in shapes)
     # seconds[i] = overhead + m_i / matrix_rate + a_i / attention_rate; m1 = 2 m0, a1 = 2 a0, m2 = m0
     # Noise can make the differences small or negative: the fixed time is at most half of the short pass,
@@ -239,18 +239,22 @@ def _matmul_tflops(dev: torch.device, quick: bool) -> float:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    return 2 * n**3 / _median_seconds(once, 3) / 1e12
+    return 2 * n**3 / _median_seconds([once], 3)[0] / 1e12
 
 
-def _median_seconds(run: Callable[[], object], repeats: int) -> float:
-    """The median of ``repeats`` timed runs after one warm-up run."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _median_seconds(runs: Sequence[Callable[[], object]], repeats: int) -> list[float]:
+    """Each run's median of ``repeats`` timings after one warm-up, timed in turns (one of each, then again), so
+    that a load that comes and goes on the machine falls on all of them alike, not on one: what matters where
+    the figures are compared with each other (a difference, a slope)."""
+    for run in runs:
         run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, seconds in zip(runs, times):
+            start = time.perf_counter()
+            run()
+            seconds.append(time.perf_counter() - start)
+    return [statistics.median(seconds) for seconds in times]
 
 
 def _host_available_bytes() -> int:
