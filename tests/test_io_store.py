@@ -479,11 +479,11 @@ def test_a_read_does_not_wait_for_the_lock_behind_a_write_blocked_in_a_full_nati
         native_submit = store._engine.submit
         blocked, release = threading.Event(), threading.Event()
 
-        def submit(file, buffer, offset, *, write, nbytes=None):
+        def submit(file, buffer, offset, *, write, **kwargs):
             if write:  # as the native submit does when 128 blocks are queued
                 blocked.set()
                 release.wait(60)
-            return native_submit(file, buffer, offset, write=write, nbytes=nbytes)
+            return native_submit(file, buffer, offset, write=write, **kwargs)
 
         store._engine.submit = submit
         writer = threading.Thread(target=lambda: store.put("w", torch.ones(8192)).result())

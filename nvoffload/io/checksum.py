@@ -13,7 +13,7 @@ import torch
 
 from nvoffload.io import _aio
 
-__all__ = ["crc32c"]
+__all__ = ["crc32c", "crc32c_combine"]
 
 
 def crc32c(data: torch.Tensor, crc: int = 0) -> int:
@@ -22,3 +22,9 @@ def crc32c(data: torch.Tensor, crc: int = 0) -> int:
     if data.device.type != "cpu" or not data.is_contiguous():
         raise ValueError(f"crc32c needs a contiguous CPU tensor, got one on {data.device} (contiguous: {data.is_contiguous()})")
     return _aio.crc32c(data.data_ptr(), data.numel() * data.element_size(), crc)
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """The CRC-32C of bytes ``a`` followed by bytes ``b``, from ``crc32c(a)``, ``crc32c(b)`` and ``len(b)``:
+    a tensor's CRC joined from those its parts' I/O threads computed, without reading its bytes again."""
+    return _aio.crc32c_combine(crc_a, crc_b, len_b)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from nvoffload.io.buffers import aligned_empty, byte_view, round_up
-from nvoffload.io.checksum import crc32c
+from nvoffload.io.checksum import crc32c_combine
 from nvoffload.io.config import IOConfig
 from nvoffload.io.engine import IOEngine, NativePart, OpenFile
 from nvoffload.io.errors import ChecksumError, StoreIOError
@@ -134,7 +134,7 @@ class _Record:
     shape: torch.Size
     nbytes: int
     extents: list[_Extent]
-    checksum: int | None = None
+    checksum: int | None = None  # CRC-32C of its bytes (with checksums), set when its write ended
     seq: int = 0  # order of submission among puts (a later put of a name wins)
     in_flight: list[Future] = field(default_factory=list)
 
@@ -158,8 +158,10 @@ class TensorStore:
         capacity_bytes: total bytes to preallocate, checked against free space
             before anything is written; ``None`` grows the files as needed.
         checksum: store a CRC-32C of each tensor and verify it on every read (a mismatch raises
-            :class:`ChecksumError`). On by default: it costs a few percent of a
-            step here (``bench/results/bench_io.md``). The transfer engine then
+            :class:`ChecksumError`). On by default. The I/O threads compute it,
+            each over the blocks it moves (a write's before they go out, a
+            read's once they are in), joined per tensor without reading its
+            bytes again (``bench/results/bench_io.md`` has its cost). The transfer engine then
             moves CUDA tensors through host memory, where they are checksummed,
             instead of by GPUDirect Storage; ``checksum=False`` trades the check for GDS.
         config: the I/O engine's settings.
@@ -288,8 +290,7 @@ class TensorStore:
             )
         _refuse_device("put", name, tensor)
         source = byte_view(tensor.detach().contiguous())  # the I/O threads bounce unaligned blocks themselves
-        checksum = crc32c(source) if self.checksum else None
-        return self._write(name, tensor, checksum, lambda extents: self._submit(extents, source, write=True), source)
+        return self._write(name, tensor, lambda extents: self._submit(extents, source, write=True), source)
 
     def put_by(self, name: str, tensor: torch.Tensor, io: ExtentIO) -> Future:
         """Write the contiguous ``tensor`` under ``name``, each transfer submitted by ``io`` (:data:`ExtentIO`).
@@ -303,7 +304,7 @@ class TensorStore:
                 tensor moves through it), or a non-contiguous ``tensor``.
         """
         self._check_direct("put_by", name, tensor)
-        return self._write(name, tensor, None, lambda extents: self._submit_by(extents, io, write=True), tensor)
+        return self._write(name, tensor, lambda extents: self._submit_by(extents, io, write=True), tensor)
 
     def get(self, name: str, out: torch.Tensor | None = None) -> Future:
         """Read the tensor stored under ``name``; ``result()`` returns it.
@@ -382,10 +383,9 @@ class TensorStore:
         if not tensor.is_contiguous():
             raise ValueError(f"{op}({name!r}): the tensor must be contiguous")
 
-    def _write(
-        self, name: str, tensor: torch.Tensor, checksum: int | None, submit: Callable[[list[_Extent]], list], keepalive
-    ) -> Future:
-        """Store ``tensor``'s type under ``name`` in new extents, its bytes moved by ``submit(extents)``."""
+    def _write(self, name: str, tensor: torch.Tensor, submit: Callable[[list[_Extent]], list], keepalive) -> Future:
+        """Store ``tensor``'s type under ``name`` in new extents, its bytes moved by ``submit(extents)`` (with checksums,
+        the requests' CRC-32Cs, computed by the I/O threads, are the record's)."""
         self._wait_pending_put(name)
         nbytes = tensor.numel() * tensor.element_size()
         with self._lock:
@@ -399,9 +399,12 @@ class TensorStore:
                     StoreIOError(exc.errno or errno.EIO, "allocate", exc.filename or "", -1, name, str(exc.strerror))
                 )
             self._seq += 1
-            record = _Record(name, tensor.dtype, tensor.shape, nbytes, extents, checksum, seq=self._seq)
+            record = _Record(name, tensor.dtype, tensor.shape, nbytes, extents, seq=self._seq)
+            requests: list[NativePart] = []
 
             def finish(error: BaseException | None) -> None:
+                if error is None and self.checksum:
+                    record.checksum = _joined_crc(requests, extents)
                 with self._lock:
                     if self._pending_puts.get(name) is future:
                         del self._pending_puts[name]
@@ -416,7 +419,7 @@ class TensorStore:
             submitted = Deferred()
             future = Future([submitted], finish, what=name, keepalive=keepalive)
             self._pending_puts[name] = future
-        _start(submitted, future, lambda: submit(extents))
+        _start(submitted, future, lambda: _kept(requests, submit(extents)))
         return future
 
     def _read(self, name: str, out: torch.Tensor | None, io: ExtentIO | None) -> Future:
@@ -443,7 +446,7 @@ class TensorStore:
                 if error is not None:
                     raise error
                 if self.checksum and record.checksum is not None:
-                    actual = crc32c(target)
+                    actual = _joined_crc(requests, record.extents)
                     if actual != record.checksum:
                         first = record.extents[0]
                         raise ChecksumError(first.swap.file.path, first.offset, name, record.checksum, actual)
@@ -452,11 +455,12 @@ class TensorStore:
                 return out
 
             submitted = Deferred()
+            requests: list[NativePart] = []
             future = Future([submitted], finish, what=name, keepalive=target)
             # The extents stay this record's until the read ends: a delete or a replacing put waits for it.
             record.in_flight = [f for f in record.in_flight if not f.done()] + [future]
         if io is None:
-            _start(submitted, future, lambda: self._submit(record.extents, target, write=False))
+            _start(submitted, future, lambda: _kept(requests, self._submit(record.extents, target, write=False)))
         else:
             _start(submitted, future, lambda: self._submit_by(record.extents, io, write=False))
         return future
@@ -566,11 +570,15 @@ class TensorStore:
 
     def _submit(self, extents: list[_Extent], buffer: torch.Tensor, *, write: bool) -> list[NativePart]:
         """The native transfers of a tensor stored in ``extents``, from or into ``buffer`` (its bytes, flat ``uint8``
-        on the CPU), one per extent, each padded to the extent's aligned size (zeros written, padding read dropped)."""
+        on the CPU), one per extent, each padded to the extent's aligned size (zeros written, padding read dropped);
+        with checksums, each I/O thread checksums the bytes of its blocks (see :func:`_joined_crc`)."""
         return [
-            self._engine.submit(e.swap.file, buffer[start : start + e.data_bytes], e.offset, write=write, nbytes=e.nbytes)
+            self._engine.submit(
+                e.swap.file, buffer[start : start + e.data_bytes], e.offset, write=write, nbytes=e.nbytes,
+                checksum=self.checksum,
+            )
             for e, start in _starts(extents)
-        ]
+        ]  # fmt: skip
 
     @staticmethod
     def _submit_by(extents: list[_Extent], io: ExtentIO, *, write: bool) -> list[NativePart]:
@@ -595,6 +603,21 @@ def _starts(extents: list[_Extent]) -> Iterator[tuple[_Extent, int]]:
     for e in extents:
         yield e, start
         start += e.data_bytes
+
+
+def _kept(requests: list[NativePart], submitted: list[NativePart]) -> list[NativePart]:
+    """``submitted``, also kept in ``requests`` (for the completion step's checksum)."""
+    requests.extend(submitted)
+    return submitted
+
+
+def _joined_crc(requests: list[NativePart], extents: list[_Extent]) -> int:
+    """The CRC-32C of a tensor's bytes, joined from those of its requests (one per extent, in order), which the I/O
+    threads computed block by block as they moved them: the bytes are not read again for it."""
+    crc = 0
+    for request, extent in zip(requests, extents, strict=True):
+        crc = crc32c_combine(crc, request.crc(), extent.data_bytes)
+    return crc
 
 
 def _start(submitted: Deferred, future: Future, submit: Callable[[], list]) -> None:
