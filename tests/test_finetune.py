@@ -583,3 +583,30 @@ def test_a_checkpoint_directory_held_by_another_run_stops_every_rank_at_once(tmp
     assert len(errors[0]) == 1 and errors[0][0].startswith(said), ended[0][1][-3000:]
     assert errors[1] == errors[0], ended[1][1][-3000:]
     assert all(p.returncode != 0 for p in procs) and "step 1" not in ended[0][0] + ended[1][0]
+
+
+def test_the_loss_is_read_from_the_device_once_a_step_whatever_its_micro_batches(tmp_path, monkeypatch):
+    """A read of the loss between a micro-batch's forward and its backward would wait for the GPU each time: the
+    step's loss is summed on the device and read once, after the step (losses as before: the mean over the step's
+    targets, the same whether they come in one micro-batch or four)."""
+    reads = []
+    item = torch.Tensor.item
+
+    def counted(self):
+        reads.append(self)
+        return item(self)
+
+    monkeypatch.setattr(torch.Tensor, "item", counted)
+
+    def run(micro_batches: int, batch_size: int) -> tuple[int, list[float]]:
+        reads.clear()
+        (tmp_path / f"swap{micro_batches}").mkdir()
+        config = FinetuneConfig(preset="tiny", steps=2, batch_size=batch_size, grad_accum_steps=micro_batches, lr=3e-3,
+                                swap_dir=str(tmp_path / f"swap{micro_batches}"))  # fmt: skip
+        losses = finetune(config, progress=False).losses
+        return len(reads), losses
+
+    reads_one, losses_one = run(1, 8)
+    reads_four, losses_four = run(4, 2)
+    assert reads_four == reads_one == 2
+    assert losses_four == pytest.approx(losses_one, rel=1e-5)
