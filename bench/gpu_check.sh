@@ -13,7 +13,8 @@
 #   overlap_profiler    bench/bench_overlap.py under torch.profiler (a Chrome trace and the top operators)
 #   bench_*             each benchmark's --quick run (with --device where it takes one), results in a folder
 #                       of its own; in the dry run each command line is only parsed by the benchmark's own
-#                       parser (their quick runs on the CPU are in the suite: tests/test_bench_*.py)
+#                       parser, all in one process (their quick runs on the CPU are in the suite:
+#                       tests/test_bench_*.py)
 #
 # Everything goes to bench/results/gpu_check/<device>/ (GPU_CHECK_OUT overrides it): a log per step, each
 # step's files, and summary.md, a table of every step with its status (passed, failed (exit N), timed out
@@ -69,46 +70,69 @@ commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
   echo "|---|---|---|---|---|"
 } > "$summary"
 
+# row STEP STATUS SECONDS LIMIT_S FILES: the step's row in the summary (a step that did not pass counts).
+row() {
+  [[ "$2" == passed || "$2" == "arguments ok" ]] || failures=$((failures + 1))
+  echo "| $1 | $2 | $3 | $4 | $5 |" >> "$summary"
+  echo "gpu_check: $1: $2 ($3 s)"
+}
+
 # run STEP LIMIT_S FILES -- COMMAND...: COMMAND under timeout (LIMIT_S, or what is left of the budget), its
-# output in STEP.log; adds the step's row to the summary.
+# output in STEP.log, then its row.
 run() {
   local step="$1" limit="$2" files="$3"
   shift 4
   local left=$((budget_s - (SECONDS - start_s)))
   if ((left < 5)); then
-    echo "| $step | skipped: no time left | 0 | 0 | |" >> "$summary"
-    failures=$((failures + 1))
-    echo "gpu_check: $step skipped: no time left"
+    row "$step" "skipped: no time left" 0 0 ""
     return
   fi
   ((limit > left)) && limit=$left
-  local began=$SECONDS status rc
+  local began=$SECONDS rc
   timeout --kill-after=5 "$limit" "$@" > "$out/$step.log" 2>&1
   rc=$?
-  if ((rc == 0)); then
-    status=$([[ "$step" == bench_* && "$dry" == 1 ]] && echo "arguments ok" || echo passed)
-  elif ((rc == 124 || rc == 137)); then
-    status="timed out after $limit s"
-  else
-    status="failed (exit $rc)"
-  fi
-  ((rc == 0)) || failures=$((failures + 1))
-  echo "| $step | $status | $((SECONDS - began)) | $limit | $step.log${files:+ $files} |" >> "$summary"
-  echo "gpu_check: $step: $status ($((SECONDS - began)) s)"
+  row "$step" "$(status "$rc" "$limit")" $((SECONDS - began)) "$limit" "$step.log${files:+ $files}"
 }
 
-# benchmark NAME LIMIT_S ARGS...: the benchmark's run with its results in a folder of its own; in the dry run
-# the same command line parsed by the benchmark's own parser, nothing run.
+status() {  # status RC LIMIT_S: the words for a command's exit status
+  if (($1 == 0)); then echo passed
+  elif (($1 == 124 || $1 == 137)); then echo "timed out after $2 s"
+  else echo "failed (exit $1)"
+  fi
+}
+
+# benchmark NAME LIMIT_S ARGS...: the benchmark's run with its results in a folder of its own. In the dry run
+# the same command line is kept for check_arguments, which parses them all in one process.
+parse_only=()
 benchmark() {
   local name="$1" limit="$2"
   shift 2
   local command=("bench/$name.py" "$@" --results-dir "$out/$name")
   if [[ "$dry" == 1 ]]; then
-    run "$name" "$limit" "" -- "$python" - "${command[@]}" <<'PY'
+    mkdir -p "$out/.arguments"
+    printf '%s\0' "${command[@]}" > "$out/.arguments/$name"
+    parse_only+=("$name")
+  else
+    run "$name" "$limit" "$name/" -- "$python" "${command[@]}"
+  fi
+}
+
+# check_arguments LIMIT_S: the dry run's benchmark steps, in one process (torch imported once): each command
+# line kept by `benchmark` parsed by the benchmark's own parser (its module run up to parse_args), nothing
+# run; NAME.log holds the parsed arguments or the parser's error.
+check_arguments() {
+  local limit="$1" began=$SECONDS name rc seconds
+  declare -A parsed
+  while read -r name rc seconds; do
+    parsed[$name]=1
+    row "$name" "$([[ "$rc" == 0 ]] && echo "arguments ok" || status "$rc" "$limit")" "$seconds" "$limit" "$name.log"
+  done < <(timeout --kill-after=5 "$limit" "$python" - "$out" "${parse_only[@]}" <<'PY'
 import argparse
 import os
 import runpy
 import sys
+import time
+import traceback
 
 
 class Parsed(Exception):
@@ -124,18 +148,35 @@ def parse_only(self, *args, **kwargs):
 
 
 argparse.ArgumentParser.parse_args = parse_only
-sys.argv = sys.argv[1:]
-sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-except Parsed:
-    pass
-else:
-    sys.exit(f"{sys.argv[0]} ran without parsing its arguments")
+out, names = sys.argv[1], sys.argv[2:]
+for name in names:
+    with open(f"{out}/.arguments/{name}", "rb") as f:
+        argv = f.read().decode().split("\0")[:-1]
+    began = time.monotonic()
+    with open(f"{out}/{name}.log", "w") as log:
+        sys.stdout = sys.stderr = log
+        sys.argv = argv
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+            print(f"{argv[0]} ran without parsing its arguments")
+            rc = 1
+        except Parsed:
+            rc = 0
+        except SystemExit as exc:  # the parser's refusal: exit 2
+            rc = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # noqa: BLE001 - the step fails, its log says why
+            traceback.print_exc()
+            rc = 1
+        finally:
+            sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+            del sys.path[0]
+    print(name, rc, round(time.monotonic() - began), flush=True)
 PY
-  else
-    run "$name" "$limit" "$name/" -- "$python" "${command[@]}"
-  fi
+  )
+  for name in "${parse_only[@]}"; do
+    [[ -n "${parsed[$name]:-}" ]] || row "$name" "timed out after $limit s" $((SECONDS - began)) "$limit" "$name.log"
+  done
 }
 
 run environment 30 "" -- "$python" - <<'PY'
@@ -161,12 +202,15 @@ else:
     print("nvidia-smi: not found")
 PY
 
+# Only the test files that name CUDA, kvikio or the devices (DEVICES) are collected: collecting the whole suite
+# costs more than the CUDA tests on the CPU.
+mapfile -t cuda_files < <(grep -l -E "cuda|gds|DEVICES" tests/test_*.py)
 run cuda_tests 150 "cuda_tests.xml" -- "$python" -m pytest -q -p no:cacheprovider -rs -k "cuda or gds" \
-  --junitxml="$out/cuda_tests.xml" tests
+  --junitxml="$out/cuda_tests.xml" "${cuda_files[@]}"
 
 if [[ "$dry" == 1 ]]; then
   finetune_size=(--preset tiny --steps 2 --batch-size 2 --seq-len 32)
-  overlap_size=(--quick)
+  overlap_size=(--layers 2 --d-model 32 --seq-len 16 --batch 1 --repeats 1)
 else
   finetune_size=(--preset small --steps 4 --batch-size 4 --offload-activations)
   overlap_size=()  # the sizes of bench/results/bench_overlap_h100.*
@@ -202,6 +246,9 @@ benchmark bench_checkpoint 30 --quick --dir "$swap/bench"
 benchmark bench_distributed 40 --quick --swap-dir "$swap/bench"
 benchmark bench_adam 20 --quick --no-deepspeed
 benchmark bench_io 30 --quick --dirs "$swap/bench"
+if [[ "$dry" == 1 ]]; then
+  check_arguments 60
+fi
 
 {
   echo

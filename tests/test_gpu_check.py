@@ -68,19 +68,24 @@ def test_the_dry_run_runs_every_step_and_the_summary_names_each_with_its_status_
 
 
 def test_a_benchmark_command_line_its_parser_refuses_fails_its_step(tmp_path):
-    """The dry run's argument check is a real one: a flag a benchmark does not take fails that step."""
+    """The dry run's argument check is a real one: a flag a benchmark does not take fails that step, and the
+    next benchmark's is still checked."""
     bench = tmp_path / "repo" / "bench"
     bench.mkdir(parents=True)
-    script = (SCRIPT.read_text().split("run environment", 1)[0]) + "benchmark bench_x 30 --quick --no-such-flag\n"
-    (bench / "gpu_check.sh").write_text(script + '((failures == 1))\n')
+    script = SCRIPT.read_text().split("run environment", 1)[0]
+    script += "benchmark bench_x 30 --quick --no-such-flag\nbenchmark bench_y 30 --quick\ncheck_arguments 30\n"
+    (bench / "gpu_check.sh").write_text(script + "((failures == 1))\n")
     (bench / "bench_x.py").write_text(
         "import argparse\np = argparse.ArgumentParser()\np.add_argument('--quick', action='store_true')\n"
         "p.add_argument('--results-dir')\np.parse_args()\nraise SystemExit('ran')\n"
     )
+    (bench / "bench_y.py").write_text((bench / "bench_x.py").read_text())
     done = check(tmp_path, "--dry-run", script=bench / "gpu_check.sh", GPU_CHECK_OUT=str(tmp_path / "out"))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert summary_rows(tmp_path / "out" / "summary.md")["bench_x"]["status"] == "failed (exit 2)"
+    rows = summary_rows(tmp_path / "out" / "summary.md")
+    assert (rows["bench_x"]["status"], rows["bench_y"]["status"]) == ("failed (exit 2)", "arguments ok")
     assert "unrecognized arguments: --no-such-flag" in (tmp_path / "out" / "bench_x.log").read_text()
+    assert "quick=True" in (tmp_path / "out" / "bench_y.log").read_text()
 
 
 def test_an_unknown_argument_is_refused_and_without_a_gpu_the_gpu_run_says_to_use_the_dry_run(tmp_path):
