@@ -32,7 +32,8 @@ def test_the_device_tier_reports_the_allocators_reserved_bytes_on_cuda_only(monk
 # What the caching allocator holds beyond the engines' tensors, which the device budget does not count:
 # cuBLAS's and cuBLASLt's workspaces (32 MiB each on Hopper), the large pool's 20 MiB segments for tensors
 # of 1-10 MiB (a block's weight matrices here: 1-4 MiB each, rounded into part-used segments) and the small
-# pool's 2 MiB segments for the activations of batch 2 x 32 tokens (under 1 MiB each).
+# pool's 2 MiB segments for the activations of one sequence of 8 tokens (under 100 KB each, about 8 MB
+# saved over the 32 blocks).
 ALLOCATOR_SLACK_BYTES = 128 * MiB
 
 
@@ -41,7 +42,7 @@ def test_cuda_the_device_budget_bounds_what_a_streamed_model_reserves(tmp_path):
     """32 blocks of 12 MiB (386 MiB of fp32 weights, as much again in gradients) streamed through a device
     budget of three blocks and the resident parameters twice (39 MiB): for three steps the allocator's reserved
     memory grows by at most the budget plus ALLOCATOR_SLACK_BYTES, and memory_stats() reports it."""
-    cfg = GPTConfig(vocab_size=512, seq_len=32, n_layer=32, n_head=8, d_model=512)
+    cfg = GPTConfig(vocab_size=512, seq_len=8, n_layer=32, n_head=8, d_model=512)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(cfg)
@@ -61,15 +62,17 @@ def test_cuda_the_device_budget_bounds_what_a_streamed_model_reserves(tmp_path):
     )  # fmt: skip
     try:
         for _ in range(3):
-            x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), device="cuda")
+            x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), device="cuda")
             model(x, x.roll(-1, dims=1)).backward()
             opt.step()
             opt.zero_grad()
         torch.cuda.synchronize()
+        reserved_before, peak_before = torch.cuda.memory_reserved(), torch.cuda.max_memory_reserved()
         device = opt.session.memory_stats()["device"]
         assert device.peak_bytes <= budget
-        assert device.reserved_bytes == torch.cuda.memory_reserved()
-        assert device.reserved_peak_bytes == torch.cuda.max_memory_reserved()
+        # what the allocator holds then (reserved memory only grows until empty_cache())
+        assert reserved_before <= device.reserved_bytes <= torch.cuda.memory_reserved()
+        assert peak_before <= device.reserved_peak_bytes <= torch.cuda.max_memory_reserved()
         grown = device.reserved_peak_bytes - before
         assert 0 < grown <= budget + ALLOCATOR_SLACK_BYTES, (grown / MiB, budget / MiB)
     finally:
