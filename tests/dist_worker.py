@@ -5,6 +5,7 @@ updates were queued during backward.
 
     python tests/dist_worker.py MODE OUT SWAP_ROOT [--steps N] [--accum K | --accums K1,K2,..] [--no-clip]
                                 [--ckpt DIR [--save-at S] [--resume]] [--device-memory B] [--bucket-bytes B]
+                                [--late-rank R]
 
 MODE is ``optimizer`` (NVMeAdamW over the model, gradients in ``.grad``) or ``streaming``
 (``nvoffload.initialize``: parameters streamed, gradients released during backward). With ``--save-at S`` a
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--missing-swap-rank", type=int, help="this rank is given a swap directory that does not exist")
     parser.add_argument("--device-memory", type=int, default=16 * MiB, help="device_memory_bytes (streaming mode)")
     parser.add_argument("--bucket-bytes", type=int, default=BUCKET_BYTES)
+    parser.add_argument("--late-rank", type=int, help="this rank starts each backward pass 0.2 s after the others")
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:  # gloo's own timeout as the optimizer's: a stalled peer ends the run
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
@@ -96,6 +98,8 @@ def main() -> None:
         for _ in range(accum):
             x = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=data)
             loss = model(x[lo:hi], x.roll(-1, dims=1)[lo:hi]) / accum
+            if rank == args.late_rank:  # the others' collectives of this pass end 0.2 s after they start
+                time.sleep(0.2)
             loss.backward()
             total += float(loss.detach())
         grad_sums.append(math.fsum(float(p.grad.double().sum()) for p in model.parameters() if p.grad is not None))

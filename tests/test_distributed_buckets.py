@@ -9,7 +9,7 @@ import torch.distributed as dist
 from nvoffload.distributed import DEFAULT_BUCKET_BYTES, GradientBuckets, Partition, Ranks, reserve_buckets
 from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.models import GPT, GPTConfig
-from test_distributed import assert_trained_alike, run
+from test_distributed import MODES, assert_trained_alike, run
 
 
 def tiny_gpt() -> GPT:
@@ -53,7 +53,7 @@ def test_no_released_gradient_bucket_passes_bucket_bytes_but_a_gradient_alone(tm
     try:
         numels = [60, 60, 60, 300, 30]
         ranks = Ranks(None, 0, 1, torch.device("cpu"))
-        buckets = GradientBuckets(ranks, Partition(numels, 1, align_numel=1024), bucket_bytes=100 * 4)
+        buckets = GradientBuckets(ranks, Partition(numels, 1, align_numel=1024), bucket_bytes=100 * 4, budget_bytes=200 * 4)
         launched: list[tuple[object, int]] = []  # (the bucket's reduction, a gradient's size) in delivery order
         for index, numel in enumerate(numels):
             grad = torch.full((numel,), float(index))
@@ -74,3 +74,18 @@ def test_no_released_gradient_bucket_passes_bucket_bytes_but_a_gradient_alone(tm
         assert sizes == [[60], [60], [60], [300], [30]]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_bucket_is_read_after_its_reduction_ends_however_late_the_other_rank(tmp_path, monkeypatch, mode):
+    """Rank 1 starts every backward pass 0.2 s late, so rank 0's reductions end 0.2 s after they start; the
+    stand-in's copies land 2 ms after they are queued. A gradient copied out before its bucket's collective
+    ended would be rank 0's own (released gradients: the optimizer's worker; held ones: the write-back into
+    ``.grad``), and the ranks' weights would part from each other and from one process's."""
+    monkeypatch.setenv("NVOFFLOAD_SIM_COPY_DELAY_US", "2000")
+    args = ["--steps", "3", "--no-clip"]
+    one = run(mode, tmp_path / "one", tmp_path / "swap-one", 1, *args)[0]
+    two = run(mode, tmp_path / "two", tmp_path / "swap-two", 2, *args, "--late-rank", "1")
+    for name, value in two[0]["weights"].items():
+        assert torch.equal(two[1]["weights"][name], value), name
+    assert_trained_alike(two[0]["weights"], one["weights"], rel=1e-5, per_tensor=1e-3)

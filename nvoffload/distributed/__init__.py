@@ -23,8 +23,12 @@ Each rank runs on its part of every batch; the result is that of one process
 on the whole batches (up to the order of floating-point sums). Every rank must
 compute gradients for the same parameters in each backward pass, as with
 ``DistributedDataParallel`` without ``find_unused_parameters``. No wait is
-unbounded: a collective that does not complete within ``collective_timeout_s``
-raises :class:`RankTimeoutError`. Give ``init_process_group`` the same
+unbounded: where the host waits for a collective (every one on the CPU; on a
+GPU those whose result the host reads: a sum, a flag, the step's checks), one
+that does not complete within ``collective_timeout_s`` raises
+:class:`RankTimeoutError`. On a GPU the gradients' collectives are waited for
+by streams, not by the host (see :mod:`nvoffload.distributed._ranks`): there
+NCCL's own timeout bounds them. Give ``init_process_group`` the same
 ``timeout``: gloo's collectives still in flight end only at the group's own
 timeout, and the process cannot exit before they do (``nvoffload finetune``
 does so).

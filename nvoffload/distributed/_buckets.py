@@ -5,7 +5,7 @@ on the communication device (:attr:`Ranks.device`):
 
 * :class:`BackwardAverage` (gradients held in ``.grad``): every bucket is
   all-reduced as soon as its gradients are final (during the last
-  micro-batch's backward), two in flight, and ``.grad`` is the mean over the
+  micro-batch's backward), and ``.grad`` is the mean over the
   ranks when ``backward()`` returns, as under ``DistributedDataParallel``; so
   clipping, a ``GradScaler``'s checks and ``grad_norm()`` see exactly what one
   process would. Parameters with no gradient on any rank keep none.
@@ -18,6 +18,13 @@ on the communication device (:attr:`Ranks.device`):
   buckets fill in the order gradients arrive, which is the same on every rank
   (the same model and step), so the collectives match.
 
+Buckets in flight are a :class:`~nvoffload.transfer.WriteBehind` of the
+transfer engine, within :func:`buckets_budget` bytes (what
+:func:`reserve_buckets` counts): a new bucket waits for the oldest to be
+written back (held gradients) or copied out by the optimizer's worker
+(released ones). On a GPU no host thread waits for a collective on the way:
+the readers are ordered after it by events (see :mod:`~nvoffload.distributed._ranks`).
+
 :func:`gather_weights` is the way back: after ``step()`` each owner broadcasts
 its updated elements, bucket by bucket in the parameters' order, and every rank
 writes the others' into its model (or its streamer's weights).
@@ -25,16 +32,18 @@ writes the others' into its model (or its streamer's weights).
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 
 from nvoffload.device import untracked
-from nvoffload.memory import MemoryManager
 from nvoffload.distributed._partition import Partition
-from nvoffload.distributed._ranks import Ranks, RankTimeoutError
+from nvoffload.distributed._ranks import Ranks
+from nvoffload.memory import MemoryManager
+from nvoffload.transfer import Future, WriteBehind
+from nvoffload.transfer.deferred import Deferred
 
 DEFAULT_BUCKET_BYTES = 25 << 20  # as DistributedDataParallel's bucket_cap_mb
 
@@ -42,24 +51,24 @@ Deliver = Callable[[torch.Tensor, "PendingReduce"], None]  # (the parameter's re
 
 
 class PendingReduce:
-    """A bucket's reduction in flight; :meth:`wait` (any thread, more than once) returns once it is done.
+    """A bucket's reduction in flight, as its readers (the update requests) see it.
 
-    Its users (the update requests reading the bucket) :meth:`hold` it and :meth:`release` it once they copied
-    their gradient out; ``freed`` is set when every one did, and the bucket's memory can go.
+    :meth:`wait` (any thread, more than once) returns once the reduced bucket may be read: on a GPU at once
+    (the readers' copies are ordered after the reduction by an event, see :meth:`GradientBuckets.add`); on
+    the CPU once the reduction is done (a host wait of at most :attr:`Ranks.timeout_s`, naming the bucket).
+    The readers :meth:`hold` it and :meth:`release` it once they copied their gradient out; :attr:`freed` is
+    done when every one did, and the bucket's memory can go.
     """
 
-    def __init__(self, ranks: Ranks, works: list, what: str):
-        self._ranks, self._works, self._what = ranks, works, what
+    def __init__(self, reduced: Future):
+        self._reduced = reduced
         self._lock = threading.Lock()
         self._users = 0
         self._delivered = False
-        self.freed = threading.Event()
+        self.freed = Deferred()
 
     def wait(self) -> None:
-        with self._lock:
-            works, self._works = self._works, []
-        for work in works:
-            self._ranks.wait(work, self._what)
+        self._reduced.result()
 
     def hold(self) -> None:
         with self._lock:
@@ -77,8 +86,8 @@ class PendingReduce:
             self._settle()
 
     def _settle(self) -> None:
-        if self._delivered and self._users == 0:
-            self.freed.set()
+        if self._delivered and self._users == 0 and self.freed.inner is None:
+            self.freed.set(Future.completed())
 
 
 class _OpenBucket:
@@ -89,22 +98,39 @@ class _OpenBucket:
         self.numel = 0
 
 
-class GradientBuckets:
-    """Averages or reduces the gradients of ``partition``'s parameters over ``ranks``."""
+def buckets_budget(params: Sequence[torch.Tensor], bucket_bytes: int) -> int:
+    """The bytes of gradient buckets in flight at most: two of at most ``bucket_bytes`` each (a larger
+    gradient alone), and never more than twice all the gradients (``params`` that require one)."""
+    sizes = [p.numel() * p.element_size() for p in params if p.requires_grad]
+    return 2 * min(max(bucket_bytes, max(sizes, default=0)), sum(sizes))
 
-    def __init__(self, ranks: Ranks, partition: Partition, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+
+class GradientBuckets:
+    """Reduces the gradients of ``partition``'s parameters over ``ranks`` to their owners, in buckets of at most
+    ``bucket_bytes``; buckets whose gradients are still read take at most ``budget_bytes`` (a :class:`WriteBehind`:
+    a bucket waits for the oldest to be read, see :func:`buckets_budget`)."""
+
+    def __init__(self, ranks: Ranks, partition: Partition, bucket_bytes: int, budget_bytes: int):
         self.ranks = ranks
         self.partition = partition
         self.bucket_bytes = bucket_bytes
         self._open: dict[torch.dtype, _OpenBucket] = {}
         self._pass: int | None = None  # the backward pass whose end flushes the open buckets
         self._launched = 0
-        self._inflight: deque[PendingReduce] = deque()  # launched buckets still read by update requests
+        # Launched buckets still read by update requests (no gradients: nothing is ever queued).
+        self._read = WriteBehind(max(budget_bytes, 1), "the reduced gradient buckets the optimizer reads")
+        self._side: torch.cuda.Stream | None = None  # on a GPU: the stream the readers are ordered on
 
     # ------------------------------------------------------------------ released gradients
     def add(self, index: int, grad: torch.Tensor, deliver: Deliver) -> None:
         """Reduce parameter ``index``'s gradient ``grad`` (final) to the owners of its elements, in a bucket;
-        ``deliver(reduced, pending)`` is called once the bucket is launched (call from a backward hook)."""
+        ``deliver(reduced, pending)`` is called once the bucket is launched (call from a backward hook).
+
+        On a GPU ``deliver`` runs with a side stream current that waits for the reduction (NCCL's
+        ``work.wait()``): an event it records there (``ComputeDevice.record``) is reached once the reduced
+        gradient is there, so a copy queued behind it reads the sum, and neither the host nor the compute
+        stream waits for the collective.
+        """
         self._flush_at_end_of_pass()
         bucket = self._open.get(grad.dtype)
         if bucket is not None and (bucket.numel + grad.numel()) * grad.element_size() > self.bucket_bytes:
@@ -127,21 +153,13 @@ class GradientBuckets:
             self._pass = task
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
 
-    def _make_room(self) -> None:
-        """Wait until at most one launched bucket is still read (the worker copies their gradients out in
-        order), so that two buckets at most are in :attr:`Ranks.device` memory: see :func:`reserve_buckets`."""
-        while self._inflight and self._inflight[0].freed.is_set():
-            self._inflight.popleft()
-        while len(self._inflight) >= 2:
-            if not self._inflight[0].freed.wait(self.ranks.timeout_s):
-                raise RankTimeoutError(self.ranks.failure(
-                    "the optimizer's worker to read a reduced gradient bucket", f"not within {self.ranks.timeout_s:g} s"
-                ))  # fmt: skip
-            self._inflight.popleft()
+    def _launch(self, bucket: _OpenBucket) -> None:
+        nbytes = bucket.numel * bucket.entries[0][1].element_size()
+        self._read.submit(nbytes, lambda: self._reduce(bucket))
 
     @torch.no_grad()
-    def _launch(self, bucket: _OpenBucket) -> None:
-        self._make_room()
+    def _reduce(self, bucket: _OpenBucket) -> Future:
+        """Start reducing ``bucket`` and deliver its entries; the future is done once every reader is done."""
         dtype = bucket.entries[0][1].dtype
         flat = torch.empty(bucket.numel, dtype=dtype, device=self.ranks.device)
         placed = []
@@ -152,13 +170,28 @@ class GradientBuckets:
             at += grad.numel()
         works = [self.ranks.reduce_async(flat[start:end], owner) for owner, start, end in self.partition.runs(placed)]
         self._launched += 1
-        pending = PendingReduce(self.ranks, works, f"the gradients' reduction (bucket {self._launched})")
-        at = 0
-        for _, grad, deliver in bucket.entries:
-            deliver(flat[at : at + grad.numel()], pending)
-            at += grad.numel()
+        what = f"the gradients' reduction (bucket {self._launched})"
+        pending = PendingReduce(self.ranks.future(works, what))
+        with self._readers_after(pending):
+            at = 0
+            for _, grad, deliver in bucket.entries:
+                deliver(flat[at : at + grad.numel()], pending)
+                at += grad.numel()
         pending.delivered()
-        self._inflight.append(pending)
+        return Future([pending.freed], what=f"bucket {self._launched} of reduced gradients, until the optimizer's worker copied it out")
+
+    @contextlib.contextmanager
+    def _readers_after(self, pending: PendingReduce):
+        """On a GPU: a side stream current that waits for the reduction (the host does not); on the CPU nothing
+        (the readers wait on the host, :meth:`PendingReduce.wait`)."""
+        if self.ranks.device.type != "cuda":
+            yield
+            return
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.ranks.device)
+        with torch.cuda.stream(self._side):
+            pending.wait()  # NCCL's work.wait(): the side stream waits
+            yield
 
 
 class BackwardAverage:
@@ -168,11 +201,12 @@ class BackwardAverage:
     gradients arrive, the same list on every rank), so that every rank starts the same all-reduces in the same
     order. Every gradient's hook calls :meth:`fired`; bucket ``i`` starts once each of its parameters expected (:meth:`expect`) had its
     last gradient of the step (as many backward passes as in the step before) and every bucket before it started.
-    Two buckets are in flight at most: starting a third writes the oldest back into ``.grad`` first (the mean
-    over the ranks), so ``2 * max(bucket_bytes, largest gradient)`` bytes of :attr:`Ranks.device` memory at
-    most. Once the last bucket started, the hook writes them all back: ``.grad`` is the mean when
+    The buckets in flight take at most ``budget_bytes`` of :attr:`Ranks.device` memory (a :class:`WriteBehind`,
+    see :func:`buckets_budget`): starting one more writes the oldest back into ``.grad`` first (the mean over
+    the ranks). Once the last bucket started, the hook writes them all back: ``.grad`` is the mean when
     ``backward()`` returns, as under ``DistributedDataParallel``. ``on_averaged(indices)`` is told of each
-    bucket written back during backward.
+    bucket written back during backward. On a GPU a write-back orders the current stream after the
+    all-reduce (no host wait, see :meth:`Ranks.order`).
 
     :meth:`complete` (at ``step()``) starts and writes back whatever backward did not: all of it in the first
     step, the rest after fewer micro-batches than expected. A gradient that changed after its bucket started
@@ -181,15 +215,17 @@ class BackwardAverage:
     plus this rank's later ones is still the right mean).
     """
 
-    def __init__(self, ranks: Ranks, bucket_bytes: int, on_averaged: Callable[[list[int]], None]):
+    def __init__(self, ranks: Ranks, bucket_bytes: int, budget_bytes: int, on_averaged: Callable[[list[int]], None]):
         self.ranks = ranks
         self.bucket_bytes = bucket_bytes
+        self.budget_bytes = max(budget_bytes, 1)  # no gradients: nothing is ever queued
         self._on_averaged = on_averaged
         self._buckets: list[list[tuple[int, torch.Tensor]]] = []  # (index, parameter)
         self._bucket_of: dict[int, int] = {}  # index -> its bucket
         self._missing: list[int] = []  # per bucket, its expected parameters whose last gradient did not come yet
         self._next = 0  # the next bucket to start
-        self._inflight: deque[_HeldBucket] = deque()
+        self._in_flight = WriteBehind(self.budget_bytes, "the gradients' all-reduces")
+        self._in_backward = False  # the write-backs happen in a backward hook (on_averaged is told)
         self.stray = False  # a gradient changed after its bucket started
 
     @property
@@ -209,7 +245,7 @@ class BackwardAverage:
         expected = set(indices)
         self._missing = [sum(index in expected for index, _ in bucket) for bucket in self._buckets]
         self._next = 0
-        self._inflight.clear()
+        self._in_flight = WriteBehind(self.budget_bytes, "the gradients' all-reduces")
         self.stray = False
 
     def fired(self, index: int, last: bool) -> None:
@@ -223,38 +259,43 @@ class BackwardAverage:
             return
         self._missing[bucket] -= last
         if self._missing[self._next] == 0:
+            self._in_backward = True
             while self._next < len(self._buckets) and self._missing[self._next] == 0:
-                self._start_next(during_backward=True)
+                self._start_next()
             if self._next == len(self._buckets):
-                while self._inflight:
-                    self._write_back_oldest(during_backward=True)
+                self._in_flight.drain()
 
     def complete(self) -> None:
         """Start the buckets backward did not, and write every one back."""
+        self._in_backward = False
         while self._next < len(self._buckets):
-            self._start_next(during_backward=False)
-        while self._inflight:
-            self._write_back_oldest(during_backward=False)
+            self._start_next()
+        self._in_flight.drain()
 
     @torch.no_grad()
-    def _start_next(self, during_backward: bool) -> None:
-        if len(self._inflight) == 2:
-            self._write_back_oldest(during_backward)
-        self._inflight.append(_HeldBucket(self.ranks, self._buckets[self._next]))
+    def _start_next(self) -> None:
+        indexed = self._buckets[self._next]
         self._next += 1
+        started: list[_HeldBucket] = []  # started once it fits; written back when the queue reaps it
 
-    @torch.no_grad()
-    def _write_back_oldest(self, during_backward: bool) -> None:
-        bucket = self._inflight.popleft()
-        if not bucket.write_back():
-            self.stray = True
-        if during_backward:
-            self._on_averaged(bucket.indices)
+        def start() -> Future:
+            started.append(_HeldBucket(self.ranks, indexed))
+            return started[0].reduced
+
+        def write_back(error: BaseException | None) -> None:
+            if error is not None:  # the all-reduce failed: no write-back, the step stops here
+                raise error
+            if not started[0].write_back():
+                self.stray = True
+            if self._in_backward:
+                self._on_averaged(started[0].indices)
+
+        self._in_flight.submit(sum(p.numel() * p.element_size() for _, p in indexed), start, write_back)
 
 
 class _HeldBucket:
     """Held gradients on their way: packed end to end, then one flag per parameter (1: it has a gradient
-    here), all-reduced."""
+    here), all-reduced; :attr:`reduced` is the all-reduce's future."""
 
     def __init__(self, ranks: Ranks, indexed: list[tuple[int, torch.Tensor]]):
         self.ranks = ranks
@@ -269,27 +310,29 @@ class _HeldBucket:
                 self.flat[at : at + p.numel()].copy_(p.grad.reshape(-1))
                 self.flat[self.numel + i] = 1
             at += p.numel()
-        self.work = ranks.all_reduce_async(self.flat)
+        self.reduced = ranks.future([ranks.all_reduce_async(self.flat)], "the gradients' all-reduce")
 
     def write_back(self) -> bool:
-        """Wait for the all-reduce; every gradient some rank has becomes the mean. False when a gradient
-        changed since it was packed (it is left as it is)."""
-        self.ranks.wait(self.work, "the gradients' all-reduce")
-        flags = self.flat[self.numel :].tolist()
+        """Every gradient some rank has becomes the mean (written on the current stream, ordered after the
+        all-reduce: the queue waited for :attr:`reduced`). False when a gradient changed since it was packed
+        (it is left as it is). The host reads the flags only when a parameter has no gradient here."""
         mean = self.flat[: self.numel].div_(self.ranks.world_size)
+        flags = None
         unchanged = True
         at = 0
-        for p, flag, (grad, version) in zip(self.params, flags, self.packed):
+        for i, (p, (grad, version)) in enumerate(zip(self.params, self.packed)):
             part = mean[at : at + p.numel()].view(p.shape)
             at += p.numel()
             if p.grad is not grad or (grad is not None and grad._version != version):
                 unchanged = False
-            elif flag == 0:
-                continue
-            elif p.grad is None:
-                p.grad = part.to(p.device, copy=True)
-            else:
+            elif grad is not None:
                 p.grad.copy_(part)
+            else:  # has another rank a gradient for it?
+                if flags is None:
+                    self.ranks.settle("the gradients' all-reduce")
+                    flags = self.flat[self.numel :].tolist()
+                if flags[i]:
+                    p.grad = part.to(p.device, copy=True)
         return unchanged
 
 
@@ -309,14 +352,12 @@ def _split(items: Sequence, dtype_of, param_of, bucket_bytes: int) -> list[list]
 
 
 def reserve_buckets(memory: MemoryManager, ranks: Ranks, params: Sequence[torch.Tensor], bucket_bytes: int) -> None:
-    """Count in ``memory`` what the gradient buckets take at most: two in flight, each of at most ``bucket_bytes``
-    (a larger gradient alone) and of all the gradients together at most; in the tier of :attr:`Ranks.device`
-    (the device with NCCL, host memory with gloo)."""
-    sizes = [p.numel() * p.element_size() for p in params if p.requires_grad]
-    total = sum(sizes)
+    """Count in ``memory`` what the gradient buckets take at most (:func:`buckets_budget`), in the tier of
+    :attr:`Ranks.device` (the device with NCCL, host memory with gloo)."""
+    total = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     tier, budget = ("host", "cpu_memory_bytes") if ranks.device.type == "cpu" else ("device", "device_memory_bytes")
     memory.allocate(
-        tier, 2 * min(max(bucket_bytes, max(sizes, default=0)), total),
+        tier, buckets_budget(params, bucket_bytes),
         f"the gradient buckets between the ranks (two in flight, each of at most bucket_bytes={bucket_bytes} or"
         f" the {total} bytes of all the gradients: lower bucket_bytes or raise {budget})",
     )  # fmt: skip

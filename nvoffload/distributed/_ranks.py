@@ -5,6 +5,16 @@ Every collective here waits at most :attr:`Ranks.timeout_s` and then raises a
 or took another path never leaves the others waiting forever (gloo also fails
 at once when a peer's connection closes). Collectives run in the same order on
 every rank: the callers issue them from the same points of the same step.
+
+Who waits for a collective (see :meth:`Ranks.order` and :meth:`Ranks.wait`):
+
+* on a GPU (NCCL) the host does not, on the hot path: ``work.wait()`` without a
+  timeout makes the current stream wait for the collective, and an event
+  recorded there after it orders whatever reads the result (the gradient's copy
+  to the host is queued on the copy stream behind that event);
+* the host waits only where it reads the result itself (a sum, a flag, weights
+  in host memory), bounded by :attr:`Ranks.timeout_s`; on the CPU (gloo) the
+  host is the stream, so every wait is such a host wait.
 """
 
 from __future__ import annotations
@@ -14,6 +24,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from nvoffload.device import _CudaEvent
+from nvoffload.transfer.future import Future
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -56,16 +69,41 @@ class Ranks:
         return Ranks(process_group, dist.get_rank(process_group), world, device, float(timeout_s))
 
     # ------------------------------------------------------------------ collectives
-    def wait(self, work: dist.Work, what: str) -> None:
-        """Wait for the async collective ``work``; raise :class:`RankTimeoutError` after ``timeout_s``."""
+    def order(self, work: dist.Work, what: str) -> None:
+        """Order what the current stream does next after the async collective ``work`` (``what`` it is).
+
+        On a GPU without a host wait: NCCL's ``work.wait()`` without a timeout only makes the current stream
+        wait (with a timeout it would block the host until the collective ends). On the CPU the host is the
+        stream: it waits, at most ``timeout_s``, then raises :class:`RankTimeoutError`.
+        """
+        if self.device.type == "cuda":
+            work.wait()
+            return
         try:
             done = work.wait(datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
             raise RankTimeoutError(self.failure(what, str(exc))) from exc
         if done is False:
             raise RankTimeoutError(self.failure(what, f"no answer within {self.timeout_s:g} s"))
-        if self.device.type == "cuda":  # NCCL's wait only orders the current stream: let the host see the data
-            torch.cuda.current_stream(self.device).synchronize()
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        """Wait on the host for the async collective ``work``, for a host read of its result: at most
+        ``timeout_s``, then :class:`RankTimeoutError`. On a GPU the current stream is ordered after it
+        (:meth:`order`) and the host waits for an event recorded there (not the whole device)."""
+        self.order(work, what)
+        self.settle(what)
+
+    def settle(self, what: str) -> None:
+        """On a GPU: wait on the host for the current stream's work so far (a collective it was ordered after,
+        ``what``), at most ``timeout_s``, then :class:`RankTimeoutError`; on the CPU there is nothing queued."""
+        if self.device.type == "cuda" and not _CudaEvent(torch.cuda.current_stream(self.device)).synchronize(self.timeout_s):
+            raise RankTimeoutError(self.failure(what, f"not done on the device within {self.timeout_s:g} s"))
+
+    def future(self, works: list[dist.Work], what: str) -> Future:
+        """The collectives ``works`` as a :class:`~nvoffload.transfer.Future`: its ``result()`` orders the
+        current stream after them (:meth:`order`: no host wait on a GPU), once; a failure is the
+        :class:`RankTimeoutError` naming ``what``."""
+        return Future([_Collectives(self, works, what)], what=what)
 
     def all_reduce(self, tensor: torch.Tensor, what: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """``tensor`` reduced in place over the ranks (on :attr:`device`), waited for."""
@@ -138,3 +176,28 @@ class Ranks:
             f"nvoffload: rank {self.rank} of {self.world_size} waited in vain for {what} ({why}); another rank"
             " died, hangs, or left the step on another path (an error there, or gradients for other parameters)"
         )
+
+
+class _Collectives:
+    """Collectives as the part of a :class:`~nvoffload.transfer.Future` (see :meth:`Ranks.future`). Their own
+    bound is :attr:`Ranks.timeout_s`, whatever the future's wait allows."""
+
+    __slots__ = ("_error", "_ranks", "_what", "_works")
+
+    def __init__(self, ranks: Ranks, works: list[dist.Work], what: str):
+        self._ranks, self._works, self._what = ranks, works, what
+        self._error: RankTimeoutError | None = None
+
+    def done(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def wait(self, timeout_s: float) -> bool:
+        try:
+            for work in self._works:
+                self._ranks.order(work, self._what)
+        except RankTimeoutError as exc:
+            self._error = exc
+        return True
+
+    def error(self, what: str | None) -> BaseException | None:
+        return self._error

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from nvoffload.distributed._buckets import DEFAULT_BUCKET_BYTES, BackwardAverage, GradientBuckets, gather_weights
+from nvoffload.distributed._buckets import DEFAULT_BUCKET_BYTES, BackwardAverage, GradientBuckets, buckets_budget, gather_weights
 from nvoffload.distributed._partition import Partition
 from nvoffload.distributed._ranks import Ranks
 
@@ -20,11 +20,12 @@ class Sharding:
         self.ranks = ranks
         self.partition = Partition([p.numel() for p in params], ranks.world_size, align_numel)
         self.bucket_bytes = bucket_bytes
-        self.gradients = GradientBuckets(ranks, self.partition, bucket_bytes)
+        self.budget_bytes = buckets_budget(params, bucket_bytes)  # as reserve_buckets counts them
+        self.gradients = GradientBuckets(ranks, self.partition, bucket_bytes, self.budget_bytes)
 
     def backward_average(self, on_averaged) -> BackwardAverage:
         """Held gradients averaged during backward, in buckets (see :class:`BackwardAverage`)."""
-        return BackwardAverage(self.ranks, self.bucket_bytes, on_averaged)
+        return BackwardAverage(self.ranks, self.bucket_bytes, self.budget_bytes, on_averaged)
 
     @property
     def mean(self) -> float:
