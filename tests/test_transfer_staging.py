@@ -65,9 +65,11 @@ class _FileIO:
     """A stand-in for kvikio's CuFile: buffered pread/pwrite of a (CPU) buffer, done at submit."""
 
     opened: list[str] = []
+    closed: list[str] = []
 
     def __init__(self, path: str):
         self._fd = os.open(path, os.O_RDWR)
+        self._path = path
         _FileIO.opened.append(path)
 
     def submit(self, buffer: torch.Tensor, offset: int, *, write: bool):
@@ -80,6 +82,7 @@ class _FileIO:
 
     def close(self) -> None:
         os.close(self._fd)
+        _FileIO.closed.append(self._path)
 
 
 class _Done:
@@ -116,6 +119,39 @@ def test_gds_transfers_start_at_their_event_without_the_caller_waiting(tmp_path,
         assert torch.equal(seen, torch.full((3000,), 3.0))  # the read did not overtake the copy reading dst
         assert torch.equal(dst, torch.full((3000,), 7.0))
         assert _FileIO.opened == store.swap_files  # one cuFile handle per swap file, kept by the engine
+
+
+def _open_fds_to(paths: list[str]) -> list[str]:
+    """The paths among ``paths`` (removed or not) that a descriptor of this process still holds open."""
+    held = [os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}") or os.path.islink(f"/proc/self/fd/{fd}")]  # fmt: skip
+    return [p for p in paths if p in held]
+
+
+def test_a_closed_stores_cufile_handles_close_with_it_while_the_engine_stays_open(tmp_path, late, monkeypatch):
+    """The engine opened a cuFile handle per swap file and closed them only when it closed: a closed store's
+    removed swap files kept their disk space while the engine (a session's, or a shared one) lived on."""
+    monkeypatch.setattr(TransferEngine, "direct", lambda self, store, tensor: True)
+    monkeypatch.setattr("nvoffload.transfer.engine.GDSFile", _FileIO)
+    _FileIO.opened, _FileIO.closed = [], []
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    with TransferEngine(256 * KiB, late) as engine:
+        stores = [TensorStore(tmp_path / d, checksum=False) for d in ("a", "b")]
+        for store in stores:
+            engine.save(store, "x", torch.full((3000,), 5.0), None).result()
+            dst = torch.zeros(3000)
+            engine.wait(engine.load(store, "x", dst, None))
+            assert torch.equal(dst, torch.full((3000,), 5.0))
+        first, second = (store.swap_files for store in stores)
+        assert sorted(_FileIO.opened) == sorted(first + second)  # one handle per swap file, reused for the read
+        stores[0].close()
+        assert sorted(_FileIO.closed) == sorted(first)  # the other store's handles stay open for its transfers
+        assert _open_fds_to(first) == [] and not any(os.path.exists(p) for p in first)  # removed, space freed
+        engine.save(stores[1], "y", torch.ones(100), None).result()  # still served by its open handles
+        assert torch.equal(stores[1].get("y").result(), torch.ones(100))
+        stores[1].close()
+        assert sorted(_FileIO.closed) == sorted(first + second)
+    assert sorted(_FileIO.closed) == sorted(first + second)  # the engine's close closes none twice
 
 
 def test_the_store_refuses_gds_transfers_it_would_checksum(tmp_path):

@@ -220,6 +220,7 @@ class TensorStore:
         self._seq = 0
         self._dirs = dirs
         self._closed = False
+        self._close_hooks: list[Callable[[], None]] = []
         try:
             for d in dirs:
                 path = os.path.join(d, f"nvoffload-{os.getpid()}-{uuid.uuid4().hex[:12]}.swap")
@@ -344,19 +345,38 @@ class TensorStore:
             raise KeyError(f"no tensor named {name!r} in the store")
         self._release(record)
 
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` when the store closes, once its I/O in flight is done and before its swap files are removed.
+
+        For what holds the swap files open besides the store (the transfer
+        engine's cuFile handles): a file removed while a handle is open keeps
+        its disk space until that handle closes. A store already closed calls
+        ``hook`` at once.
+        """
+        with self._lock:
+            if not self._closed:
+                self._close_hooks.append(hook)
+                return
+        hook()
+
     def close(self) -> None:
-        """Wait for I/O in flight, then close and remove the swap files. Idempotent."""
+        """Wait for I/O in flight, run the :meth:`on_close` hooks, then close and remove the swap files. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             pending = list(self._pending_puts.values())
             records = list(self._records.values())
+            hooks, self._close_hooks = self._close_hooks, []
         for future in pending + [f for r in records for f in r.in_flight]:
             _settle(future)
         self._records.clear()
-        self._engine.close()  # drains blocks no future tracks any more (a put replaced in flight)
-        self._remove_files()
+        try:
+            for hook in hooks:
+                hook()
+        finally:
+            self._engine.close()  # drains blocks no future tracks any more (a put replaced in flight)
+            self._remove_files()
 
     def __enter__(self) -> TensorStore:
         return self

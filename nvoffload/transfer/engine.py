@@ -26,6 +26,7 @@ missing wait is a wrong result in the tests rather than a corrupted run.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -86,7 +87,7 @@ class TransferEngine:
             self.device, self._owns_device = device, False
         self._chains = Worker("nvoffload-transfer", _run_chain)
         self._stop_chains = weakref.finalize(self, self._chains.stop)
-        self._gds_files: dict[str, GDSFile] = {}  # swap file path -> its cuFile handle, opened at its first use
+        self._gds_files: dict[str, GDSFile] = {}  # swap file path -> its cuFile handle, open from its first use
         self._gds_lock = threading.Lock()
         self._closed = False
 
@@ -184,7 +185,7 @@ class TransferEngine:
         """
         after = after or self.device.record()
         if self.direct(store, dst):
-            io = self._gds_io(dst, write=False)
+            io = self._gds_io(store, dst, write=False)
             return self.then(self._reached(after, name), lambda _: store.get_by(name, dst, io), what=name)
         _need_staging("load", name, staging)
         read = store.get(name, out=staging)
@@ -205,7 +206,7 @@ class TransferEngine:
             ValueError: no ``staging`` where GPUDirect Storage is not used.
         """
         if self.direct(store, src):
-            io = self._gds_io(src, write=True)
+            io = self._gds_io(store, src, write=True)
             ready = self._reached(after or self.device.record(), name)
             return self.then(ready, lambda _: store.put_by(name, src, io), what=name)
         _need_staging("save", name, staging)
@@ -218,20 +219,27 @@ class TransferEngine:
         since kvikio reads and writes device memory outside stream order."""
         return Future([_EventPart(event)], what=what)
 
-    def _gds_io(self, tensor: torch.Tensor, *, write: bool):
-        """The :data:`~nvoffload.io.store.ExtentIO` that moves bytes of the contiguous CUDA ``tensor`` by cuFile."""
+    def _gds_io(self, store, tensor: torch.Tensor, *, write: bool):
+        """The :data:`~nvoffload.io.store.ExtentIO` that moves bytes of the contiguous CUDA ``tensor`` by cuFile,
+        between it and ``store``'s swap files."""
         data = tensor.reshape(-1).view(torch.uint8)
 
         def io(path: str, offset: int, start: int, nbytes: int):
-            return self._gds_file(path).submit(data[start : start + nbytes], offset, write=write)
+            return self._gds_file(store, path).submit(data[start : start + nbytes], offset, write=write)
 
         return io
 
-    def _gds_file(self, path: str) -> GDSFile:
+    def _gds_file(self, store, path: str) -> GDSFile:
+        """The cuFile handle of ``store``'s swap file ``path``, opened at its first use and closed when the store
+        closes (:meth:`~nvoffload.io.TensorStore.on_close`: the removed file's disk space is freed then) or the engine
+        does, whichever comes first."""
         with self._gds_lock:
             file = self._gds_files.get(path)
-            if file is None:
+            opened = file is None
+            if opened:
                 file = self._gds_files[path] = GDSFile(path)
+        if opened:  # outside the lock: a store closed meanwhile calls the hook at once
+            store.on_close(functools.partial(_close_gds_file, weakref.ref(self), path))  # must not keep the engine
         return file
 
     # ---------------------------------------------------------------- lifetime
@@ -259,6 +267,17 @@ class TransferEngine:
     def _check_open(self, what: str | None) -> None:
         if self._closed:
             raise RuntimeError(f"transfer of {what or 'a tensor'}: the TransferEngine is closed")
+
+
+def _close_gds_file(engine_ref: weakref.ref, path: str) -> None:
+    """Close the cuFile handle of swap file ``path`` that the engine (if still alive) keeps, if it still keeps it."""
+    engine = engine_ref()
+    if engine is None:
+        return
+    with engine._gds_lock:
+        file = engine._gds_files.pop(path, None)
+    if file is not None:
+        file.close()
 
 
 def _run_chain(item: tuple) -> None:
