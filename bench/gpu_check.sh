@@ -78,7 +78,7 @@ row() {
 }
 
 # run STEP LIMIT_S FILES -- COMMAND...: COMMAND under timeout (LIMIT_S, or what is left of the budget), its
-# output in STEP.log, then its row.
+# output in STEP.log, then its row with those of FILES (under the output folder) that it left.
 run() {
   local step="$1" limit="$2" files="$3"
   shift 4
@@ -88,10 +88,13 @@ run() {
     return
   fi
   ((limit > left)) && limit=$left
-  local began=$SECONDS rc
+  local began=$SECONDS rc listed="$step.log" file
   timeout --kill-after=5 "$limit" "$@" > "$out/$step.log" 2>&1
   rc=$?
-  row "$step" "$(status "$rc" "$limit")" $((SECONDS - began)) "$limit" "$step.log${files:+ $files}"
+  for file in $files; do
+    [[ -e "$out/$file" ]] && listed+=" $file"  # what the step left
+  done
+  row "$step" "$(status "$rc" "$limit")" $((SECONDS - began)) "$limit" "$listed"
 }
 
 status() {  # status RC LIMIT_S: the words for a command's exit status
