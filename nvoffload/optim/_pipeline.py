@@ -210,7 +210,7 @@ class Pipeline:
                 return self._queue.get_nowait()
             except queue.Empty:
                 pass
-            if not (self._pump() and self._writes.wait_oldest()):
+            if not self._read_on():
                 return self._queue.get()  # idle: stop() ends this wait
 
     def _run_request(self, req: Request) -> None:
@@ -259,6 +259,11 @@ class Pipeline:
             self._free.append(slot)
 
     # ---- reads ahead and writes behind (the transfer engine's queues)
+    def _read_on(self) -> bool:
+        """Start the reads ahead that the budget and the free slots allow; when one finds no free slot, wait for
+        the oldest write to free one. True when it waited (a read ahead can start now)."""
+        return self._pump() and self._writes.wait_oldest()
+
     def _pump(self) -> bool:
         """Start the planned reads ahead that the budget and the free slots allow; True when one waits for a slot."""
         self._short_of_slots = False
@@ -366,7 +371,10 @@ class Pipeline:
         chunk.pending_gen = gen
         # The slot is free again once the weights reached the model and the state is on disk.
         self._write_behind(slot, Future.all_of([upload, wfut], what=f"the update of {chunk.record.name}"))
-        self._pump()  # keep reading ahead while the next update computes
+        # Keep reading ahead while the next update computes (the next update would wait for the oldest write
+        # anyway, and then read without overlap).
+        if self._read_on():
+            self._pump()
 
     def _gradient(self, req: Request, slot: Slot) -> tuple[torch.Tensor, Future | None]:
         """The request's gradient in host memory (summed with the kept one when asked; the kept one alone
