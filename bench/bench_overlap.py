@@ -33,12 +33,32 @@ copies on their own (timed by CUDA events on the copy streams on a GPU, by the
 stand-in's workers on the CPU).
 
     python bench/bench_overlap.py [--quick] [--device cpu|cuda] [--copy-gbps 0.2]
+
+``--host-profile`` measures instead the streamer's host time per block pass,
+as CPU time of the training thread (so waits and a loaded machine do not count):
+the streamed step under :mod:`cProfile`, every call into the streaming code
+(nvoffload's transfer, streaming, device, memory and I/O modules, torch's module
+backward hooks, ``weakref`` and ``threading``) from outside it summed and divided
+by the block passes (each block's forward and backward), its top costs by own
+time; and, unprofiled, the streamed step over the compute step, in the training
+thread's CPU time and in wall time (one intra-op thread, so that compute runs on
+the training thread; stand-in copies at 1000 GB/s unless ``--copy-gbps``).
+``--against DIR`` runs the same mode with the package of another checkout
+(``git worktree add DIR COMMIT``) in a subprocess first, for a before/after in one run.
+Results: ``bench_overlap_host_time.*``.
+
+    python bench/bench_overlap.py --device cpu --host-profile --against /tmp/wt-old --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import json
+import os
+import pstats
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,9 +92,14 @@ def parse_args(argv):
     p.add_argument("--copy-gbps", type=float, default=None, help="stand-in copy rate (default: copies take as long as compute)")
     p.add_argument("--name", default="bench_overlap")
     p.add_argument("--results-dir", type=Path, default=None, help="default: bench/results")
+    p.add_argument("--host-profile", action="store_true", help="the streamer's host time per block pass (see above)")
+    p.add_argument("--against", type=Path, default=None, help="with --host-profile: a checkout to compare with")
+    p.add_argument("--top", type=int, default=12, help="with --host-profile: costs listed")
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.d_model, args.seq_len, args.batch, args.repeats = 3, 64, 32, 2, 2
+    if args.host_profile and args.name == "bench_overlap":
+        args.name = "bench_overlap_host_time"
     return args
 
 
@@ -93,16 +118,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_s(model, x, y, device) -> tuple[float, float]:
-    """(forward, backward) seconds of one step."""
+def step_s(model, x, y, device, clock=time.perf_counter) -> tuple[float, float]:
+    """(forward, backward) seconds of one step, by ``clock``."""
     sync(device)
-    start = time.perf_counter()
+    start = clock()
     loss = model(x, y)
     sync(device)
-    middle = time.perf_counter()
+    middle = clock()
     loss.backward()
     sync(device)
-    return middle - start, time.perf_counter() - middle
+    return middle - start, clock() - middle
 
 
 def copies_s(engine: TransferEngine, blocks: list[torch.nn.Module], device: torch.device) -> tuple[float, float, int]:
@@ -128,8 +153,120 @@ def _medians(samples: list[tuple[float, ...]]) -> list[float]:
     return [statistics.median(column) for column in zip(*samples)]
 
 
+# Where the streamer's host work runs: a call into these files from any other is host time of streaming.
+_STREAMING_CODE = (
+    "nvoffload/streaming/", "nvoffload/transfer/", "nvoffload/device.py", "nvoffload/memory.py", "nvoffload/io/",
+    "nvoffload/_workers.py", "torch/utils/hooks.py", "/weakref.py", "/threading.py",
+)  # fmt: skip
+
+
+def _streaming(func: tuple) -> bool:
+    return any(part in func[0] for part in _STREAMING_CODE)
+
+
+def streaming_host_s(stats: pstats.Stats) -> tuple[float, dict[str, float]]:
+    """(seconds of the calls into the streaming code from outside it, {function: its own seconds}), from a
+    profile of the training thread; built-ins called by the streaming code count as its own."""
+    total, own = 0.0, {}
+    for func, (_, _, own_s, _, callers) in stats.stats.items():
+        if _streaming(func):
+            total += sum(cum_s for caller, (_, _, _, cum_s) in callers.items() if not _streaming(caller))
+            own[pstats.func_std_string(func)] = own_s
+        elif func[0] == "~":  # a built-in: the share of its time the streaming code called
+            share = sum(t for caller, (_, _, t, _) in callers.items() if _streaming(caller))
+            if share:
+                own[pstats.func_std_string(func)] = share
+    return total, own
+
+
+def host_profile(args) -> dict:
+    """The streamer's host time per block pass (profiled) and the streamed step over the compute step (not)."""
+    if args.against is not None:
+        with tempfile.TemporaryDirectory(prefix="nvoffload-bench-against-") as out:
+            argv = [a for a in sys.argv[1:] if a not in ("--against", str(args.against))]
+            env = dict(os.environ, PYTHONPATH=str(args.against))
+            subprocess.run(
+                [sys.executable, __file__, *argv, "--name", "against", "--results-dir", out], env=env, check=True,
+                stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+            before = json.loads((Path(out) / "against.json").read_text())["profile"]
+    device = torch.device(args.device or "cpu")
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 512, (args.batch, args.seq_len), generator=g).to(device)
+    y = x.roll(-1, dims=1)
+    compute_model, model = build(args, device), build(args, device)
+    block_bytes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks]
+    resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))
+    host_bytes = sum(-(-b // 4096) * 4096 for b in block_bytes) + 8 * MiB
+    gbps = args.copy_gbps or 1000.0
+    compute_dev = SimDevice(copy_gbps=gbps, copy_delay_us=0) if device.type == "cpu" else compute_device(device)
+    engine = TransferEngine(host_bytes, compute_dev, what="the benchmark's host cache")
+    memory = MemoryManager(device_memory_bytes=2 * resident + 6 * max(block_bytes) + 8 * MiB, cpu_memory_bytes=host_bytes)
+    passes = 2 * len(block_bytes)  # each block's forward and backward
+    with tempfile.TemporaryDirectory(prefix="nvoffload-bench-overlap-") as swap, TensorStore(swap) as store:
+        streamer = ParameterStreamer(model, store, memory, device=device, transfer=engine)
+        step_s(model, x, y, device), step_s(compute_model, x, y, device)  # warm-up: every block in the host cache
+        times = {(m, c): [] for m in ("compute", "streamed") for c in ("cpu", "wall")}
+        for _ in range(args.repeats):  # alternated, so that the machine's load weighs on both alike
+            for case, m in (("compute", compute_model), ("streamed", model)):
+                for clock, c in ((time.thread_time, "cpu"), (time.perf_counter, "wall")):
+                    times[case, c].append(sum(step_s(m, x, y, device, clock)))
+        profiler = cProfile.Profile(time.thread_time)
+        profiled_s = 0.0
+        for _ in range(args.repeats):
+            profiler.enable()
+            profiled_s += sum(step_s(model, x, y, device, time.thread_time))
+            profiler.disable()
+        streamer.close()
+    engine.close()
+    compute_dev.close()
+    host_s, own = streaming_host_s(pstats.Stats(profiler))
+    steps = args.repeats * passes
+    top = sorted(own.items(), key=lambda kv: -kv[1])[: args.top]
+    profile = {
+        "package": str(Path(sys.modules["nvoffload"].__file__).parents[1]),
+        "commit": _commit(Path(sys.modules["nvoffload"].__file__).parents[1]),
+        "host_ms_per_block_pass": host_s / steps * 1e3,
+        "profiled_step_ms_per_block_pass": profiled_s / steps * 1e3,
+        **{f"{case}_{c}_s": statistics.median(t) for (case, c), t in times.items()},
+        **{f"streamed/compute_{c}": statistics.median(times["streamed", c]) / statistics.median(times["compute", c])
+           for c in ("cpu", "wall")},
+        "top_ms_per_block_pass": [(name, s / steps * 1e3) for name, s in top],
+    }  # fmt: skip
+    runs = ([("before", before)] if args.against is not None else []) + [("after" if args.against else "this", profile)]
+    rows = [
+        {"case": f"{label} ({run['commit']})", "host ms per block pass": run["host_ms_per_block_pass"],
+         "streamed/compute (CPU time)": run["streamed/compute_cpu"], "streamed/compute (wall)": run["streamed/compute_wall"],
+         "streamed s (CPU time)": run["streamed_cpu_s"], "compute s (CPU time)": run["compute_cpu_s"]}
+        for label, run in runs
+    ]  # fmt: skip
+    notes = "\n".join(
+        f"{label} ({run['commit']}), top own host time per block pass: "
+        + "; ".join(f"{name} {ms:.3f} ms" for name, ms in run["top_ms_per_block_pass"])
+        for label, run in runs
+    ) + f"\n\nload average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; stand-in copies at {gbps:g} GB/s."
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "results_dir"}
+    settings.update(device=str(device), copy_gbps=gbps)
+    save_report(
+        args.name, rows, settings=settings, plot_column="host ms per block pass", notes=notes,
+        extra={"profile": profile, "runs": dict(runs)}, **({"results_dir": args.results_dir} if args.results_dir else {}),
+    )  # fmt: skip
+    return dict(runs)
+
+
+def _commit(checkout: Path) -> str:
+    """The short commit of a checkout, with ``+`` when its files differ from it."""
+    git = ["git", "-C", str(checkout)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    changed = subprocess.run([*git, "status", "--porcelain", "--", "nvoffload"], capture_output=True, text=True, check=True).stdout
+    return head + ("+" if changed.strip() else "")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.host_profile:
+        return host_profile(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 512, (args.batch, args.seq_len), generator=g).to(device)

@@ -8,7 +8,6 @@ import weakref
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
-from torch.utils.hooks import BackwardHook
 
 from nvoffload.streaming._blocks import Block
 from nvoffload.streaming._residency import DeviceResidency
@@ -19,11 +18,6 @@ __all__ = ["BackwardPasses", "CallHooks"]
 def _current_pass() -> int:
     """The running backward pass (autograd's graph task), or -1 outside backward."""
     return torch._C._current_graph_task_id()
-
-
-def _will_get_grad(param: nn.Parameter) -> bool:
-    """Whether the running backward pass will accumulate a gradient into ``param``."""
-    return torch._C._will_engine_execute_node(get_gradient_edge(param).node)
 
 
 class _Hold:
@@ -45,7 +39,7 @@ class BackwardPasses:
 
     A pass holds a block from its first backward pre-hook (the gradient of a
     call's output is ready) until both: every call of the block in the pass has
-    the gradients of its inputs (the full backward hook), and every parameter of
+    the gradients of its inputs (:class:`CallHooks`), and every parameter of
     the block that the pass will give a gradient (autograd's engine says which, at
     that first pre-hook) has it. So a parameter left out of a step (a skipped
     branch, an unrouted expert) does not keep its block, and a block called twice
@@ -59,6 +53,7 @@ class BackwardPasses:
         self._residency = residency
         self._lock = threading.RLock()
         self._passes: dict[int, dict[Block, _Hold]] = {}
+        self._accumulators: dict[nn.Parameter, object] = {}  # each parameter's gradient node, kept: found once
 
     def enter(self, block: Block, headroom_bytes: int) -> None:
         """Backward reached a call of ``block`` (its backward pre-hook); ``headroom_bytes``: its gradients to come."""
@@ -72,12 +67,12 @@ class BackwardPasses:
             if hold is None or not hold.held:
                 self._residency.hold(block, "backward", headroom_bytes=headroom_bytes)
             if hold is None:
-                hold = holds[block] = _Hold({id(p) for p in block.trainable if _will_get_grad(p)})
+                hold = holds[block] = _Hold({id(p) for p in block.trainable if self._will_get_grad(p)})
             hold.held = True
             hold.calls += 1
 
     def inputs_done(self, block: Block) -> None:
-        """A call of ``block`` has the gradients of its inputs (its full backward hook)."""
+        """A call of ``block`` has the gradients of its inputs (:class:`CallHooks`)."""
         with self._lock:
             hold = self._hold(block)
             if hold is not None:
@@ -111,6 +106,13 @@ class BackwardPasses:
                 for task in list(self._passes):
                     self.finish(task)
 
+    def _will_get_grad(self, param: nn.Parameter) -> bool:
+        """Whether the running backward pass will accumulate a gradient into ``param``."""
+        node = self._accumulators.get(param)
+        if node is None:  # kept alive from now on, so every graph accumulates through this one
+            node = self._accumulators[param] = get_gradient_edge(param).node
+        return torch._C._will_engine_execute_node(node)
+
     def _hold(self, block: Block) -> _Hold | None:
         return self._passes.get(_current_pass(), {}).get(block)
 
@@ -121,51 +123,60 @@ class BackwardPasses:
 
 
 class CallHooks:
-    """The backward hooks of each call of a block: what ``register_full_backward_pre_hook`` and
-    ``register_full_backward_hook`` give, set up per call from its forward hooks, so that a call whose inputs need
-    no gradient (the first block of a model with frozen embeddings: LoRA) gets the backward pre-hook alone, from
-    its outputs' gradients, without torch's warning that a full backward hook fires early.
+    """The backward hooks of each call of a block, set up per call from its forward hooks on the call's own
+    tensors, without the autograd functions around its inputs and outputs that ``register_full_backward_hook``
+    adds (two per call, each a Python function in forward and in backward).
 
-    ``before(module, grad_output)`` runs when the gradient of a call's output is ready, ``inputs_done(module,
-    grad_input, grad_output)`` when the gradients of its inputs are (right after ``before`` when none needs one).
+    ``before(module)`` runs when the gradient of a call's output is ready (a pre-hook of the node that made the
+    output: the first of them in a pass when there are several), ``inputs_done(module)`` when the gradients of
+    all its inputs that need one are (hooks on the inputs, set before the call runs, so an input the call
+    changes in place reports its own gradient; right after ``before`` when none needs one: the first block of a
+    model with frozen embeddings, LoRA). An input's hook is a tensor hook of the node that made the input, and
+    autograd runs those before the node's pre-hooks: the block whose input is the previous block's output lets
+    go before the previous block is held.
     """
 
     def __init__(self, before, inputs_done):
         self._before = before
         self._inputs_done = inputs_done
-        self._calls: list[BackwardHook | None] = []  # the calls whose forward is running, innermost last
+        self._calls: list[list[torch.Tensor]] = []  # the inputs needing gradients of each running call, innermost last
 
-    def forward_began(self, module: nn.Module, args: tuple) -> tuple:
-        """From the call's forward pre-hook: its arguments, those needing gradients wrapped to report them."""
-        hook = None
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            hook = BackwardHook(module, [self._inputs_done], [self._before])
-            args = hook.setup_input_hook(args)
-        self._calls.append(hook)
-        return args
+    def forward_began(self, module: nn.Module, args: tuple) -> None:
+        """From the call's forward pre-hook: note its arguments that need gradients."""
+        needing = []
+        if torch.is_grad_enabled():
+            needing = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        self._calls.append(needing)
 
-    def forward_ended(self, module: nn.Module, output):
-        """From the call's forward hook: its output, wrapped to report its gradient (as it is when the call's
-        forward pre-hook raised before :meth:`forward_began`)."""
+    def forward_ended(self, module: nn.Module, output) -> None:
+        """From the call's forward hook: hook its output and inputs (none when the call's forward pre-hook raised
+        before :meth:`forward_began`)."""
         if not self._calls:
-            return output
-        hook = self._calls.pop()
-        if hook is not None:
-            return hook.setup_output_hook(output)
+            return
+        inputs = self._calls.pop()
         outputs = output if isinstance(output, tuple) else (output,)
         needing = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
-        if needing and torch.is_grad_enabled():
-            fired = []
+        if not needing or not torch.is_grad_enabled():
+            return
+        fired: set[int] = set()  # the passes that reached the call
 
-            def first_gradient(grad: torch.Tensor) -> None:
-                if not fired:
-                    fired.append(True)
-                    self._before(module, (grad,))
-                    self._inputs_done(module, (), (grad,))
+        def output_ready(*_) -> None:
+            task = _current_pass()
+            if task not in fired:
+                fired.add(task)
+                self._before(module)
+                if not inputs:
+                    self._inputs_done(module)
 
-            for t in needing:
-                t.register_hook(first_gradient)
-        return output
+        for t in needing:
+            if t.grad_fn is None:  # an input or a parameter returned as it is
+                t.register_hook(output_ready)
+            else:
+                t.grad_fn.register_prehook(output_ready)
+        if len(inputs) == 1:
+            inputs[0].register_hook(lambda _: self._inputs_done(module))
+        elif inputs:
+            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _: self._inputs_done(module))
 
 
 def _final_callback(passes: BackwardPasses, task: int):

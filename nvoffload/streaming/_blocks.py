@@ -72,6 +72,7 @@ class Block:
         self.params = [p for _, p in params]
         self.dtypes = [p.dtype for p in self.params]
         self.shapes = [p.shape for p in self.params]
+        self.param_bytes = [shape.numel() * dtype.itemsize for shape, dtype in zip(self.shapes, self.dtypes)]
         self.offsets, self._part = [0] * len(self.params), [0] * len(self.params)
         groups = [[j for j, p in enumerate(self.params) if p.requires_grad == trains] for trains in (False, True)]
         self.parts: list[tuple[str, int, int]] = []
@@ -81,19 +82,22 @@ class Block:
             for j in group:
                 total = _aligned(total, _ALIGN_BYTES)
                 self.offsets[j], self._part[j] = total, len(self.parts)
-                total += self.params[j].numel() * self.params[j].element_size()
+                total += self.param_bytes[j]
             self.parts.append((self.name if not self.parts else f"{self.name}.trainable", start, total))
         self.nbytes = total
 
     @property
     def trainable(self) -> list[nn.Parameter]:
-        """The parameters that require grad now."""
-        return [p for p in self.params if p.requires_grad]
+        """The parameters that require grad now (``requires_grad`` read past the off-device guard: it is no read of
+        the weights, and this runs in every block's hooks)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return [p for p in self.params if p.requires_grad]
 
     @property
     def grad_bytes(self) -> int:
         """Device bytes of the gradients a backward pass makes."""
-        return _nbytes(self.trainable)
+        with torch._C.DisableTorchFunctionSubclass():
+            return sum(nbytes for p, nbytes in zip(self.params, self.param_bytes) if p.requires_grad)
 
     def part_of(self, j: int) -> int:
         """The index in ``parts`` of the part that holds parameter ``j``."""
@@ -101,8 +105,7 @@ class Block:
 
     def view(self, flat: torch.Tensor, j: int) -> torch.Tensor:
         """Parameter ``j``'s range of the block's bytes ``flat`` (a flat ``uint8`` tensor), with its dtype and shape."""
-        nbytes = self.shapes[j].numel() * self.dtypes[j].itemsize
-        return flat[self.offsets[j] : self.offsets[j] + nbytes].view(self.dtypes[j]).view(self.shapes[j])
+        return flat[self.offsets[j] : self.offsets[j] + self.param_bytes[j]].view(self.dtypes[j]).view(self.shapes[j])
 
     def __repr__(self) -> str:
         return f"parameter block {self.index}"

@@ -12,7 +12,7 @@ import torch
 from nvoffload.io import TensorStore
 from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.streaming._blocks import Block
-from nvoffload.transfer import Future, HostSlab
+from nvoffload.transfer import Future, TransferEngine
 
 __all__ = ["HostCache"]
 
@@ -35,9 +35,9 @@ class _Entry:
 class HostCache:
     """Host copies of blocks, least recently used first out, within the :class:`MemoryManager`'s host budget.
 
-    The buffers come from ``slab`` (the transfer engine's: page-locked with
-    CUDA, so copies to the device run asynchronously; 4 KiB-aligned for the
-    store's direct I/O) and are counted in the host tier. The store holds every
+    The buffers come from the slab of ``transfer`` (page-locked with CUDA, so
+    copies to the device run asynchronously; 4 KiB-aligned for the store's
+    direct I/O) and are counted in the host tier. The store holds every
     block. :meth:`pin` gives a block's host copy, its flat bytes (read from the
     store if not cached; ``Block.view`` gives each parameter's part), and keeps
     it cached until :meth:`unpin`;
@@ -47,16 +47,20 @@ class HostCache:
     never its frozen base weights. :meth:`pin_loading` pins without
     waiting for the read, for a copy to the device chained after it. :meth:`prefetch`
     never waits for a write-back: it starts those its reads need room from, and reads
-    once they are done (a later call). A failed write-back leaves the block cached and
+    once they are done (a later call); those write-backs are submitted from the
+    transfer engine's dispatcher thread (a submit may wait for an earlier write
+    of the block and for room in the I/O queue), never from the training
+    thread's hooks. A failed write-back leaves the block cached and
     changed, and raises from the next call that needs its room, pins it or flushes.
     Thread-safe: the optimizer's worker pins blocks while the training thread brings
     them to the device.
     """
 
-    def __init__(self, store: TensorStore, memory: MemoryManager, slab: HostSlab):
+    def __init__(self, store: TensorStore, memory: MemoryManager, transfer: TransferEngine):
         self.store = store
         self.memory = memory
-        self.slab = slab
+        self.transfer = transfer
+        self.slab = transfer.slab
         self._lock = threading.RLock()
         self._lru: collections.OrderedDict[Block, _Entry] = collections.OrderedDict()
         self.bytes_read = 0
@@ -163,20 +167,28 @@ class HostCache:
             loading, entry.loading = entry.loading, None
             loading.result()
 
-    def _put(self, block: Block, host: torch.Tensor, parts: Iterable[int]) -> Future:
+    def _put(self, block: Block, host: torch.Tensor, parts: list[int]) -> Future:
         """Start writing ``parts`` (indices in ``block.parts``) of the block's host copy to the store."""
-        writes = []
-        for i in sorted(parts):
-            name, start, end = block.parts[i]
-            writes.append(self.store.put(name, host[start:end]))
-            self.bytes_written += end - start
+        writes = [self.store.put(name, host[start:end]) for name, start, end in (block.parts[i] for i in parts)]
         return writes[0] if len(writes) == 1 else Future.all_of(writes, what=str(block))
 
+    def _counted(self, block: Block, parts: Iterable[int]) -> list[int]:
+        """``parts``, in order, their bytes counted as written."""
+        parts = sorted(parts)
+        self.bytes_written += sum(block.parts[i][2] - block.parts[i][1] for i in parts)
+        return parts
+
     def _write_back(self, block: Block, host: torch.Tensor, parts: Iterable[int]) -> None:
-        self._put(block, host, parts).result()
+        self._put(block, host, self._counted(block, parts)).result()
 
     def _start_write_back(self, block: Block, entry: _Entry) -> None:
-        entry.writing, entry.written, entry.dirty = self._put(block, entry.host, entry.dirty), entry.dirty, set()
+        """Write the entry's changed parts back, submitted from the transfer engine's dispatcher thread (not from
+        the calling thread: the training thread's hooks)."""
+        host, parts = entry.host, self._counted(block, entry.dirty)
+        entry.writing = self.transfer.then(
+            Future.completed(), lambda _: self._put(block, host, parts), what=f"the write-back of {block}"
+        )
+        entry.written, entry.dirty = entry.dirty, set()
 
     @staticmethod
     def _settle_write(entry: _Entry) -> None:

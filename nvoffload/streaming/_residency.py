@@ -29,48 +29,69 @@ def _flat(block: Block) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=p.device).set_(p.untyped_storage(), 0, (block.nbytes,), (1,))
 
 
+class _Counted(weakref.ref):
+    """One counted gradient, the ledger's record of it: a weak reference to the gradient (whose callback uncounts
+    it once freed), its parameter and its bytes."""
+
+    __slots__ = ("nbytes", "param")
+    __hash__ = object.__hash__  # the record is the handle: its identity, never the gradient's (nor its id())
+    __eq__ = object.__eq__
+
+    def __new__(cls, grad: torch.Tensor, freed, param: nn.Parameter, nbytes: int):
+        return super().__new__(cls, grad, freed)
+
+    def __init__(self, grad: torch.Tensor, freed, param: nn.Parameter, nbytes: int):
+        super().__init__(grad, freed)
+        self.param, self.nbytes = param, nbytes
+
+
 class GradientLedger:
     """Gradients counted in the device tier from the moment autograd accumulates them until they are freed.
 
     :meth:`track` is called from post-accumulate-grad hooks that run before the
     optimizer's, so it sees each gradient while its parameter still holds it.
     Gradients whose parameter no longer holds them are *queued*: the optimizer
-    took them and frees them as its updates finish.
+    took them and frees them as its updates finish. One record per gradient
+    (:class:`_Counted`), kept until the gradient is freed; each parameter's
+    latest is found by the parameter, so a gradient accumulated into again is
+    counted once.
     """
 
     def __init__(self, memory: MemoryManager, model: nn.Module):
         self.memory = memory
         self._model = model  # names the parameters in messages
         self._lock = threading.Lock()
-        self._counted: dict[int, tuple[nn.Parameter, weakref.ref, int]] = {}  # id(grad) -> param, grad, bytes
+        self._counted: dict[_Counted, None] = {}  # the records of the gradients not freed yet, oldest first
+        self._latest: dict[nn.Parameter, _Counted] = {}  # each parameter's latest record
 
     def track(self, param: nn.Parameter) -> None:
         grad = param.grad
         if grad is None:
             return
+        latest = self._latest.get(param)
+        if latest is not None and latest() is grad:  # accumulated into the same tensor again
+            return
+        record = _Counted(grad, self._freed, param, grad.numel() * grad.element_size())
         with self._lock:
-            if id(grad) in self._counted:  # accumulated into the same tensor again
-                return
-            nbytes = grad.numel() * grad.element_size()
-            self._counted[id(grad)] = (param, weakref.ref(grad), nbytes)
-        self.memory.track("device", nbytes)
-        weakref.finalize(grad, self._freed, id(grad), nbytes)
+            self._counted[record] = None
+            self._latest[param] = record
+        self.memory.track("device", record.nbytes)
 
-    def _freed(self, key: int, nbytes: int) -> None:
+    def _freed(self, record: _Counted) -> None:
         with self._lock:
-            del self._counted[key]
-        self.memory.untrack("device", nbytes)
+            del self._counted[record]
+        self.memory.untrack("device", record.nbytes)
 
     def _split(self) -> tuple[list[tuple[str, int]], int]:
         """(parameter, bytes) of the gradients their parameters still hold, and the bytes of the others."""
         held, queued = [], 0
         with self._lock:
-            entries = list(self._counted.values())
-        for param, grad, nbytes in entries:
-            if param.grad is not None and param.grad is grad():
-                held.append((param, nbytes))
+            records = list(self._counted)
+        for record in records:
+            if record.param.grad is not None and record.param.grad is record():
+                held.append((record.param, record.nbytes))
             else:
-                queued += nbytes
+                queued += record.nbytes
         return held, queued
 
     def queued_bytes(self) -> int:

@@ -145,7 +145,7 @@ class ParameterStreamer:
             transfer = TransferEngine(host_bytes, self.device, what="parameter streaming's host memory")
         self.transfer = transfer
         try:
-            self._cache = HostCache(store, memory, transfer.slab)
+            self._cache = HostCache(store, memory, transfer)
             gradients = GradientLedger(memory, model)
             self._residency = DeviceResidency(
                 memory, self._cache, transfer, self.device, gradients, resident_bytes(self._resident)
@@ -212,7 +212,7 @@ class ParameterStreamer:
                 p.register_post_accumulate_grad_hook(_hook(self, method, *block))
                 self._grad_hooked.add(p)
 
-    def _before_forward(self, block: Block, calls: CallHooks, module, args) -> tuple:
+    def _before_forward(self, block: Block, calls: CallHooks, module, args) -> None:
         waited_ns = time.monotonic_ns()
         self._passes.release_unfinished()
         self._residency.hold(block, "forward")
@@ -220,7 +220,7 @@ class ParameterStreamer:
         self._cache.prefetch(ahead)
         self._residency.stage(ahead[0] if ahead else None)
         self._compute_began(block, waited_ns)
-        return calls.forward_began(module, args)
+        calls.forward_began(module, args)
 
     def _compute_began(self, block: Block, waited_ns: int) -> None:
         """With a trace: the wait for ``block``'s weights (since ``waited_ns``) as a span; its compute starts now."""
@@ -236,16 +236,15 @@ class ParameterStreamer:
         if recording is not None and started is not None:
             recording.add("compute", f"{what} {block.index}", started, time.monotonic_ns())
 
-    def _after_forward(self, block: Block, calls: CallHooks, module, args, output):
+    def _after_forward(self, block: Block, calls: CallHooks, module, args, output) -> None:
         self._compute_ended(block, "forward")
         if self._residency.holds(block, "forward"):  # none when the pre-hook raised
             # The last block is the first backward needs: it stays on the device, unless no backward is coming.
             stay = block.pos == len(self._blocks) - 1 and torch.is_grad_enabled() and bool(block.trainable)
             self._residency.unhold(block, "forward", stay=stay)
-            return calls.forward_ended(module, output)
-        return None
+            calls.forward_ended(module, output)
 
-    def _before_backward(self, block: Block, module, grad_output) -> None:
+    def _before_backward(self, block: Block, module) -> None:
         waited_ns = time.monotonic_ns()
         grads = self._grad_headroom(block)
         self._passes.enter(block, headroom_bytes=grads)
@@ -260,7 +259,7 @@ class ParameterStreamer:
         """Device bytes of the gradients ``block``'s backward makes (the first block's: the resident ones' too)."""
         return block.grad_bytes + (resident_bytes(self._resident, grads=True) if block.pos == 0 else 0)
 
-    def _after_backward_call(self, block: Block, module, grad_input, grad_output) -> None:
+    def _after_backward_call(self, block: Block, module) -> None:
         self._compute_ended(block, "backward")
         self._passes.inputs_done(block)
 
