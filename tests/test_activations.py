@@ -17,7 +17,7 @@ from nvoffload.activations import ActivationOffloadConfig, SavedTensorCounter, o
 from nvoffload.device import SimDevice
 from nvoffload.memory import MemoryBudgetError
 from nvoffload.models.gpt import GPT, GPTConfig
-from nvoffload.transfer import TransferEngine
+from nvoffload.transfer import ReadAhead, TransferEngine, WriteBehind
 
 from conftest import DEVICES
 
@@ -107,8 +107,9 @@ def wait_for_writes(*offloads):
     through forward and whole backward passes (NVOFFLOAD_SIM_COPY_DELAY_US=1500000 does it every time): a
     test that asserts on what is in the store, or on reads, waits here instead of assuming a speed."""
     for offload in offloads:
-        for record in list(offload._writes.values()):
-            record.write.future.result(timeout=60)
+        for record in list(offload._records.values()):
+            if record.write is not None:
+                record.write.future.result(timeout=60)
 
 
 def assert_released(offload, graph_alive=False):
@@ -120,7 +121,7 @@ def assert_released(offload, graph_alive=False):
     assert stats.offloaded_bytes == 0
     assert stats.live_records == 0
     assert graph_alive or stats.resident_bytes == 0
-    assert offload._tier is None or offload._tier.host_bytes == 0  # every slab buffer given back
+    assert offload._tier is None or offload._tier.slab.used_bytes == 0  # every slab buffer given back
 
 
 SETTINGS = {
@@ -576,6 +577,34 @@ def test_reads_reach_the_device_ahead_of_unpack(target, tmp_path, monkeypatch):
     assert len(waited) > 3 and len(ahead) == offload.stats().reads_prefetched >= len(waited) // 2
     _grads_with_offload(target, tmp_path, prefetch_bytes=0)
     assert read_ahead()[1] == []  # without prefetch, each read starts when backward asks for it
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_writes_and_reads_ahead_go_through_the_transfer_engines_queues(target, tmp_path, monkeypatch):
+    """Activation offload kept a write-behind (its writes in flight and their bytes) and a read-ahead (a sorted list
+    of stored tensors and a byte count) of its own; they are the transfer engine's WriteBehind and ReadAhead now:
+    every write is submitted to a WriteBehind, every read ahead is taken from a ReadAhead (issue 32)."""
+    writes, taken = [], []
+    submit, take = WriteBehind.submit, ReadAhead.take
+
+    def submitted(self, nbytes, start, done=None):
+        if self.what == "activation offload's writes":
+            writes.append(nbytes)
+        return submit(self, nbytes, start, done)
+
+    def took(self, key):
+        future = take(self, key)
+        if future is not None:
+            taken.append(key)
+        return future
+
+    monkeypatch.setattr(WriteBehind, "submit", submitted)
+    monkeypatch.setattr(ReadAhead, "take", took)
+    ref, got, offload = _grads_with_offload(target, tmp_path, prefetch_bytes=1 << 30)
+    assert_same(ref, got)
+    stats = offload.stats()
+    assert len(writes) == stats.tensors_written > 3 and sum(writes) == stats.bytes_written
+    assert len(taken) == len(set(taken)) == stats.reads_prefetched > 3  # each read ahead taken once, by backward
 
 
 class _SlowBackward(torch.autograd.Function):

@@ -230,6 +230,20 @@ def test_write_behind_waits_for_its_oldest_write_and_can_leave_errors_to_the_don
     assert [i for i, _ in done] == [0, 1, 2] and not wb.wait_oldest()
 
 
+def test_write_behind_waits_for_one_write_and_those_before_it_only():
+    gates = [threading.Event() for _ in range(3)]
+    done = []
+    wb = WriteBehind(1000, "test writes", keep_errors=False)
+    futures = [
+        wb.submit(10, lambda gate=gate: Future([_Gate(gate)]), lambda err, i=i: done.append(i)) for i, gate in enumerate(gates)
+    ]
+    threading.Timer(0.05, lambda: [g.set() for g in gates[:2]]).start()
+    assert wb.wait_for(futures[1]) and done == [0, 1] and wb.in_flight_bytes == 10  # the third stays in flight
+    assert not wb.wait_for(futures[1]) and not wb.wait_for(Future.completed())  # reaped, or never submitted
+    gates[2].set()
+    assert wb.wait_for(futures[2]) and done == [0, 1, 2] and wb.in_flight_bytes == 0
+
+
 class _Gate:
     def __init__(self, gate, error=None):
         self.gate, self._error = gate, error

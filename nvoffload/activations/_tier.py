@@ -12,9 +12,11 @@ Every copy goes through a :class:`~nvoffload.transfer.TransferEngine`:
   compute after it with ``engine.wait``.
 
 A slab buffer is given back only once the last transfer that reads or writes
-it is done: :meth:`Tier.retire` parks it with that transfer's future until then.
-A staging buffer (NVMe) is retired as soon as its transfer starts, so a wait
-for room waits for transfers in flight, never for backward to use a tensor.
+it is done: :meth:`Tier.retire` queues it behind that transfer in a
+:class:`~nvoffload.transfer.WriteBehind` (``retiring``: its done hook gives the
+buffer back). A staging buffer (NVMe) is retired as soon as its transfer
+starts, so a wait for room waits for transfers in flight, never for backward
+to use a tensor. The slab is the only count of the host memory the tier holds.
 
 Into a store, a tensor larger than the slab moves in pieces of at most half the
 slab (room for a piece going out beside one coming back), each a tensor of the
@@ -24,13 +26,13 @@ for a later piece once that transfer is done.
 
 from __future__ import annotations
 
-import collections
+import functools
 from collections.abc import Callable
 
 import torch
 
 from nvoffload.memory import MemoryBudgetError
-from nvoffload.transfer import Future, TransferEngine
+from nvoffload.transfer import Future, TransferEngine, WriteBehind
 from nvoffload.transfer.slab import ALIGNMENT_BYTES
 
 __all__ = ["Load", "Tier", "Write"]
@@ -76,18 +78,13 @@ class Tier:
         self.store = store
         self._owns_engine = owns_engine
         self._owns_store = owns_store
-        self._retiring: collections.deque[tuple[Future | None, torch.Tensor]] = collections.deque()
+        # Slab buffers that transfers in flight still use; errors belong to whoever holds those transfers.
+        self._retiring = WriteBehind(engine.slab.capacity_bytes, "activation offload's retiring buffers", keep_errors=False)
         self._pieces: dict[str, list[tuple[str, int, int]]] = {}  # name -> (store name, start, end) of a pieced one
-        self.host_bytes = 0  # slab bytes this tier holds: stored data, staging, buffers retiring
 
     @property
     def slab(self):
         return self.engine.slab
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes the offloaded tensors take in the target (swap files, or slab buffers)."""
-        return self.store.used_bytes if self.store is not None else self.host_bytes
 
     # ---------------------------------------------------------------- host buffers
     def allocate(self, numel: int, dtype: torch.dtype, what: str, *, wait: bool = True) -> torch.Tensor | None:
@@ -112,38 +109,25 @@ class Tier:
                 return None
             if not (self.wait_retiring() or self._make_room()):
                 break
-        buffer = self.slab.allocate(nbytes, what)
-        self.host_bytes += buffer.numel()
-        return buffer.view(dtype)
+        return self.slab.allocate(nbytes, what).view(dtype)
 
     def retire(self, buffer: torch.Tensor | None, future: Future | None) -> None:
-        """Give ``buffer`` back once ``future`` (the last transfer using it) is done; give back those done."""
-        if buffer is not None:
-            self._retiring.append((future, buffer))
+        """Give ``buffer`` back once ``future`` (the last transfer using it; None: none) is done; give back those
+        done."""
+        if buffer is not None and future is None:
+            self.slab.free(buffer)
+        elif buffer is not None:
+            free = functools.partial(_give_back, self.slab, buffer)
+            self._retiring.submit(buffer.numel() * buffer.element_size(), lambda: future, free)
         self.reap()
 
     def reap(self) -> None:
-        """Give back the retired buffers whose transfers are done, without waiting."""
-        for _ in range(len(self._retiring)):
-            future, buffer = self._retiring.popleft()
-            if future is None or future.done():
-                self._free(buffer)
-            else:
-                self._retiring.append((future, buffer))
+        """Give back the retired buffers whose transfers are done (oldest first), without waiting."""
+        self._retiring.poll()
 
     def wait_retiring(self) -> bool:
         """Wait for the oldest retired buffer's transfer and give it back; False when none is retiring."""
-        if not self._retiring:
-            return False
-        future, buffer = self._retiring.popleft()
-        if future is not None:
-            future.exception()  # its error was (or will be) reported by whoever used the transfer
-        self._free(buffer)
-        return True
-
-    def _free(self, buffer: torch.Tensor) -> None:
-        self.host_bytes -= buffer.numel() * buffer.element_size()
-        self.slab.free(buffer)
+        return self._retiring.wait_oldest()
 
     # ---------------------------------------------------------------- out
     def write(self, name: str, flat: torch.Tensor) -> Write:
@@ -221,9 +205,13 @@ class Tier:
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:
         """Wait for the transfers using slab buffers, give the buffers back, close what this tier owns."""
-        while self.wait_retiring():
-            pass
+        self._retiring.drain()
         if self._owns_store and self.store is not None:
             self.store.close()
         if self._owns_engine:
             self.engine.close()
+
+
+def _give_back(slab, buffer: torch.Tensor, error: BaseException | None) -> None:
+    """A retired buffer's done hook: its transfer ended (its ``error`` is reported by whoever holds the transfer)."""
+    slab.free(buffer)

@@ -24,9 +24,14 @@ class ActivationOffloadConfig:
         keep_recent_bytes: the most recently saved tensors, up to this many bytes,
             stay in memory (backward needs them first); older ones are written out.
         prefetch_bytes: during backward, reads in flight (or read but not yet
-            used) for the tensors backward will ask for next, up to this many bytes.
-        max_pending_write_bytes: bytes of writes in flight after which forward
-            waits for the oldest one (bounds the memory held by slow writes).
+            used) for the tensors backward will ask for next, up to this many
+            bytes (the transfer engine's :class:`~nvoffload.transfer.ReadAhead`;
+            one larger read may start alone; 0: none read ahead).
+        max_pending_write_bytes: bytes of writes in flight at most: before a
+            write starts, forward waits for the oldest ones until it fits beside
+            them (the transfer engine's :class:`~nvoffload.transfer.WriteBehind`),
+            and a write larger than this alone is waited for at once (0: each
+            write ends before forward goes on). Bounds the memory held by slow writes.
         retain_host_memory: call :func:`nvoffload.memory.retain_freed_host_memory`
             (process-wide: the activations freed each step are reused, not
             handed back to the operating system and faulted in again).

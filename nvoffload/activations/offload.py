@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import bisect
 import collections
 import contextlib
 import enum
+import functools
 import itertools
 import threading
 import weakref
@@ -16,7 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..io.store import swap_directories
 from ..memory import retain_freed_host_memory
-from ..transfer import TransferEngine
+from ..transfer import Future, ReadAhead, TransferEngine, WriteBehind
 from ._ledger import ModuleBuffers, StorageLedger
 from ._tier import Load, Tier, Write
 from .config import ActivationOffloadConfig, OffloadStats
@@ -149,6 +149,17 @@ def _weak_hooks(hooks: offload_activations):
         return packed if owner is None else owner._unpack(packed)
 
     return pack, unpack
+
+
+def _weak_method(obj, name: str):
+    """``obj.<name>`` called through a weak reference: a queue of ``obj``'s holding it does not keep ``obj`` alive
+    (no reference cycle: a dropped context closes its store at once, not at the next garbage collection)."""
+    ref = weakref.ref(obj)
+
+    def call(*args):
+        return getattr(ref(), name)(*args)
+
+    return call
 
 
 def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
@@ -299,12 +310,17 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         self._by_extent: dict[tuple, list[_Record]] = {}  # dense records by storage, dtype and version
         self._window: collections.OrderedDict[int, _Record] = collections.OrderedDict()
         self._window_bytes = 0
-        self._writes: collections.OrderedDict[int, _Record] = collections.OrderedDict()
-        self._write_bytes = 0
-        self._stored: list[int] = []  # handles of STORED records not being read, sorted
-        self._consumed: set[int] = set()  # STORED records every live handle has used (a retained graph's)
+        # Writes in flight, oldest first: pack waits for the oldest past max_pending_write_bytes.
+        self._writes = WriteBehind(
+            max(1, self.config.max_pending_write_bytes), "activation offload's writes", keep_errors=False
+        )
+        # Reads ahead of backward, in reverse order of saving, within prefetch_bytes; keyed by record handle.
+        self._read_ahead = ReadAhead(
+            self.config.prefetch_bytes, _weak_method(self, "_read_size"), _weak_method(self, "_start_read"),
+            _weak_method(self, "_drop_read"),
+        )  # fmt: skip
+        self._plan_stale = True  # records to read back were added since the read-ahead's plan was made
         self._passes = 0  # backward passes seen through the live graphs
-        self._prefetched_bytes = 0
         self._ledger = StorageLedger()
         self._offloaded_bytes = 0
         self._peak_offloaded_bytes = 0
@@ -454,8 +470,6 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 self._window_bytes += record.nbytes
                 while self._window and self._window_bytes > self.config.keep_recent_bytes:
                     self._start_write(self._window.popitem(last=False)[1])
-                while self._write_bytes > self.config.max_pending_write_bytes and self._finish_oldest_write():
-                    pass
             record.live += 1
             record.pending += 1
             ticket = _Ticket(record, view)
@@ -488,8 +502,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                         store.close()
                     raise
                 owns_engine = True
-            room = weakref.WeakMethod(self._finish_oldest_write)  # the tier must not keep this object alive
-            self._tier = Tier(engine, store, lambda: room()(), owns_engine=owns_engine, owns_store=owns_store)
+            self._tier = Tier(engine, store, self._writes.wait_oldest, owns_engine=owns_engine, owns_store=owns_store)
             self._close_tier = weakref.finalize(self, self._tier.close)
         return self._tier
 
@@ -508,47 +521,44 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         else:
             flat = t.contiguous().view(-1)
             copy_key = self._ledger.add(flat)
-        try:
-            record.write = tier.write(record.name, flat)
-        except BaseException:
-            if copy_key is not None:
-                self._ledger.remove(copy_key)
-            raise
-        record.write.copy_key = copy_key
+
+        def start():
+            try:
+                record.write = tier.write(record.name, flat)
+            except BaseException:
+                if copy_key is not None:
+                    self._ledger.remove(copy_key)
+                raise
+            record.write.copy_key = copy_key
+            return record.write.future
+
+        # Waits first for the oldest writes until this one fits beside them within max_pending_write_bytes.
+        self._writes.submit(record.nbytes, start, functools.partial(_weak_method(self, "_finish_write"), record))
         record.state = _State.WRITING
         record.written = True
-        self._writes[record.handle] = record
-        self._write_bytes += record.nbytes
+        self._plan_stale = True
         self._offloaded_bytes += record.nbytes
         self._peak_offloaded_bytes = max(self._peak_offloaded_bytes, self._offloaded_bytes)
         self._bytes_written += record.nbytes
         self._tensors_written += 1
+        while self._writes.in_flight_bytes > self.config.max_pending_write_bytes and self._writes.wait_oldest():
+            pass  # a write larger than max_pending_write_bytes alone (any, at 0) is waited for at once
 
     def _reap_writes(self) -> None:
         if self._tier is not None:
             self._tier.reap()
-        for record in list(self._writes.values()):
-            if record.write.future.done():
-                self._finish_write(record)
+        self._writes.poll()
 
-    def _finish_oldest_write(self) -> bool:
-        """Wait for the oldest write in flight and finish it; False when none is in flight."""
-        if not self._writes:
-            return False
-        self._finish_write(next(iter(self._writes.values())))
-        return True
-
-    def _finish_write(self, record: _Record) -> None:
-        """Wait for ``record``'s write; keep its host buffer (target="cpu") or give its staging buffer back."""
-        del self._writes[record.handle]
-        self._write_bytes -= record.nbytes
+    def _finish_write(self, record: _Record, error: BaseException | None) -> None:
+        """``record``'s write ended (the write-behind's done hook, with its ``error``): keep its host buffer
+        (target="cpu") or give its staging buffer back. Nothing to do for a write that did not start."""
         write, record.write = record.write, None
+        if write is None:  # its start raised: the record keeps its original, pack raises
+            return
         if write.copy_key is not None:
             self._ledger.remove(write.copy_key)
-        try:
-            write.future.result()
-        except Exception as e:  # the I/O error surfaces when backward needs this tensor
-            record.error = _failed(f"writing {record.describe()}", e)
+        if error is not None:  # the I/O error surfaces when backward needs this tensor
+            record.error = _failed(f"writing {record.describe()}", error)
         if self._tier.store is None and record.error is None:
             record.host = write.host
         else:
@@ -557,11 +567,9 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             record.error = self._modified_error(record, record.original._version)
         record.state = _State.STORED
         if record.error is not None:
-            self._unkeep(record)
+            record.kept = False
         if not record.kept:
             self._drop_original(record)
-            if record.error is None:
-                bisect.insort(self._stored, record.handle)
 
     def _drop_original(self, record: _Record) -> None:
         if record.original is not None:
@@ -590,8 +598,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 self._passes += 1
                 for live in self._records.values():
                     live.pending = live.live  # each live handle is unpacked once a pass
-                self._stored = sorted(self._consumed.union(self._stored))  # to read again: prefetch again
-                self._consumed.clear()
+                self._plan_stale = True  # what the last pass read is read again
             if record.state is _State.RELEASED:
                 raise RuntimeError(
                     f"{record.describe()} was released before backward used it "
@@ -610,18 +617,17 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                     record.avoided_in = self._passes
                     self._reads_avoided += 1
                 if record.written and not record.kept and record.pending > 1:
-                    # Its other handles come later in this pass: keep the original (within the read-ahead's
-                    # bytes) rather than drop it when the write ends and read it back for them.
+                    # Its other handles come later in this pass: keep the original rather than drop it when
+                    # the write ends and read it back for them.
                     record.kept = True
-                    self._prefetched_bytes += record.nbytes
-                self._prefetch_before(record.handle)  # the tensors after the ones kept in memory
+                self._read_ahead_of(record.handle)  # the tensors after the ones kept in memory
             else:
                 if record.load is None:
                     self._start_load(record)
                 elif record.load.prefetched:
                     record.load.prefetched = False
                     self._reads_prefetched += 1
-                self._prefetch_before(record.handle)
+                self._read_ahead_of(record.handle)
                 try:
                     self._tier.engine.wait(record.load.future)  # compute reads the device tensor after its copy
                 except Exception as e:
@@ -640,84 +646,81 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 self._drop_load(record)
             return result
 
-    def _unlist(self, record: _Record) -> None:
-        """Take ``record`` off the lists of stored records waiting to be read."""
-        index = bisect.bisect_left(self._stored, record.handle)
-        if index < len(self._stored) and self._stored[index] == record.handle:
-            del self._stored[index]
-        self._consumed.discard(record.handle)
-
     def _start_load(self, record: _Record, prefetch: bool = False) -> bool:
         """Start bringing ``record`` back to the device; False when a prefetch finds no host memory for it."""
         load = self._tier.read(record.name, record.host, record.numel, record.dtype, record.device, prefetch=prefetch)
         if load is None:
             return False
-        self._unlist(record)
         record.load = load
         if record.host is not None:
             record.host_reader = load.future
         record.loaded_key = self._ledger.add(load.device)
-        self._prefetched_bytes += record.nbytes
         self._bytes_read += record.nbytes
         return True
 
-    def _prefetch_before(self, handle: int) -> None:
-        """Read ahead the offloaded tensors backward needs after ``handle``, within ``prefetch_bytes``.
+    def _read_ahead_of(self, handle: int) -> None:
+        """Backward uses ``handle`` now: read ahead, within ``prefetch_bytes``, the tensors it needs next.
 
-        A tensor whose write is still in flight is on the device already: it is
-        kept there (its original is not dropped when the write finishes)
-        instead of being read back.
+        Those are the records saved before ``handle``, nearest first, that it
+        would have to read back (:meth:`_to_read`). The read-ahead's plan is
+        made again only when records to read were added since (writes started,
+        a new backward pass); else it moves past ``handle``.
         """
-        budget = self.config.prefetch_bytes
-        for record in self._not_on_device_before(handle):
-            if self._prefetched_bytes >= budget:
-                break
-            if self._prefetched_bytes + record.nbytes > budget and self._prefetched_bytes > 0:
-                break
-            if record.state is _State.WRITING:
-                record.kept = True
-                self._prefetched_bytes += record.nbytes
-            elif not self._start_load(record, prefetch=True):
-                break
+        self._read_ahead.take(handle)  # in use: no longer counted against the bytes read ahead
+        if self.config.prefetch_bytes == 0:
+            return
+        if self._plan_stale:
+            self._plan_stale = False
+            self._read_ahead.plan(h for h, r in reversed(self._records.items()) if h < handle and self._to_read(r))
+        else:
+            self._read_ahead.skip_to(handle)
+        self._read_ahead.pump()
 
-    def _not_on_device_before(self, handle: int):
-        """Records saved before ``handle``, nearest first, that backward would have to read back.
+    def _to_read(self, record: _Record) -> bool:
+        """Whether backward, in this pass, would read ``record`` back: stored and not on the device, or still
+        being written (then it is kept on the device instead)."""
+        if record.pending == 0 or record.error is not None or record.kept or record.load is not None:
+            return False
+        return record.state is _State.WRITING or (record.state is _State.STORED and record.original is None)
 
-        The stored ones not being read, and those still being written and not
-        kept; ``_stored`` may shrink at the yielded record while this runs.
-        """
-        index = bisect.bisect_left(self._stored, handle)
-        writing = sorted((h for h, r in self._writes.items() if h < handle and not r.kept), reverse=True)
-        w = 0
-        while index > 0 or w < len(writing):
-            if w == len(writing) or (index > 0 and self._stored[index - 1] > writing[w]):
-                index -= 1
-                yield self._records[self._stored[index]]
-            else:
-                w += 1
-                yield self._records[writing[w - 1]]
+    def _read_size(self, handle: int) -> int:
+        """:class:`ReadAhead`'s ``size``."""
+        record = self._records.get(handle)
+        return 0 if record is None else record.nbytes
 
-    def _unkeep(self, record: _Record) -> None:
-        if record.kept:
-            record.kept = False
-            self._prefetched_bytes -= record.nbytes
+    def _start_read(self, handle: int) -> tuple[Future | None, int] | None:
+        """:class:`ReadAhead`'s ``start``: read ``handle``'s tensor back ahead of use, or keep it on the device when
+        its write is still in flight; None when the slab has no room now."""
+        record = self._records.get(handle)
+        if record is None or not self._to_read(record):  # released, or used, kept or read since the plan was made
+            return None, 0
+        if record.state is _State.WRITING:
+            record.kept = True  # its original stays when the write ends, instead of being read back
+            return Future.completed(), record.nbytes
+        if not self._start_load(record, prefetch=True):
+            return None
+        return record.load.future, record.nbytes
+
+    def _drop_read(self, handle: int, future: Future) -> None:
+        """:class:`ReadAhead`'s ``drop``: a read ahead (or a tensor kept) that backward will not take."""
+        record = self._records.get(handle)
+        if record is not None:
+            with contextlib.suppress(Exception):
+                future.exception()  # the copy ends before its device tensor is freed
+            self._drop_load(record)
 
     def _drop_load(self, record: _Record) -> None:
-        """Backward is done with ``record`` in this pass: free what it read back or kept on the device."""
+        """Free what ``record`` read back or kept on the device for backward (taken off the read-ahead)."""
+        self._read_ahead.take(record.handle)
         if record.kept:
-            self._unkeep(record)
+            record.kept = False
             if record.state is _State.STORED:  # written: drop the original (a write in flight drops it when done)
                 self._drop_original(record)
-                if record.live > 0 and record.error is None:
-                    self._consumed.add(record.handle)  # a retained graph reads it again
         if record.load is not None:
-            self._prefetched_bytes -= record.nbytes
             record.load = None
             self._tier.reap()  # its staging buffers, retired when its transfers started
             self._ledger.remove(record.loaded_key)
             record.loaded_key = None
-            if record.live > 0 and record.state is _State.STORED and record.error is None:
-                self._consumed.add(record.handle)  # a retained graph may read it again
 
     # ----------------------------------------------------------------- release
 
@@ -739,14 +742,12 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         if record.handle in self._window:
             del self._window[record.handle]
             self._window_bytes -= record.nbytes
-        if record.handle in self._writes:
-            self._finish_write(record)
+        if record.write is not None:
+            self._writes.wait_for(record.write.future)  # and the writes before it; its done hook ran
         if record.load is not None:
             with contextlib.suppress(Exception):
                 record.load.future.result()
-            self._drop_load(record)
-        self._unkeep(record)
-        self._unlist(record)
+        self._drop_load(record)
         self._drop_original(record)
         if record.written:
             self._tier.delete(record.name)

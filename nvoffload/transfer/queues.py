@@ -66,6 +66,16 @@ class WriteBehind:
             self._finish_oldest()
             return True
 
+    def wait_for(self, future: Future) -> bool:
+        """Wait for the writes in flight up to ``future``, oldest first (their ``done`` hooks run): for a buffer
+        one of them holds that is needed back now. False when ``future`` is not in flight (never, or reaped)."""
+        with self._lock:
+            if not any(entry[0] is future for entry in self._in_flight):
+                return False
+            while self._finish_oldest() is not future:
+                pass
+            return True
+
     def drain(self) -> None:
         """Wait for every write; raise the first error of those reaped since the last drain."""
         with self._lock:
@@ -75,7 +85,7 @@ class WriteBehind:
         if errors:
             raise errors[0]
 
-    def _finish_oldest(self) -> None:
+    def _finish_oldest(self) -> Future:
         future, nbytes, done = self._in_flight.popleft()
         error = None
         try:
@@ -86,6 +96,7 @@ class WriteBehind:
                 self._errors.append(error)
             if done is not None:
                 done(error)
+        return future
 
 
 class ReadAhead:
