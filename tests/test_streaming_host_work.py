@@ -104,6 +104,32 @@ def test_a_write_back_started_by_a_hook_runs_off_the_training_thread(tmp_path):
         store.close()
 
 
+def test_blocks_are_read_ahead_in_the_order_of_each_pass_as_far_as_the_budget_goes(tmp_path):
+    """Forward reads the blocks it needs in order, backward in reverse, each once; when a block begins, nothing
+    was read beyond the next block (copied to the device next) and ``prefetch_blocks`` (1) after it."""
+    model, store, _, streamer, x = streamed_gpt(tmp_path, n_layer=6, host_blocks=4)
+    try:
+        reads, get = [], store.get
+
+        def recording_get(name, **kw):
+            reads.append(int(name.removeprefix("stream.block")))
+            return get(name, **kw)
+
+        store.get = recording_get
+        began = []  # (block, the furthest block read) as each block's forward begins, after the streamer's pre-hook
+        for i, block in enumerate(model.blocks):
+            block.register_forward_pre_hook(lambda m, args, i=i: began.append((i, max(reads, default=-1))))
+        loss = model(x, x)
+        assert reads == sorted(set(reads)) and len(reads) >= 2
+        assert began and all(furthest <= i + 2 for i, furthest in began)
+        reads.clear()
+        loss.backward()
+        assert reads == sorted(set(reads), reverse=True) and len(reads) >= 2
+    finally:
+        streamer.close()
+        store.close()
+
+
 def test_bench_overlap_host_profile_quick(tmp_path, monkeypatch):
     """Smoke run of ``bench/bench_overlap.py --host-profile``: the streamer's host time per block pass, its top
     costs, and the streamed step over the compute step."""

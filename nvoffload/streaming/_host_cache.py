@@ -12,7 +12,7 @@ import torch
 from nvoffload.io import TensorStore
 from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.streaming._blocks import Block
-from nvoffload.transfer import Future, TransferEngine
+from nvoffload.transfer import Future, ReadAhead, TransferEngine
 
 __all__ = ["HostCache"]
 
@@ -45,9 +45,11 @@ class HostCache:
     block's ``parts``), and the changed parts of a block are written back before it
     leaves (or at :meth:`flush`): a LoRA layer whose adapters changed writes them,
     never its frozen base weights. :meth:`pin_loading` pins without
-    waiting for the read, for a copy to the device chained after it. :meth:`prefetch`
-    never waits for a write-back: it starts those its reads need room from, and reads
-    once they are done (a later call); those write-backs are submitted from the
+    waiting for the read, for a copy to the device chained after it. :meth:`read_ahead`
+    reads the blocks a pass needs next through a :class:`~nvoffload.transfer.ReadAhead`
+    (at most ``read_ahead_bytes`` of blocks read or kept for the pass and not used
+    yet), and never waits for a write-back: it starts those its reads need room
+    from, and reads once they are done (a later call); those write-backs are submitted from the
     transfer engine's dispatcher thread (a submit may wait for an earlier write
     of the block and for room in the I/O queue), never from the training
     thread's hooks. A failed write-back leaves the block cached and
@@ -56,13 +58,16 @@ class HostCache:
     them to the device.
     """
 
-    def __init__(self, store: TensorStore, memory: MemoryManager, transfer: TransferEngine):
+    def __init__(self, store: TensorStore, memory: MemoryManager, transfer: TransferEngine, read_ahead_bytes: int):
         self.store = store
         self.memory = memory
         self.transfer = transfer
         self.slab = transfer.slab
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # taken before the read-ahead's
         self._lru: collections.OrderedDict[Block, _Entry] = collections.OrderedDict()
+        # A read not used is let go as a cached block like any other (least recently used first out): no drop.
+        self._ahead = ReadAhead(read_ahead_bytes, lambda b: b.nbytes, self._start_ahead, lambda block, read: None)
+        self._order: list[Block] | None = None  # the pass the read-ahead follows
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -84,6 +89,7 @@ class HostCache:
         :meth:`unpin`."""
         with self._lock:
             entry = self._lru.get(block) or self._start_read(block)
+            self._ahead.take(block)
             self._settle_write(entry)  # the caller may change the bytes being written
             try:
                 self._settle(entry)
@@ -99,6 +105,7 @@ class HostCache:
         (None when it holds the weights already). Unpin it even when the read fails."""
         with self._lock:
             entry = self._lru.get(block) or self._start_read(block)
+            self._ahead.take(block)
             entry.pins += 1
             self._lru.move_to_end(block)
             return entry.host, entry.loading
@@ -121,17 +128,17 @@ class HostCache:
         finally:
             self.unpin(block, modified=modified)
 
-    def prefetch(self, blocks: Iterable[Block]) -> None:
-        """Start reading the blocks not cached, in order, while there is room for them without waiting: changed
-        blocks that must leave first start their write-back, and the reads wait for a later call."""
+    def read_ahead(self, order: list[Block], used: Block) -> None:
+        """A pass that runs the blocks in ``order`` (the same list each time: forward's, backward's) uses ``used``
+        now: start reading the blocks after it, in order, while the read-ahead budget and the host budget have
+        room without waiting (changed blocks that must leave first start their write-back, and the reads wait
+        for a later call). A pass begins at ``order[0]`` or where the order changes."""
         with self._lock:
-            for block in blocks:
-                if block in self._lru:
-                    continue
-                try:
-                    self._start_read(block, wait=False)
-                except MemoryBudgetError:
-                    return  # no room to read ahead yet: the block is read now or when it is needed
+            if order is not self._order or used is order[0]:
+                self._order = order
+                self._ahead.plan(order)
+            self._ahead.skip_to(used)
+            self._ahead.pump()
 
     def flush(self) -> None:
         """Write every changed cached block back to the store."""
@@ -146,6 +153,7 @@ class HostCache:
     def close(self) -> None:
         """Give back every host copy (changed ones are not written back: the store goes with the streamer)."""
         with self._lock:
+            self._ahead.clear()
             for block, entry in list(self._lru.items()):
                 with contextlib.suppress(Exception):
                     self._settle_write(entry)
@@ -154,6 +162,17 @@ class HostCache:
                 self._drop(block)
 
     # ------------------------------------------------------------------ internals (caller holds the lock)
+    def _start_ahead(self, block: Block) -> tuple[Future | None, int] | None:
+        """The read-ahead's start: read ``block`` (a cached one is kept as recently used instead: it counts against
+        the read-ahead like a read, so reading further never evicts it); None when the host has no room now."""
+        if block in self._lru:
+            self._lru.move_to_end(block)
+            return Future.completed(), block.nbytes
+        try:
+            return self._start_read(block, wait=False).loading, block.nbytes
+        except MemoryBudgetError:
+            return None  # no room to read ahead yet: the block is read now or when it is needed
+
     def _start_read(self, block: Block, *, wait: bool = True) -> _Entry:
         host = self._new_buffer(block, wait=wait)
         reads = [self.store.get(name, out=host[start:end]) for name, start, end in block.parts]
@@ -216,6 +235,7 @@ class HostCache:
         self.memory.free("host", block.nbytes)
 
     def _drop(self, block: Block) -> None:
+        self._ahead.take(block)  # a block read ahead and let go unused no longer counts against the read-ahead
         self._give_back(block, self._lru.pop(block).host)
 
     def _fits(self, block: Block) -> bool:

@@ -137,6 +137,7 @@ class ParameterStreamer:
         if transfer is not None and transfer.device.device.type != self.device.type:
             raise ValueError(f"the transfer engine copies to {transfer.device.device}, not to {self.device}")
         self._blocks, self._resident = partition(model, blocks if blocks is not None else find_blocks(model))
+        self._backward_order = self._blocks[::-1]  # the blocks as backward runs them, read ahead in that order
         host_bytes = memory.available_bytes("host") if transfer is None else transfer.slab.available_bytes
         _check_budgets(self._blocks, self._resident, memory, host_bytes, prefetch_blocks)
         materializer = Materializer(model, self.device, param_init_fn=param_init_fn, checkpoint=checkpoint)
@@ -145,7 +146,9 @@ class ParameterStreamer:
             transfer = TransferEngine(host_bytes, self.device, what="parameter streaming's host memory")
         self.transfer = transfer
         try:
-            self._cache = HostCache(store, memory, transfer)
+            # read ahead: the block copied to the device next and ``prefetch_blocks`` after it
+            largest = max(b.nbytes for b in self._blocks)
+            self._cache = HostCache(store, memory, transfer, read_ahead_bytes=(1 + prefetch_blocks) * largest)
             gradients = GradientLedger(memory, model)
             self._residency = DeviceResidency(
                 memory, self._cache, transfer, self.device, gradients, resident_bytes(self._resident)
@@ -216,9 +219,8 @@ class ParameterStreamer:
         waited_ns = time.monotonic_ns()
         self._passes.release_unfinished()
         self._residency.hold(block, "forward")
-        ahead = self._blocks[block.pos + 1 : block.pos + 2 + self.prefetch_blocks]
-        self._cache.prefetch(ahead)
-        self._residency.stage(ahead[0] if ahead else None)
+        self._cache.read_ahead(self._blocks, block)
+        self._residency.stage(self._blocks[block.pos + 1] if block.pos + 1 < len(self._blocks) else None)
         self._compute_began(block, waited_ns)
         calls.forward_began(module, args)
 
@@ -248,10 +250,9 @@ class ParameterStreamer:
         waited_ns = time.monotonic_ns()
         grads = self._grad_headroom(block)
         self._passes.enter(block, headroom_bytes=grads)
-        ahead = self._blocks[max(block.pos - 1 - self.prefetch_blocks, 0) : block.pos][::-1]
-        self._cache.prefetch(ahead)
+        self._cache.read_ahead(self._backward_order, block)
         # the next block arrives now; its gradients and this block's are made while both are on the device
-        nxt = ahead[0] if ahead else None
+        nxt = self._blocks[block.pos - 1] if block.pos > 0 else None
         self._residency.stage(nxt, headroom_bytes=grads + (self._grad_headroom(nxt) if nxt else 0))
         self._compute_began(block, waited_ns)
 
