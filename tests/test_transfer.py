@@ -244,6 +244,23 @@ def test_write_behind_waits_for_one_write_and_those_before_it_only():
     assert wb.wait_for(futures[2]) and done == [0, 1, 2] and wb.in_flight_bytes == 0
 
 
+def test_a_write_stuck_past_the_wait_limit_keeps_its_buffer(monkeypatch):
+    """A write still running after NVOFFLOAD_WAIT_LIMIT_S raises TimeoutError and stays in flight: its done hook
+    (which releases its buffer) does not run under the write, and runs once the write ends."""
+    from nvoffload.transfer import future as future_module
+
+    monkeypatch.setattr(future_module, "WAIT_LIMIT_S", 0.05)
+    gate, done = threading.Event(), []
+    wb = WriteBehind(100, "test writes")
+    wb.submit(100, lambda: Future([_Gate(gate)]), done.append)
+    with pytest.raises(TimeoutError, match="still running after 0.05 s"):
+        wb.submit(100, lambda: Future.completed(), done.append)  # waits for the stuck write to make room
+    assert done == [] and wb.in_flight_bytes == 100
+    gate.set()
+    wb.drain()
+    assert done == [None] and wb.in_flight_bytes == 0
+
+
 class _Gate:
     def __init__(self, gate, error=None):
         self.gate, self._error = gate, error

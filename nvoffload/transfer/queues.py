@@ -86,16 +86,16 @@ class WriteBehind:
             raise errors[0]
 
     def _finish_oldest(self) -> Future:
-        future, nbytes, done = self._in_flight.popleft()
-        error = None
-        try:
-            error = future.exception()
-        finally:
-            self._bytes -= nbytes
-            if error is not None and self._keep_errors:
-                self._errors.append(error)
-            if done is not None:
-                done(error)
+        """Wait for the oldest write and reap it. A write still running after the wait limit raises TimeoutError
+        and stays in flight: its ``done`` hook does not run, so its buffer is not released under it."""
+        future, nbytes, done = self._in_flight[0]
+        error = future.exception()
+        self._in_flight.popleft()
+        self._bytes -= nbytes
+        if error is not None and self._keep_errors:
+            self._errors.append(error)
+        if done is not None:
+            done(error)
         return future
 
 
