@@ -12,7 +12,7 @@ import torch
 from nvoffload.io import TensorStore
 from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.streaming._blocks import Block
-from nvoffload.transfer import Future, ReadAhead, TransferEngine
+from nvoffload.transfer import Future, ReadAhead, TransferEngine, WriteBehind
 
 __all__ = ["HostCache"]
 
@@ -68,6 +68,9 @@ class HostCache:
         # A read not used is let go as a cached block like any other (least recently used first out): no drop.
         self._ahead = ReadAhead(read_ahead_bytes, lambda b: b.nbytes, self._start_ahead, lambda block, read: None)
         self._order: list[Block] | None = None  # the pass the read-ahead follows
+        # Every write-back, oldest first; its buffer is a cached block's, counted in the host tier already. A
+        # failed one is raised by the next call that needs its block (_settle_write), not by the queue.
+        self._writes = WriteBehind(self.slab.capacity_bytes, "parameter blocks' write-backs", keep_errors=False)
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -191,29 +194,33 @@ class HostCache:
         writes = [self.store.put(name, host[start:end]) for name, start, end in (block.parts[i] for i in parts)]
         return writes[0] if len(writes) == 1 else Future.all_of(writes, what=str(block))
 
-    def _counted(self, block: Block, parts: Iterable[int]) -> list[int]:
-        """``parts``, in order, their bytes counted as written."""
+    def _submit(self, block: Block, host: torch.Tensor, parts: Iterable[int], *, behind: bool) -> Future:
+        """Queue the write-back of ``parts`` (indices in ``block.parts``) of the block's host copy on the
+        write-behind; ``behind``: submitted from the transfer engine's dispatcher thread (not from the calling
+        thread: the training thread's hooks), else from the calling thread."""
         parts = sorted(parts)
-        self.bytes_written += sum(block.parts[i][2] - block.parts[i][1] for i in parts)
-        return parts
+        nbytes = sum(block.parts[i][2] - block.parts[i][1] for i in parts)
+        self.bytes_written += nbytes
+        if behind:
+            return self._writes.submit(nbytes, lambda: self.transfer.then(
+                Future.completed(), lambda _: self._put(block, host, parts), what=f"the write-back of {block}"
+            ))  # fmt: skip
+        return self._writes.submit(nbytes, lambda: self._put(block, host, parts))
 
     def _write_back(self, block: Block, host: torch.Tensor, parts: Iterable[int]) -> None:
-        self._put(block, host, self._counted(block, parts)).result()
+        written = self._submit(block, host, parts, behind=False)
+        self._writes.wait_for(written)
+        written.result()
 
     def _start_write_back(self, block: Block, entry: _Entry) -> None:
-        """Write the entry's changed parts back, submitted from the transfer engine's dispatcher thread (not from
-        the calling thread: the training thread's hooks)."""
-        host, parts = entry.host, self._counted(block, entry.dirty)
-        entry.writing = self.transfer.then(
-            Future.completed(), lambda _: self._put(block, host, parts), what=f"the write-back of {block}"
-        )
+        entry.writing = self._submit(block, entry.host, entry.dirty, behind=True)
         entry.written, entry.dirty = entry.dirty, set()
 
-    @staticmethod
-    def _settle_write(entry: _Entry) -> None:
+    def _settle_write(self, entry: _Entry) -> None:
         """Wait for the entry's write-back; when it failed its parts are changed again (and the error raised)."""
         if entry.writing is not None:
             writing, entry.writing = entry.writing, None
+            self._writes.wait_for(writing)
             try:
                 writing.result()
             except BaseException:
