@@ -15,6 +15,11 @@ copies after the wrong work (on CUDA its own default stream: all of backward
 queued so far, or not the stream that produced the tensor): every copy it
 queues waits for the event of its request (``Request.ready``), recorded by the
 thread that queued the request when the gradient was final.
+
+Resident state: the chunks that :class:`ResidentState` gave a home (host
+memory, two buffers: generation ``g`` in ``Chunk.home[g % 2]``) are read and
+written there, never in the store, and count no store bytes; everything else
+(generations, commit, restore, state dicts) is the same for them.
 """
 
 from __future__ import annotations
@@ -90,6 +95,33 @@ class ModelWeights:
         return self._transfer.to_device(dst, src, after=after, what="weights")
 
 
+class ResidentState:
+    """Host homes for chunks' state that never goes to the store: ``capacity_bytes`` of ``slab``, given to the
+    chunks offered, in order, while their two generations fit (``2 * rows * 4`` bytes an element, 4 KiB-aligned).
+
+    The homes stay allocated until the slab is closed; ``used_bytes`` is what they hold, ``state_bytes`` one
+    generation of their fp32 state (what the store would read and write per update without them)."""
+
+    def __init__(self, slab, capacity_bytes: int, rows: int):
+        self._slab = slab
+        self.capacity_bytes = capacity_bytes
+        self._rows = rows  # rows per element of each home: the slots' (the most any group needs)
+        self.used_bytes = 0
+        self.state_bytes = 0
+
+    def offer(self, chunk: Chunk, nrows: int) -> bool:
+        """Give ``chunk`` (``nrows`` rows of state) a home if its two generations fit what is left; True if so."""
+        gen_bytes = -(-self._rows * chunk.numel * 4 // 4096) * 4096
+        if self.used_bytes + 2 * gen_bytes > self.capacity_bytes:
+            return False
+        memory = self._slab.allocate(2 * gen_bytes, "the resident optimizer state")
+        rows_bytes = self._rows * chunk.numel * 4
+        chunk.home = tuple(memory[at : at + rows_bytes].view(torch.float32) for at in (0, gen_bytes))
+        self.used_bytes += 2 * gen_bytes
+        self.state_bytes += nrows * chunk.numel * 4
+        return True
+
+
 class ChunkIO:
     """Reads and writes generations of chunk state in ``store``, counting the bytes moved."""
 
@@ -133,8 +165,16 @@ class ChunkIO:
     def read_ahead(self, chunk: Chunk, gen: int, slot: Slot, *, state: bool = True, master: bool = True) -> tuple[Future, int]:
         """:meth:`read`, with its bytes left for the caller to :meth:`count_read` once the read is used (a read
         ahead of the next step counts in that step, whether it starts before or after ``reset_counts``)."""
+        rows = self.layout.chunk_rows(chunk, slot)
+        if chunk.home is not None:
+            for (_, out), (_, kept) in zip(
+                self.layout.entries(chunk, gen, rows, state=state, master=master),
+                self.layout.entries(chunk, gen, self._home(chunk, gen), state=state, master=master),
+            ):
+                out.copy_(kept)
+            return Future.completed(), 0
         futures, nbytes = [], 0
-        for name, out in self.layout.entries(chunk, gen, self.layout.chunk_rows(chunk, slot), state=state, master=master):
+        for name, out in self.layout.entries(chunk, gen, rows, state=state, master=master):
             futures.append(self.store.get(name, out=out))
             nbytes += out.numel() * 4
         return Future.all_of(futures), nbytes
@@ -144,7 +184,11 @@ class ChunkIO:
             self.read_bytes += nbytes
 
     def write(self, chunk: Chunk, gen: int, rows: torch.Tensor) -> Future:
-        """Start writing ``rows`` (``(rows, numel)`` fp32) as generation ``gen`` of ``chunk``."""
+        """Start writing ``rows`` (``(rows, numel)`` fp32) as generation ``gen`` of ``chunk`` (a resident chunk's
+        is copied to its home now)."""
+        if chunk.home is not None:
+            self._home(chunk, gen).copy_(rows)
+            return Future.completed()
         futures = []
         for name, part in self.layout.entries(chunk, gen, rows):
             futures.append(self.store.put(name, part))
@@ -164,7 +208,14 @@ class ChunkIO:
             self.written_bytes += grad.numel() * 4
         return self.store.put(chunk.grad_name, grad)
 
+    def _home(self, chunk: Chunk, gen: int) -> torch.Tensor:
+        """The ``(rows, numel)`` rows of generation ``gen`` of the resident ``chunk``."""
+        nrows = self.layout.rows(chunk.record)
+        return chunk.home[gen % 2][: nrows * chunk.numel].view(nrows, chunk.numel)
+
     def delete(self, chunk: Chunk, gen: int) -> None:
+        if chunk.home is not None:
+            return  # nothing in the store: its buffer takes generation gen + 2
         for name in self.layout.names(chunk, gen):
             if name in self.store:
                 self.store.delete(name)

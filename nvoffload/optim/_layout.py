@@ -4,7 +4,8 @@ Each parameter has one :class:`Record`; its elements are cut into
 :class:`Chunk` ranges of at most ``Layout.chunk_numel`` elements. A chunk's
 state is a block of fp32 *rows* of ``numel`` elements each: row 0 is the
 master weights, the others the optimizer's per-element state (Adam's moments).
-Every update writes a new *generation* of a chunk; its store entries are named
+Every update writes a new *generation* of a chunk (at most two coexist: the
+committed one and the step's); its store entries are named
 ``opt<N>.p<param>.c<chunk>.g<generation>`` (plus ``.w`` for the master row of
 fp32 parameters, which is kept apart, see :meth:`Layout.split`). With
 gradients released during backward, a chunk's fp32 gradient summed over the
@@ -30,6 +31,7 @@ class Chunk:
 
     __slots__ = (
         "record", "index", "start", "numel", "gen", "pending_gen", "applied", "scalars", "pending_scalars", "grad_norm",
+        "home",
     )  # fmt: skip
 
     def __init__(self, record: Record, index: int, start: int, numel: int):
@@ -43,6 +45,9 @@ class Chunk:
         self.scalars: dict = {}  # non-tensor state of a generic optimizer, committed
         self.pending_scalars: dict = {}
         self.grad_norm = 0.0  # L2 norm (fp32) of the step's gradient (released gradients: set by the worker)
+        # Resident state (see nvoffload.optim._chunk_io.ResidentState): two host buffers of the chunk's fp32 rows,
+        # generation g in home[g % 2]; None: the state is in the store.
+        self.home: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def name(self, gen: int) -> str:
         return f"{self.record.prefix}p{self.record.index}.c{self.index}.g{gen}"

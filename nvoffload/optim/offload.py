@@ -104,7 +104,7 @@ import torch
 
 from nvoffload.distributed import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, Ranks, Sharding
 from nvoffload.memory import retain_freed_host_memory
-from nvoffload.optim._chunk_io import ChunkIO, WeightHome
+from nvoffload.optim._chunk_io import ChunkIO, ResidentState, WeightHome
 from nvoffload.optim._codec import StateCodec
 from nvoffload.optim._hf_trainer import check_trainer_recipe, log_optimizer_grad_norm
 from nvoffload.optim._layout import ALIGN_NUMEL, Layout, Record
@@ -167,6 +167,13 @@ class OffloadOptimizerConfig:
             buckets of held gradients are in flight at once, on the communication device).
         collective_timeout_s: over several ranks, the longest wait for one collective before it raises
             (another rank died or hangs), seconds.
+        resident_state_bytes: host memory, besides ``cpu_memory_bytes`` and in the same slab, for state kept
+            resident: never read from or written to the store, updated from host memory (its fp32 master and
+            moments). Chunks take it in the order of the parameters (the groups' order: a model's first
+            layers, whose updates come last in backward), while the two generations of a chunk's state fit
+            (``2 * rows * 4`` bytes an element: 24 for AdamW); parameters that do not require grad when added
+            take none. The results, ``state_dict()`` and checkpoints are the same as with everything in the
+            store. 0: all of the state is in the store.
     """
 
     cpu_memory_bytes: int = 256 << 20
@@ -181,6 +188,7 @@ class OffloadOptimizerConfig:
     loss_scaling: LossScaling | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     collective_timeout_s: float = DEFAULT_TIMEOUT_S
+    resident_state_bytes: int = 0
 
     def __post_init__(self):
         if not _is_int(self.cpu_memory_bytes) or self.cpu_memory_bytes <= 0:
@@ -189,6 +197,8 @@ class OffloadOptimizerConfig:
             not _is_int(self.chunk_bytes) or self.chunk_bytes <= 0 or self.chunk_bytes % (4 * ALIGN_NUMEL)
         ):
             raise ValueError(f"chunk_bytes must be a positive multiple of {4 * ALIGN_NUMEL}, got {self.chunk_bytes!r}")
+        if not _is_int(self.resident_state_bytes) or self.resident_state_bytes < 0:
+            raise ValueError(f"resident_state_bytes must be an int >= 0, got {self.resident_state_bytes!r}")
         if not _is_int(self.prefetch_chunks) or self.prefetch_chunks < 0:
             raise ValueError(f"prefetch_chunks must be an int >= 0, got {self.prefetch_chunks!r}")
         if self.max_grad_norm is not None and not (
@@ -229,12 +239,14 @@ class OffloadOptimizerConfig:
 class MemoryStats:
     """What the optimizer holds, per tier (bytes)."""
 
-    host_bytes: int  # staging buffers allocated now
-    host_peak_bytes: int  # most staging memory held at once
-    host_limit_bytes: int  # cpu_memory_bytes
+    host_bytes: int  # staging buffers and resident state allocated now
+    host_peak_bytes: int  # most of that memory held at once
+    host_limit_bytes: int  # cpu_memory_bytes + resident_state_bytes
     nvme_bytes: int  # store bytes in use
     read_bytes: int  # read from the store since the last reset_io_stats()
     written_bytes: int
+    resident_bytes: int = 0  # host memory holding resident state (two generations of it)
+    resident_state_bytes: int = 0  # one generation of the resident state: store bytes per update it saves, each way
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -311,7 +323,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             owned=self._sharding.owned if self._sharding is not None else None,
         )  # fmt: skip
         self._layout.plan(chunk_bytes=config.chunk_bytes, cpu_memory_bytes=config.cpu_memory_bytes, num_slots=config.num_slots)
-        self._host_bytes = config.num_slots * self._layout.slot_bytes  # allocated once, freed when closed or collected
+        # slots and resident state, allocated once, freed when closed or collected
+        self._host_bytes = config.num_slots * self._layout.slot_bytes + config.resident_state_bytes // 4096 * 4096
         if transfer is None:
             transfer = TransferEngine(self._host_bytes, device, what="the optimizer's host memory")
             slab, close_transfer = transfer.slab, transfer.close
@@ -333,6 +346,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._store, self._owns_store = opened
         self._io = ChunkIO(self._store, self._layout, transfer)
         slots = [self._layout.new_slot(slab) for _ in range(config.num_slots)]
+        self._resident = ResidentState(slab, config.resident_state_bytes, self._layout.slot_rows)
         self._pipeline = Pipeline(self._io, self._update, slots, config.prefetch_chunks)
         self._protocol = StepProtocol(
             self._records, self._io, self._pipeline,
@@ -452,6 +466,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _add_record(self, p: torch.Tensor, group: dict) -> None:
         rec = self._layout.new_record(len(self._records), p, group)
+        if p.requires_grad:
+            for c in rec.chunks:
+                self._resident.offer(c, self._layout.rows(rec))
         self._records.append(rec)
         self._hook_if_trained(rec)
 
@@ -654,10 +671,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return MemoryStats(
             host_bytes=self._host_bytes,
             host_peak_bytes=self._host_bytes,
-            host_limit_bytes=self.config.cpu_memory_bytes,
+            host_limit_bytes=self.config.cpu_memory_bytes + self.config.resident_state_bytes,
             nvme_bytes=int(getattr(self._store, "used_bytes", 0)),
             read_bytes=self._io.read_bytes,
             written_bytes=self._io.written_bytes,
+            resident_bytes=self._resident.used_bytes,
+            resident_state_bytes=self._resident.state_bytes,
         )
 
     def reset_io_stats(self) -> None:
