@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -126,6 +127,48 @@ def test_blocks_are_read_ahead_in_the_order_of_each_pass_as_far_as_the_budget_go
         loss.backward()
         assert reads == sorted(set(reads), reverse=True) and len(reads) >= 2
     finally:
+        streamer.close()
+        store.close()
+
+
+def test_a_block_waiting_for_device_memory_wakes_as_gradients_are_freed_not_on_a_timer(tmp_path):
+    """Backward short of device memory while the optimizer holds the gradients it took waits for them: woken by
+    each gradient freed, it checks what is pending once before the first, not every half second (it polled)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(seq_len=64, n_layer=4, n_head=2, d_model=64)
+    model = GPT(cfg)
+    size = lambda ps: sum(p.numel() * p.element_size() for p in ps)
+    block = max(size(b.parameters()) for b in model.blocks)
+    resident = size(p for n, p in model.named_parameters() if not n.startswith("blocks."))
+    memory = MemoryManager(device_memory_bytes=2 * resident + 3 * block, cpu_memory_bytes=64 * MiB)
+    store = TensorStore([tmp_path])
+    streamer = ParameterStreamer(model, store, memory, device="cpu")
+    taken, freed_at = [], []  # the gradients the stand-in optimizer holds; when it freed them
+
+    def take(p):  # after the streamer's hook: the optimizer takes the gradient, frees it once the timer fired
+        if not freed_at:
+            taken.append(p.grad)
+        p.grad = None
+
+    def free():
+        freed_at.append(time.perf_counter())
+        taken.clear()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(take)
+    ledger = streamer._residency.gradients
+    checks, queued_bytes = [], ledger.queued_bytes
+    ledger.queued_bytes = lambda: (checks.append(time.perf_counter()), queued_bytes())[1]
+    timer = threading.Timer(1.6, free)
+    try:
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(1))
+        loss = model(x, x)
+        timer.start()
+        loss.backward()
+        assert freed_at and streamer.grad_wait_s > 1.0  # it waited for the gradients
+        assert len([t for t in checks if t < freed_at[0]]) == 1
+    finally:
+        timer.cancel()
         streamer.close()
         store.close()
 

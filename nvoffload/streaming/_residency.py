@@ -19,8 +19,6 @@ from nvoffload.transfer import WAIT_LIMIT_S, Future, TransferEngine
 
 __all__ = ["DeviceResidency", "GradientLedger"]
 
-_POLL_S = 0.5  # how often a wait for device memory checks that it can still end
-
 
 def _flat(block: Block) -> torch.Tensor:
     """The block's device storage as one flat byte tensor with its own version counter (writes do not bump
@@ -61,6 +59,8 @@ class GradientLedger:
         self.memory = memory
         self._model = model  # names the parameters in messages
         self._lock = threading.Lock()
+        self._freeing = threading.Condition(self._lock)  # notified as each gradient is freed
+        self.frees = 0  # gradients freed so far
         self._counted: dict[_Counted, None] = {}  # the records of the gradients not freed yet, oldest first
         self._latest: dict[nn.Parameter, _Counted] = {}  # each parameter's latest record
 
@@ -78,9 +78,17 @@ class GradientLedger:
         self.memory.track("device", record.nbytes)
 
     def _freed(self, record: _Counted) -> None:
+        self.memory.untrack("device", record.nbytes)  # before the waiters wake: they find the room
         with self._lock:
             del self._counted[record]
-        self.memory.untrack("device", record.nbytes)
+            self.frees += 1
+            self._freeing.notify_all()
+
+    def wait_freed(self, frees: int, timeout_s: float) -> bool:
+        """Wait until a gradient is freed after the first ``frees`` (:attr:`frees` read before), at most
+        ``timeout_s``; False when none was."""
+        with self._lock:
+            return self._freeing.wait_for(lambda: self.frees != frees, timeout_s)
 
     def _split(self) -> tuple[list[tuple[str, int]], int]:
         """(parameter, bytes) of the gradients their parameters still hold, and the bytes of the others."""
@@ -302,19 +310,19 @@ class DeviceResidency:
             self._retire(block)
 
     def _reserve(self, block: Block, nbytes: int, headroom_bytes: int) -> None:
+        """Count ``nbytes`` of the block's in the device tier, with ``headroom_bytes`` more to follow. Short of
+        room, wait while the gradients queued for the optimizer could free enough: woken by each gradient freed
+        (no polling), given up when none is freed for ``WAIT_LIMIT_S``."""
         needed = nbytes + headroom_bytes
-        start = last_progress = time.perf_counter()
-        queued = None
+        start = time.perf_counter()
         while True:
+            frees = self.gradients.frees
             try:
-                self.memory.allocate("device", nbytes, str(block), wait_s=_POLL_S, headroom_bytes=headroom_bytes)
+                self.memory.allocate("device", nbytes, str(block), headroom_bytes=headroom_bytes)
                 break
             except MemoryBudgetError as e:
-                now, before, queued = time.perf_counter(), queued, self.gradients.queued_bytes()
-                if before is not None and queued < before:
-                    last_progress = now
-                short = needed - self.memory.available_bytes("device")
-                if queued < short or now - last_progress > WAIT_LIMIT_S:
-                    why = "nothing that could free it is pending" if queued < short else f"no gradient was freed for {WAIT_LIMIT_S:g} s (NVOFFLOAD_WAIT_LIMIT_S)"
+                pending = self.gradients.queued_bytes() >= needed - self.memory.available_bytes("device")
+                if not pending or not self.gradients.wait_freed(frees, WAIT_LIMIT_S):
+                    why = "nothing that could free it is pending" if not pending else f"no gradient was freed for {WAIT_LIMIT_S:g} s (NVOFFLOAD_WAIT_LIMIT_S)"
                     raise MemoryBudgetError(f"{e} ({why}); {self.describe()}") from None
         self.grad_wait_s += time.perf_counter() - start
