@@ -19,13 +19,18 @@ from nvoffload.streaming import ParameterStreamer
 MiB = 1 << 20
 
 
-def streamed_gpt(tmp_path, *, n_layer: int = 2, host_blocks: int = 8):
-    """A small GPT streamed on the stand-in, with host memory for ``host_blocks`` of its blocks."""
+def streamed_gpt(tmp_path, *, n_layer: int = 2, host_blocks: int = 8, tight: bool = False):
+    """A small GPT streamed on the stand-in, with host memory for ``host_blocks`` of its blocks, and device memory
+    for plenty, or (``tight``) for the least streaming takes: twice the resident parameters and 3 blocks."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=128, seq_len=16, n_layer=n_layer, n_head=2, d_model=32))
-    block = -(-sum(p.numel() * 4 for p in model.blocks[0].parameters()) // 4096) * 4096
+    block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+    resident = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("blocks."))
     store = TensorStore([tmp_path])
-    memory = MemoryManager(device_memory_bytes=64 * MiB, cpu_memory_bytes=host_blocks * block)
+    memory = MemoryManager(
+        device_memory_bytes=2 * resident + 3 * block if tight else 64 * MiB,
+        cpu_memory_bytes=host_blocks * (-(-block // 4096) * 4096),
+    )  # fmt: skip
     x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     return model, store, memory, ParameterStreamer(model, store, memory, device="cpu"), x
 
@@ -134,15 +139,7 @@ def test_blocks_are_read_ahead_in_the_order_of_each_pass_as_far_as_the_budget_go
 def test_a_block_waiting_for_device_memory_wakes_as_gradients_are_freed_not_on_a_timer(tmp_path):
     """Backward short of device memory while the optimizer holds the gradients it took waits for them: woken by
     each gradient freed, it checks what is pending once before the first, not every half second (it polled)."""
-    torch.manual_seed(0)
-    cfg = GPTConfig(seq_len=64, n_layer=4, n_head=2, d_model=64)
-    model = GPT(cfg)
-    size = lambda ps: sum(p.numel() * p.element_size() for p in ps)
-    block = max(size(b.parameters()) for b in model.blocks)
-    resident = size(p for n, p in model.named_parameters() if not n.startswith("blocks."))
-    memory = MemoryManager(device_memory_bytes=2 * resident + 3 * block, cpu_memory_bytes=64 * MiB)
-    store = TensorStore([tmp_path])
-    streamer = ParameterStreamer(model, store, memory, device="cpu")
+    model, store, _, streamer, x = streamed_gpt(tmp_path, n_layer=4, tight=True)
     taken, freed_at = [], []  # the gradients the stand-in optimizer holds; when it freed them
 
     def take(p):  # after the streamer's hook: the optimizer takes the gradient, frees it once the timer fired
@@ -161,7 +158,6 @@ def test_a_block_waiting_for_device_memory_wakes_as_gradients_are_freed_not_on_a
     ledger.queued_bytes = lambda: (checks.append(time.perf_counter()), queued_bytes())[1]
     timer = threading.Timer(1.6, free)
     try:
-        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(1))
         loss = model(x, x)
         timer.start()
         loss.backward()
