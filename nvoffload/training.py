@@ -34,7 +34,9 @@ from nvoffload.memory import MemoryBudgetError, MemoryManager, TierStats, releas
 from nvoffload.optim import LossScaling, OffloadOptimizer, OffloadOptimizerConfig
 from nvoffload.optim._layout import Layout
 from nvoffload.optim._updates import for_optimizer
+from nvoffload.planner.cost import resident_state_share
 from nvoffload.streaming import ParameterStreamer, compute_device_of
+from nvoffload.streaming._blocks import find_blocks, partition
 from nvoffload.transfer import HostSlab, TransferEngine
 from nvoffload.transfer.slab import ALIGNMENT_BYTES
 
@@ -57,7 +59,10 @@ class OffloadConfig:
             outside the blocks and gradients in flight (activations are the
             model's own and not counted).
         optimizer_memory_fraction: share of ``cpu_memory_bytes`` given to the
-            optimizer's staging buffers; the rest caches parameter blocks.
+            optimizer's staging buffers; the rest caches parameter blocks, and
+            what it holds beyond every block keeps optimizer state resident in
+            host memory, never on NVMe (:func:`nvoffload.planner.cost.resident_state_share`:
+            the planner's split too).
         prefetch_blocks: parameter blocks read ahead of the one computing.
         device: the compute device for a model built on the meta device
             (default: CUDA when available, else the CPU); a model with real
@@ -135,10 +140,10 @@ class OffloadConfig:
             raise ValueError(f"prefetch_blocks must be an int >= 0, got {self.prefetch_blocks!r}")
         self.optimizer_config(cpu_memory_bytes=1)  # validates the optimizer's fields at the boundary
 
-    def optimizer_config(self, cpu_memory_bytes: int) -> OffloadOptimizerConfig:
+    def optimizer_config(self, cpu_memory_bytes: int, resident_state_bytes: int = 0) -> OffloadOptimizerConfig:
         """The :class:`~nvoffload.optim.OffloadOptimizerConfig` of the optimizer :func:`initialize` builds."""
         return OffloadOptimizerConfig(
-            cpu_memory_bytes=cpu_memory_bytes, release_grads=True, checksum=self.checksum,
+            cpu_memory_bytes=cpu_memory_bytes, resident_state_bytes=resident_state_bytes, release_grads=True, checksum=self.checksum,
             retain_host_memory=self.retain_host_memory, max_grad_norm=self.max_grad_norm,
             gradient_accumulation_steps=self.gradient_accumulation_steps, loss_scaling=self.loss_scaling,
             bucket_bytes=self.bucket_bytes, collective_timeout_s=self.collective_timeout_s,
@@ -282,6 +287,16 @@ class _Transfers:
         self.slab.close()
 
 
+def _resident_state_bytes(model: nn.Module, blocks: list[nn.Module], config: OffloadConfig, optimizer_bytes: int,
+                          host_left_bytes: int) -> int:
+    """Host bytes for the optimizer's resident state: what the share left for parameter blocks (``cpu_memory_bytes``
+    less the optimizer's and activation offload's, and less what the host tier has lent elsewhere) holds beyond
+    caching every block (:func:`~nvoffload.planner.cost.resident_state_share`, the planner's rule)."""
+    pages = [-(-n // ALIGNMENT_BYTES) * ALIGNMENT_BYTES for n in (optimizer_bytes, config.activation_bytes)]
+    stream_host = min(config.cpu_memory_bytes // ALIGNMENT_BYTES * ALIGNMENT_BYTES - sum(pages), host_left_bytes)
+    return resident_state_share(stream_host, [b.nbytes for b in partition(model, blocks)[0]], config.prefetch_blocks)
+
+
 def _host_budget_that_fits(config: OffloadConfig, shortfall_bytes: int) -> str:
     """The ``cpu_memory_bytes`` (rounded up to MiB) whose parameter-streaming share, what is left after the
     optimizer's fraction and activation offload's bytes, is ``shortfall_bytes`` larger."""
@@ -369,10 +384,14 @@ def initialize(
     ranks = Ranks.resolve(process_group)
     if ranks is not None:  # reduced gradients: two buckets in flight at most
         reserve_buckets(memory, ranks, list(model.parameters()), config.bucket_bytes)
+    blocks = list(blocks) if blocks is not None else find_blocks(model)
+    resident_state = _resident_state_bytes(model, blocks, config, optimizer_bytes, memory.available_bytes("host"))
+    if resident_state:
+        memory.allocate("host", resident_state, "the optimizer's resident state")
     resources = _Transfers(config.cpu_memory_bytes, device)
     store = streamer = None
     try:
-        optimizer_transfer = resources.engine("optimizer", optimizer_bytes, "the optimizer's host memory")
+        optimizer_transfer = resources.engine("optimizer", optimizer_bytes + resident_state, "the optimizer's host memory")
         if config.activation_bytes:
             activation_transfer = resources.engine("activations", config.activation_bytes, "activation offload's host memory")
         streamer_transfer = resources.engine("streamer", None, "parameter streaming's host memory")
@@ -385,7 +404,7 @@ def initialize(
             group["params"] = [streamer.replaced.get(p, p) for p in group["params"]]
         offloaded = OffloadOptimizer(
             optimizer, swap_dir=store, transfer=optimizer_transfer,
-            config=config.optimizer_config(optimizer_bytes), process_group=process_group,
+            config=config.optimizer_config(optimizer_bytes, resident_state), process_group=process_group,
         )  # fmt: skip
     except BaseException as exc:
         if streamer is not None:

@@ -16,12 +16,20 @@ from nvoffload.planner import (
     MachineProfile,
     ModelShape,
     PlanRequest,
+    cost,
     load_profile,
     plan,
 )
 from nvoffload.planner.calibrate import calibrate
 from nvoffload.planner.contention import overlapped_s
 from nvoffload.planner.profile import Drive
+
+
+@pytest.fixture(autouse=True)
+def _all_of_the_state_on_nvme(monkeypatch):
+    """These tests pin the other terms with the whole optimizer state on NVMe (12 bytes a parameter each way):
+    no host budget keeps any of it resident. tests/test_resident_state.py checks the resident share."""
+    monkeypatch.setattr(cost, "resident_state_share", lambda *args: 0)
 
 
 @pytest.fixture(scope="module")

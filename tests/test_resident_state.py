@@ -1,12 +1,17 @@
 """Resident optimizer state (issue 34): chunks whose state stays in host memory, never in the store."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from test_offload_optim import CHUNK, MLP, assert_params_equal, batches, groups, train
+from test_streaming import config
 
+import nvoffload
+from nvoffload.models import GPT, GPTConfig
 from nvoffload.optim.offload import NVMeAdamW, OffloadOptimizer, OffloadOptimizerConfig
+from nvoffload.planner import BUILTIN_PROFILES, ModelShape, PlanRequest, plan
 from nvoffload.training_checkpoint import (
     load_training_checkpoint,
     save_training_checkpoint,
@@ -132,3 +137,78 @@ def test_nvme_adamw_takes_the_field(tmp_path):
     model = MLP()
     with NVMeAdamW(model.parameters(), swap_dir=tmp_path, chunk_bytes=CHUNK, resident_state_bytes=1 << 20) as opt:
         assert opt.memory_stats().host_limit_bytes == opt.config.cpu_memory_bytes + (1 << 20)
+
+
+def _pages(nbytes):
+    return -(-nbytes // 4096) * 4096
+
+
+def test_initialize_gives_resident_state_what_the_blocks_cache_leaves_as_the_planner_does(tmp_path):
+    blocks = GPT(GPTConfig.preset("small")).blocks
+    cache = sum(_pages(sum(p.numel() * 4 for p in b.parameters())) for b in blocks)
+    extra = 24 << 20  # host bytes beyond caching every block, in the share left for them
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    runs = {}
+    for name, cpu in (("all_on_nvme", 2 * cache), ("resident", 2 * (cache + extra))):
+        torch.manual_seed(3)
+        model = GPT(GPTConfig.preset("small"))
+        cfg = nvoffload.OffloadConfig(
+            swap_dirs=[tmp_path / ("a" if name == "all_on_nvme" else "b")], cpu_memory_bytes=cpu,
+            device_memory_bytes=config(tmp_path, model).device_memory_bytes,
+        )  # fmt: skip
+        runs[name] = nvoffload.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), cfg)
+    (m_nvme, o_nvme), (m_res, o_res) = runs["all_on_nvme"], runs["resident"]
+    assert o_nvme.config.resident_state_bytes == 0
+    assert o_res.config.resident_state_bytes == extra
+    request = PlanRequest(ModelShape.from_preset("small"), 4, 32, dtype="float32", cpu_memory_bytes=2 * (cache + extra),
+                          device_memory_bytes=1 << 30, stream=True, activations="keep")  # fmt: skip
+    predicted = plan(request, BUILTIN_PROFILES["h100-sxm-512g-4xgen4"])
+    assert predicted.resident_state_bytes == o_res.config.resident_state_bytes
+    assert predicted.cached_blocks == len(blocks)
+    all_on_nvme = plan(dataclasses.replace(request, cpu_memory_bytes=2 * cache), BUILTIN_PROFILES["h100-sxm-512g-4xgen4"])
+    assert all_on_nvme.resident_state_bytes == 0
+    saved = extra // 24 * 12  # the planner's one generation of the state kept resident, per step each way
+    assert (all_on_nvme.nvme_read_bytes - predicted.nvme_read_bytes, all_on_nvme.nvme_written_bytes - predicted.nvme_written_bytes) == (saved, saved)
+    kept = o_res.memory_stats().resident_state_bytes
+    assert 0 < kept <= extra // 2
+    try:
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randint(0, GPTConfig.preset("small").vocab_size, (4, 32), generator=g)
+            io = []
+            for model, opt in ((m_nvme, o_nvme), (m_res, o_res)):
+                opt.reset_io_stats()
+                loss = model(x, x.roll(-1, dims=1))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                io.append((opt.memory_stats().read_bytes, opt.memory_stats().written_bytes, loss.detach()))
+            assert torch.equal(io[0][2], io[1][2])
+            if step:  # fp32 parameters: 8 B an element read (the master is the model's), 12 written
+                assert (io[0][0] - io[1][0], io[0][1] - io[1][1]) == (kept * 2 // 3, kept)
+        with torch.no_grad():
+            for a, b in zip(o_nvme.state_dict()["state"].values(), o_res.state_dict()["state"].values()):
+                assert all(torch.equal(a[k], b[k]) for k in a)
+    finally:
+        o_nvme.close()
+        o_res.close()
+
+
+def test_finetune_without_streaming_keeps_resident_what_the_planner_predicts(tmp_path):
+    """The model on the device: the host budget beyond the optimizer's staging keeps state resident, in the plan
+    and in finetune's optimizer alike."""
+    from nvoffload.finetune.config import FinetuneConfig
+    from nvoffload.finetune.run import _build
+
+    cpu = 16 << 20
+    _, opt = _build(FinetuneConfig(preset="small", cpu_memory_bytes=cpu), str(tmp_path), None)
+    try:
+        request = PlanRequest(ModelShape.from_preset("small"), 4, 32, dtype="float32", cpu_memory_bytes=cpu, stream=False,
+                              activations="keep")  # fmt: skip
+        predicted = plan(request, BUILTIN_PROFILES["h100-sxm-512g-4xgen4"])
+        assert opt.config.resident_state_bytes == predicted.resident_state_bytes == cpu // 2
+        assert opt.config.cpu_memory_bytes == cpu // 2
+        assert predicted.nvme_read_bytes == (ModelShape.from_preset("small").params - cpu // 2 // 24) * 12
+    finally:
+        opt.close()

@@ -43,7 +43,7 @@ from nvoffload.metrics import MetricsLog
 from nvoffload.models import GPT
 from nvoffload.optim import LossScaling
 from nvoffload.optim.offload import NVMeAdamW, OffloadOptimizer
-from nvoffload.planner.cost import human_count, human_size
+from nvoffload.planner.cost import human_count, human_size, resident_state_share
 from nvoffload.pretrained import (
     _dtype_kwargs,
     build_meta_model,
@@ -223,9 +223,12 @@ def _build(config: FinetuneConfig, swap_dir: str, hf: _HFModel | None) -> tuple[
                     model.load_state_dict({name: ckpt.read(name) for name in ckpt.keys()})
                 except RuntimeError as exc:  # missing, unexpected or misshapen tensors
                     raise ValueError(f"{config.init_from} does not fit the {config.preset!r} model: {exc}") from None
+        # the optimizer's staging share of the host budget, as initialize() takes it; the rest keeps state resident
+        staging = int(config.cpu_memory_bytes * OffloadConfig.optimizer_memory_fraction)
         opt = NVMeAdamW(
             _param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95), swap_dir=swap_dir,
-            cpu_memory_bytes=config.cpu_memory_bytes, max_grad_norm=config.max_grad_norm,
+            cpu_memory_bytes=staging, max_grad_norm=config.max_grad_norm,
+            resident_state_bytes=resident_state_share(config.cpu_memory_bytes - staging, [], 0),
         )  # fmt: skip
         return model, opt
     if hf is not None:
@@ -518,7 +521,7 @@ def header(
                    f"device_memory_bytes {human_size(config.device_memory_bytes)}"]  # fmt: skip
     else:
         placed = f"parameters and gradients on {dev}"
-        budgets = [f"cpu_memory_bytes {human_size(config.cpu_memory_bytes)} (optimizer staging)"]
+        budgets = [f"cpu_memory_bytes {human_size(config.cpu_memory_bytes)} (optimizer staging and resident state)"]
     if config.offload_activations:
         budgets.append(f"activation_memory_bytes {human_size(activation_staging_bytes)}")
     activations = "offloaded to NVMe" if config.offload_activations else f"on {dev}"

@@ -11,6 +11,11 @@ A step of ``G`` micro-batches of ``B`` sequences of ``S`` tokens does, per engin
   written back once it changed; with activation offload, every saved activation written and read once;
 - **copies** (PCIe): streamed blocks to the device, gradients from it, activations both ways.
 
+The host budget beyond the optimizer's staging (``optimizer_memory_fraction``) caches the parameter blocks
+first, streaming, and what it holds beyond them keeps optimizer state resident in host memory
+(:func:`resident_state_share`, the rule :func:`nvoffload.initialize` and ``finetune`` follow): that state's 12 bytes
+a parameter are neither read nor written on NVMe.
+
 With LoRA (``PlanRequest.lora_rank``, as ``finetune --lora-rank``) the adapters are the trained parameters, in
 the blocks: only they have gradients, optimizer state (so the NVMe traffic is their state and, streaming, the
 evicted blocks' reads and the adapters' write-back: frozen weights are never written) and CPU Adam work, and a
@@ -53,7 +58,7 @@ from nvoffload.activations.config import ActivationOffloadConfig
 from nvoffload.planner.contention import overlapped_s
 from nvoffload.planner.profile import MachineProfile
 
-__all__ = ["ModelShape", "Plan", "PlanRequest", "block_flops", "human_count", "human_size", "plan"]
+__all__ = ["ModelShape", "Plan", "PlanRequest", "block_flops", "human_count", "human_size", "plan", "resident_state_share"]
 
 _OPTIMIZER_BYTES = 12  # fp32 master weights and two moments, per parameter, per generation
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -64,6 +69,21 @@ _HOST_OVERHEAD_BYTES = 1 << 30  # the interpreter, torch and the I/O threads' bu
 # 1.4x the plan's: the streaming hooks' and each saved tensor's fixed costs, not modelled, weigh more there. Below this
 # size a plan that streams or does not keep its activations says so.
 _CHECKED_FROM_PARAMS = 20_000_000
+
+
+def resident_state_share(stream_host_bytes: int, block_bytes: list[int], prefetch_blocks: int) -> int:
+    """Host bytes for resident optimizer state out of ``stream_host_bytes``, the budget left for parameter
+    blocks of ``block_bytes`` each: what remains once every block is cached (at least ``2 + prefetch_blocks``
+    of the largest, what streaming needs), in whole 4 KiB pages; 0 when the blocks do not all fit.
+
+    The weights' cache comes first whatever bounds the step: a byte of it saves a block's two reads a
+    micro-batch (2 NVMe bytes a step or more) and, once every block is cached, the write-back of the changed
+    weights; a byte of resident state saves half a byte read and half a byte written (its two generations,
+    24 bytes a parameter, save the 12 read and 12 written). On NVMe reads, writes, their checksums and their
+    sum alike the cache saves at least as much, so resident state takes only what the cache cannot use."""
+    pages = [-(-b // 4096) * 4096 for b in block_bytes]
+    cache = max(sum(pages), (2 + prefetch_blocks) * max(pages, default=0))
+    return max(0, stream_host_bytes - cache) // 4096 * 4096
 
 
 def human_size(nbytes: int) -> str:
@@ -342,6 +362,7 @@ class Plan:
     reasons: list[str]  # why it does not fit, and what would make it fit
     placement: dict[str, str]
     cached_blocks: int
+    resident_state_bytes: int  # host memory holding optimizer state resident (two generations of it), not on NVMe
     activation_memory_bytes: int | None  # activation offload's host memory (None: not offloaded)
     step_s: float
     tokens_per_s: float
@@ -432,6 +453,9 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     stream_host = r.cpu_memory_bytes - optimizer_host - (activation_host if stream else 0)
     aligned_block = -(-block_bytes // 4096) * 4096
     cached = min(m.n_layer, stream_host // aligned_block) if stream else m.n_layer
+    # Streaming: what caching every block leaves, with OffloadConfig's default prefetch_blocks (1), which the plan's
+    # offload_config keeps; the model on the device: what the optimizer's staging leaves (as finetune gives it).
+    resident_host = resident_state_share(stream_host, [block_bytes] * m.n_layer if stream else [], 1)
     if r.seq_len > m.max_seq_len:
         reasons.append(f"seq_len {r.seq_len} exceeds the model's context of {m.max_seq_len}")
     if r.batch_size % n:
@@ -454,7 +478,8 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
             f" {human_size(device_needs)}, activations {human_size(kept_activations)}), more than device_memory_bytes"
             f" {human_size(r.device_memory_bytes)}: {', or '.join(ways)}"
         )
-    state = shard * _OPTIMIZER_BYTES
+    # one generation of the optimizer state on NVMe: what resident state (two generations in host memory) leaves
+    state = max(0, shard - resident_host // (2 * _OPTIMIZER_BYTES)) * _OPTIMIZER_BYTES
     kept_grads = shard * 4 if (stream and r.grad_accum_steps > 1) else 0
     nvme_used = (weights if stream else 0) + 2 * state + kept_grads + (activations if offload else 0)
     drives = profile.nvme(r.swap_dirs)
@@ -553,7 +578,8 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
             "device, all-reduced during the last backward" + (", until step()" if held else ", then consumed"))
     placement = {
         "parameters": ("NVMe, streamed block by block through host memory" if stream else "device") + ("; every rank its copy" if n > 1 else ""),
-        "optimizer state": "NVMe (fp32 master and moments), updated by the CPU" + (f"; each rank 1/{n} of it" if n > 1 else ""),
+        "optimizer state": "NVMe (fp32 master and moments), updated by the CPU" + (f"; each rank 1/{n} of it" if n > 1 else "")
+        + (f"; {human_size(resident_host // 2)} of it resident in host memory" if resident_host else ""),
         **({"trainable": f"LoRA adapters of rank {r.lora_rank}, {human_count(trainable)} parameters; the model frozen:"
                          " no gradients, no optimizer state, never written back"} if lora else {}),
         "activations": {"keep": "device", "offload": "NVMe (offloaded)", "recompute": "recomputed in backward (each block's input kept)"}[kind],
@@ -562,7 +588,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     tokens = g * r.batch_size * r.seq_len
     return Plan(
         request=r, stream=stream, activations=kind, fits=not reasons, reasons=reasons, placement=placement,
-        cached_blocks=cached, activation_memory_bytes=activation_host or None, step_s=step, tokens_per_s=tokens / step, tflops=flops / step / 1e12, bottleneck=busiest,
+        cached_blocks=cached, resident_state_bytes=resident_host, activation_memory_bytes=activation_host or None, step_s=step, tokens_per_s=tokens / step, tflops=flops / step / 1e12, bottleneck=busiest,
         engine_s=engines, phases_s={"forward": forward, "backward": backward, "step": step_call},
         memory_bytes={"device": int(device_used), "host": int(host_used), "nvme": int(nvme_used)},
         nvme_read_bytes=int(read), nvme_written_bytes=int(written), profile=profile.name,
