@@ -464,7 +464,10 @@ def test_ctrl_c_is_one_line_exit_130_and_removes_the_swap_files(tmp_path):
     swap.mkdir()
     cmd = [sys.executable, "-m", "nvoffload", "finetune", "--preset", "tiny", "--steps", "100000", "--batch-size", "2",
            "--swap-dir", str(swap), "--no-progress"]  # fmt: skip
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+    # A terminal's Ctrl-C: the child's SIGINT at its default, whatever this process inherited (a job started in the
+    # background of a script, as `.ci/stress &`, has SIGINT ignored, and the child would train on).
+    restore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=restore_sigint) as proc:
         lines: queue.Queue = queue.Queue()
         reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
         reader.start()

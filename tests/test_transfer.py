@@ -32,6 +32,28 @@ def test_future_completed_failed_and_all_of():
     assert both.exception() is boom  # the same error every time
 
 
+def test_a_ctrl_c_during_a_wait_is_raised_not_returned_as_the_transfers_error():
+    """Future.exception() returns the transfer's error; a KeyboardInterrupt that lands in this thread while it waits
+    is raised (returned, a caller that records write errors swallowed the Ctrl-C and training went on)."""
+
+    class Interrupted:
+        def done(self):
+            return False
+
+        def wait(self, timeout_s):
+            raise KeyboardInterrupt
+
+        def error(self, what):
+            return None
+
+    future = Future([Interrupted()], what="a write")
+    with pytest.raises(KeyboardInterrupt):
+        future.exception()
+    assert not future.done()
+    failed = Future.failed(OSError(5, "EIO"))
+    assert isinstance(failed.exception(), OSError)  # the transfer's own error is returned
+
+
 def test_future_timeout_names_the_transfer_and_stays_pending():
     device = SimDevice(copy_delay_us=300_000)
     engine = TransferEngine(1 << 16, device)

@@ -476,7 +476,7 @@ class StepProtocol:
                     self._io.read(chunk, chunk.gen, slot, state=False).result()
                     with self._io.model_weights(rec, modify=True) as weights:
                         weights.write(chunk.elements, self._io.layout.chunk_rows(chunk, slot)[0], slot).result()
-                except BaseException as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 - every chunk is tried; a Ctrl-C is not an I/O failure
                     failures.append(f"{rec.name} elements [{chunk.start}, {chunk.start + chunk.numel}): {exc}")
         if failures:
             more = f" (and {len(failures) - 3} more chunks)" if len(failures) > 3 else ""

@@ -120,11 +120,13 @@ class Future:
         return self._value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        """Wait like :meth:`result` and return its error (None when it succeeded)."""
+        """Wait like :meth:`result` and return its error (None when it succeeded). What interrupts the wait itself
+        (its time limit's TimeoutError, a KeyboardInterrupt delivered to this thread) is raised, not returned: it
+        is not the transfer's error, and a caller that records errors must not swallow a Ctrl-C as one."""
         try:
             self.result(timeout)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            if isinstance(exc, TimeoutError) and not self._resolved:
+            if not self._resolved:
                 raise
             return exc
         return None
