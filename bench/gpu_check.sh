@@ -211,11 +211,13 @@ mapfile -t cuda_files < <(grep -l -E "cuda|gds|DEVICES" tests/test_*.py)
 run cuda_tests 150 "cuda_tests.xml" -- "$python" -m pytest -q -p no:cacheprovider -rs -k "cuda or gds" \
   --junitxml="$out/cuda_tests.xml" "${cuda_files[@]}"
 
+# Host budgets small enough that the blocks and the optimizer state move through NVMe (initialize keeps the
+# state in host memory where the budget holds it beside every block).
 if [[ "$dry" == 1 ]]; then
-  finetune_size=(--preset tiny --steps 2 --batch-size 2 --seq-len 32)
+  finetune_size=(--preset tiny --steps 2 --batch-size 2 --seq-len 32 --cpu-memory 4M)
   overlap_size=(--layers 2 --d-model 32 --seq-len 16 --batch 1 --repeats 1)
 else
-  finetune_size=(--preset small --steps 4 --batch-size 4 --offload-activations)
+  finetune_size=(--preset small --steps 4 --batch-size 4 --offload-activations --cpu-memory 32M)
   overlap_size=()  # the sizes of bench/results/bench_overlap_h100.*
 fi
 run finetune_trace 60 "finetune_trace.json" -- "$python" -m nvoffload finetune "${finetune_size[@]}" --stream \
