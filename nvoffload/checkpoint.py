@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from nvoffload._atomic import AtomicFile, naming
+from nvoffload.core.atomic import AtomicFile, naming
 from nvoffload.io.checksum import crc32c
 
 __all__ = [
@@ -544,7 +544,7 @@ class SafetensorsWriter:
 
     The header comes first in the file, so the writer is told every tensor's
     name, dtype and shape up front. It writes to a hidden sibling of ``path``
-    (an :class:`~nvoffload._atomic.AtomicFile`); ``close`` checks that every
+    (an :class:`~nvoffload.core.atomic.AtomicFile`); ``close`` checks that every
     tensor was written exactly once, fsyncs, and renames the file to ``path``,
     so a crash never leaves a partial checkpoint under the final name. Leaving a ``with`` block by an exception, or :meth:`abort`,
     removes the partial file.

@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from nvoffload import trace
-from nvoffload._workers import Worker
+from nvoffload.core.workers import Worker
 
 __all__ = [
     "ComputeDevice",
@@ -324,7 +324,7 @@ class _SimCopyStream:
 
 def _run_sim_copy(name: str, op: tuple) -> None:
     """One queued stand-in copy, on its stream's worker thread."""
-    from nvoffload.transfer.future import WAIT_LIMIT_S
+    from nvoffload.core.future import WAIT_LIMIT_S
 
     dst, src, after, not_before, duration_s, event, what = op
     error = None
@@ -370,7 +370,7 @@ class SimDevice:
         return _SimEvent(complete=True)  # the host thread has run everything queued before
 
     def wait(self, event: Event) -> None:
-        from nvoffload.transfer.future import WAIT_LIMIT_S
+        from nvoffload.core.future import WAIT_LIMIT_S
 
         if not event.synchronize(WAIT_LIMIT_S):
             raise TimeoutError(f"compute waited {WAIT_LIMIT_S:g} s for a copy that did not land")

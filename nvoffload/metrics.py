@@ -30,7 +30,7 @@ import json
 import math
 import os
 
-from nvoffload._atomic import replace_file
+from nvoffload.core.atomic import replace_file
 
 __all__ = ["METRICS_NAME", "PLOT_NAME", "MetricsLog", "plotting_available"]
 
@@ -106,7 +106,9 @@ class MetricsLog:
         atomically; the path written, or None without ``matplotlib``."""
         if not plotting_available():
             return None
-        from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+        from matplotlib.figure import (
+            Figure,  # no pyplot: no GUI backend, no global state
+        )
 
         path = os.fspath(path) if path is not None else os.path.join(self.directory, PLOT_NAME)
         records = self.records()

@@ -51,8 +51,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from nvoffload._atomic import fsync_path, new_sibling, put_in_place
 from nvoffload.checkpoint import SafetensorsWriter
+from nvoffload.core.atomic import fsync_path, new_sibling, put_in_place
 from nvoffload.streaming import state_tensors
 from nvoffload.streaming._hf_models import Index, stored_layout
 from nvoffload.streaming._peft import PeftView

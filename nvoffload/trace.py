@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from nvoffload._atomic import replace_file
+from nvoffload.core.atomic import replace_file
 
 __all__ = ["TRACKS", "Trace", "active", "start", "stop", "tracing"]
 

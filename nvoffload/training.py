@@ -27,18 +27,29 @@ from torch import nn
 
 from nvoffload import trace
 from nvoffload.activations import offload_activations as _offload_activations
+from nvoffload.core.buffers import ALIGNMENT_BYTES
 from nvoffload.device import compute_device, concrete
-from nvoffload.distributed import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, Ranks, check_not_ddp, reserve_buckets
+from nvoffload.distributed import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_TIMEOUT_S,
+    Ranks,
+    check_not_ddp,
+    reserve_buckets,
+)
 from nvoffload.io import TensorStore, swap_directories
-from nvoffload.memory import MemoryBudgetError, MemoryManager, TierStats, release_freed_host_memory
+from nvoffload.memory import (
+    MemoryBudgetError,
+    MemoryManager,
+    TierStats,
+    release_freed_host_memory,
+    resident_state_share,
+)
 from nvoffload.optim import LossScaling, OffloadOptimizer, OffloadOptimizerConfig
 from nvoffload.optim._layout import Layout
 from nvoffload.optim._updates import for_optimizer
-from nvoffload.planner.cost import resident_state_share
 from nvoffload.streaming import ParameterStreamer, compute_device_of
 from nvoffload.streaming._blocks import find_blocks, partition
 from nvoffload.transfer import HostSlab, TransferEngine
-from nvoffload.transfer.slab import ALIGNMENT_BYTES
 
 __all__ = ["OffloadConfig", "OffloadSession", "initialize"]
 
@@ -61,7 +72,7 @@ class OffloadConfig:
         optimizer_memory_fraction: share of ``cpu_memory_bytes`` given to the
             optimizer's staging buffers; the rest caches parameter blocks, and
             what it holds beyond every block keeps optimizer state resident in
-            host memory, never on NVMe (:func:`nvoffload.planner.cost.resident_state_share`:
+            host memory, never on NVMe (:func:`nvoffload.memory.resident_state_share`:
             the planner's split too).
         prefetch_blocks: parameter blocks read ahead of the one computing.
         device: the compute device for a model built on the meta device
@@ -291,7 +302,7 @@ def _resident_state_bytes(model: nn.Module, blocks: list[nn.Module], config: Off
                           host_left_bytes: int) -> int:
     """Host bytes for the optimizer's resident state: what the share left for parameter blocks (``cpu_memory_bytes``
     less the optimizer's and activation offload's, and less what the host tier has lent elsewhere) holds beyond
-    caching every block (:func:`~nvoffload.planner.cost.resident_state_share`, the planner's rule)."""
+    caching every block (:func:`~nvoffload.memory.resident_state_share`, the planner's rule)."""
     pages = [-(-n // ALIGNMENT_BYTES) * ALIGNMENT_BYTES for n in (optimizer_bytes, config.activation_bytes)]
     stream_host = min(config.cpu_memory_bytes // ALIGNMENT_BYTES * ALIGNMENT_BYTES - sum(pages), host_left_bytes)
     return resident_state_share(stream_host, [b.nbytes for b in partition(model, blocks)[0]], config.prefetch_blocks)

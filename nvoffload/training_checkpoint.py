@@ -64,13 +64,13 @@ from typing import BinaryIO
 import torch
 from torch import nn
 
-from nvoffload._atomic import fsync_path, naming, new_sibling, put_in_place
 from nvoffload.checkpoint import (
     CheckpointError,
     CheckpointReader,
     SafetensorsWriter,
     open_checkpoint,
 )
+from nvoffload.core.atomic import fsync_path, naming, new_sibling, put_in_place
 from nvoffload.distributed import Ranks, RankTimeoutError
 from nvoffload.io.checksum import crc32c
 from nvoffload.io.ownership import claim

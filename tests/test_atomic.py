@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from nvoffload._atomic import AtomicFile, replace_file
+from nvoffload.core.atomic import AtomicFile, replace_file
 
 
 def test_replace_file_replaces_whole_and_leaves_no_temporary(tmp_path):

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import nvoffload
-from nvoffload import _atomic
 from nvoffload.checkpoint import (
     SafetensorsReader,
     SafetensorsWriter,
     load_file,
     open_checkpoint,
 )
+from nvoffload.core import atomic as _atomic
 from nvoffload.models import GPT, GPTConfig
 from nvoffload.pretrained import build_meta_model, check_save_directory, save_pretrained
 

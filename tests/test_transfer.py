@@ -269,7 +269,7 @@ def test_write_behind_waits_for_one_write_and_those_before_it_only():
 def test_a_write_stuck_past_the_wait_limit_keeps_its_buffer(monkeypatch):
     """A write still running after NVOFFLOAD_WAIT_LIMIT_S raises TimeoutError and stays in flight: its done hook
     (which releases its buffer) does not run under the write, and runs once the write ends."""
-    from nvoffload.transfer import future as future_module
+    from nvoffload.core import future as future_module
 
     monkeypatch.setattr(future_module, "WAIT_LIMIT_S", 0.05)
     gate, done = threading.Event(), []

@@ -31,9 +31,9 @@ from collections.abc import Callable
 
 import torch
 
+from nvoffload.core.buffers import ALIGNMENT_BYTES
 from nvoffload.memory import MemoryBudgetError
 from nvoffload.transfer import Future, TransferEngine, WriteBehind
-from nvoffload.transfer.slab import ALIGNMENT_BYTES
 
 __all__ = ["Load", "Tier", "Write"]
 

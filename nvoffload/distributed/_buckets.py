@@ -38,12 +38,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from nvoffload.core.deferred import Deferred
 from nvoffload.device import untracked
 from nvoffload.distributed._partition import Partition
 from nvoffload.distributed._ranks import Ranks
 from nvoffload.memory import MemoryManager
 from nvoffload.transfer import Future, WriteBehind
-from nvoffload.transfer.deferred import Deferred
 
 DEFAULT_BUCKET_BYTES = 25 << 20  # as DistributedDataParallel's bucket_cap_mb
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nvoffload.core.future import Future
 from nvoffload.device import _CudaEvent
-from nvoffload.transfer.future import Future
 
 DEFAULT_TIMEOUT_S = 600.0
 

@@ -11,6 +11,7 @@ import torch
 
 from nvoffload.data.sft import LOSS_ON, resolve_data_path
 from nvoffload.device import cuda_available
+from nvoffload.io.config import default_swap_root
 from nvoffload.models import GPTConfig
 from nvoffload.planner.cost import human_size
 
@@ -18,12 +19,6 @@ __all__ = ["FinetuneConfig", "default_swap_root", "max_text_bytes"]
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def default_swap_root() -> str:
-    """``$XDG_CACHE_HOME/nvoffload``, or ``~/.cache/nvoffload``."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "nvoffload")
 
 
 @dataclass(frozen=True)

@@ -37,13 +37,19 @@ from nvoffload.finetune.checks import (
     _model_shape,
     _rank,
 )
-from nvoffload.finetune.config import _DTYPES, FinetuneConfig, default_swap_root, max_text_bytes
+from nvoffload.finetune.config import (
+    _DTYPES,
+    FinetuneConfig,
+    default_swap_root,
+    max_text_bytes,
+)
 from nvoffload.io.ownership import SwapDirectoryInUse, claim
+from nvoffload.memory import resident_state_share
 from nvoffload.metrics import MetricsLog
 from nvoffload.models import GPT
 from nvoffload.optim import LossScaling
 from nvoffload.optim.offload import NVMeAdamW, OffloadOptimizer
-from nvoffload.planner.cost import human_count, human_size, resident_state_share
+from nvoffload.planner.cost import human_count, human_size
 from nvoffload.pretrained import (
     _dtype_kwargs,
     build_meta_model,

@@ -8,7 +8,7 @@
 - :class:`SwapDirectoryInUse` -- a swap directory another process holds (see :mod:`nvoffload.io.ownership`).
 """
 
-from nvoffload.io.buffers import aligned_empty
+from nvoffload.core.buffers import aligned_empty
 from nvoffload.io.config import DirectIO, IOConfig
 from nvoffload.io.engine import IOEngine, OpenFile
 from nvoffload.io.errors import ChecksumError, StoreIOError

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 
-__all__ = ["DirectIO", "IOConfig", "ALIGNMENT_BYTES"]
+from nvoffload.core.buffers import ALIGNMENT_BYTES
 
-# O_DIRECT needs buffer addresses, sizes and file offsets aligned to the
-# logical block size; 4 KiB covers every NVMe drive and ext4/xfs.
-ALIGNMENT_BYTES = 4096
+__all__ = ["ALIGNMENT_BYTES", "DirectIO", "IOConfig", "default_swap_root"]
+
+
+def default_swap_root() -> str:
+    """``$XDG_CACHE_HOME/nvoffload``, or ``~/.cache/nvoffload``: where swap
+    directories and machine profiles go by default."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "nvoffload")
 
 
 class DirectIO(enum.Enum):

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from nvoffload import trace
+from nvoffload.core.future import Future
 from nvoffload.io import _aio
 from nvoffload.io.config import ALIGNMENT_BYTES, DirectIO, IOConfig
 from nvoffload.io.errors import StoreIOError
-from nvoffload.transfer.future import Future
 
 __all__ = ["IOEngine", "NativePart", "OpenFile"]
 

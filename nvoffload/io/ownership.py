@@ -22,7 +22,7 @@ import time
 import warnings
 from collections.abc import Callable
 
-from nvoffload._atomic import naming
+from nvoffload.core.atomic import naming
 
 __all__ = ["LOCK_NAME", "SwapDirectoryInUse", "claim"]
 

@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 
-from nvoffload.io.buffers import aligned_empty, byte_view, round_up
+from nvoffload.core.buffers import aligned_empty, byte_view, round_up
+from nvoffload.core.deferred import Deferred
+from nvoffload.core.extents import Extents
+from nvoffload.core.future import Future
 from nvoffload.io.checksum import crc32c_combine
 from nvoffload.io.config import IOConfig
 from nvoffload.io.engine import IOEngine, NativePart, OpenFile
 from nvoffload.io.errors import ChecksumError, StoreIOError
 from nvoffload.io.ownership import LOCK_NAME, claim
-from nvoffload.transfer.deferred import Deferred
-from nvoffload.transfer.extents import Extents
-from nvoffload.transfer.future import Future
 
 __all__ = ["ExtentIO", "TensorStore", "swap_directories"]
 

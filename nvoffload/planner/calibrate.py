@@ -45,7 +45,7 @@ _MiB = 1 << 20
 
 def default_profile_path() -> str:
     """``<cache>/profiles/<host name>.json`` under nvoffload's cache directory."""
-    from nvoffload.finetune import default_swap_root
+    from nvoffload.io.config import default_swap_root
 
     return os.path.join(default_swap_root(), "profiles", f"{socket.gethostname()}.json")
 

@@ -13,7 +13,7 @@ A step of ``G`` micro-batches of ``B`` sequences of ``S`` tokens does, per engin
 
 The host budget beyond the optimizer's staging (``optimizer_memory_fraction``) caches the parameter blocks
 first, streaming, and what it holds beyond them keeps optimizer state resident in host memory
-(:func:`resident_state_share`, the rule :func:`nvoffload.initialize` and ``finetune`` follow): that state's 12 bytes
+(:func:`nvoffload.memory.resident_state_share`, the rule :func:`nvoffload.initialize` and ``finetune`` follow): that state's 12 bytes
 a parameter are neither read nor written on NVMe.
 
 With LoRA (``PlanRequest.lora_rank``, as ``finetune --lora-rank``) the adapters are the trained parameters, in
@@ -55,10 +55,11 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from nvoffload.activations.config import ActivationOffloadConfig
+from nvoffload.memory import resident_state_share
 from nvoffload.planner.contention import overlapped_s
 from nvoffload.planner.profile import MachineProfile
 
-__all__ = ["ModelShape", "Plan", "PlanRequest", "block_flops", "human_count", "human_size", "plan", "resident_state_share"]
+__all__ = ["ModelShape", "Plan", "PlanRequest", "block_flops", "human_count", "human_size", "plan"]
 
 _OPTIMIZER_BYTES = 12  # fp32 master weights and two moments, per parameter, per generation
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -71,21 +72,6 @@ _HOST_OVERHEAD_BYTES = 1 << 30  # the interpreter, torch and the I/O threads' bu
 # below 20M (streamed with activations kept, recomputed) are not checked.
 # Below this size a plan that streams or does not keep its activations says so.
 _CHECKED_FROM_PARAMS = 20_000_000
-
-
-def resident_state_share(stream_host_bytes: int, block_bytes: list[int], prefetch_blocks: int) -> int:
-    """Host bytes for resident optimizer state out of ``stream_host_bytes``, the budget left for parameter
-    blocks of ``block_bytes`` each: what remains once every block is cached (at least ``2 + prefetch_blocks``
-    of the largest, what streaming needs), in whole 4 KiB pages; 0 when the blocks do not all fit.
-
-    The weights' cache comes first whatever bounds the step: a byte of it saves a block's two reads a
-    micro-batch (2 NVMe bytes a step or more) and, once every block is cached, the write-back of the changed
-    weights; a byte of resident state saves half a byte read and half a byte written (its two generations,
-    24 bytes a parameter, save the 12 read and 12 written). On NVMe reads, writes, their checksums and their
-    sum alike the cache saves at least as much, so resident state takes only what the cache cannot use."""
-    pages = [-(-b // 4096) * 4096 for b in block_bytes]
-    cache = max(sum(pages), (2 + prefetch_blocks) * max(pages, default=0))
-    return max(0, stream_host_bytes - cache) // 4096 * 4096
 
 
 def human_size(nbytes: int) -> str:

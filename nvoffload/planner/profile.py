@@ -20,7 +20,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-from nvoffload._atomic import replace_file
+from nvoffload.core.atomic import replace_file
 
 __all__ = ["BUILTIN_PROFILES", "Drive", "MachineProfile", "builtin_profile", "load_profile"]
 

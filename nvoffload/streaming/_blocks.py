@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from nvoffload.transfer.slab import ALIGNMENT_BYTES
+from nvoffload.core.buffers import ALIGNMENT_BYTES
 
 __all__ = ["Block", "find_blocks", "partition", "resident_bytes", "state_tensors"]
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from nvoffload import device as _device
 from nvoffload import trace
+from nvoffload.core.buffers import ALIGNMENT_BYTES
 from nvoffload.io import TensorStore
 from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.streaming._backward import BackwardPasses, CallHooks
@@ -21,7 +22,6 @@ from nvoffload.streaming._materialize import Materializer
 from nvoffload.streaming._residency import DeviceResidency, GradientLedger
 from nvoffload.streaming._weights import StreamedWeights
 from nvoffload.transfer import TransferEngine
-from nvoffload.transfer.slab import ALIGNMENT_BYTES
 
 __all__ = ["ParameterStreamer", "compute_device_of"]
 

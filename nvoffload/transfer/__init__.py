@@ -7,8 +7,8 @@
 - :class:`Future` -- the one future type (``done()``, ``result(timeout)``).
 """
 
+from nvoffload.core.future import WAIT_LIMIT_S, Future
 from nvoffload.transfer.engine import TransferEngine
-from nvoffload.transfer.future import WAIT_LIMIT_S, Future
 from nvoffload.transfer.queues import ReadAhead, WriteBehind
 from nvoffload.transfer.slab import HostSlab
 

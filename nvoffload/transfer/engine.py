@@ -33,10 +33,10 @@ from collections.abc import Callable
 
 import torch
 
-from nvoffload._workers import Worker
+from nvoffload.core.deferred import Deferred
+from nvoffload.core.future import WAIT_LIMIT_S, Future
+from nvoffload.core.workers import Worker
 from nvoffload.device import ComputeDevice, Event, compute_device
-from nvoffload.transfer.deferred import Deferred
-from nvoffload.transfer.future import WAIT_LIMIT_S, Future
 from nvoffload.transfer.gds import GDSFile, gds_available
 from nvoffload.transfer.slab import HostSlab
 

@@ -6,7 +6,7 @@ import collections
 import threading
 from collections.abc import Callable, Hashable, Iterable
 
-from nvoffload.transfer.future import Future
+from nvoffload.core.future import Future
 
 __all__ = ["ReadAhead", "WriteBehind"]
 

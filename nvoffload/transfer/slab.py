@@ -19,13 +19,13 @@ import weakref
 import torch
 
 from nvoffload import device as _device
+from nvoffload.core.buffers import ALIGNMENT_BYTES
+from nvoffload.core.extents import Extents
+from nvoffload.core.future import WAIT_LIMIT_S
 from nvoffload.memory import MemoryBudgetError
-from nvoffload.transfer.extents import Extents
-from nvoffload.transfer.future import WAIT_LIMIT_S
 
 __all__ = ["HostSlab", "ALIGNMENT_BYTES"]
 
-ALIGNMENT_BYTES = 4096  # O_DIRECT's alignment for memory, sizes and offsets
 
 
 def _round_up(nbytes: int) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from nvoffload.transfer.future import Future
+from nvoffload.core.future import Future
 
 __all__ = ["Deferred"]
 

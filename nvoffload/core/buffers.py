@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from nvoffload.io.config import ALIGNMENT_BYTES
+ALIGNMENT_BYTES = 4096
+"""O_DIRECT's alignment of buffer addresses, sizes and file offsets (the logical block size; 4 KiB covers every
+NVMe drive and ext4/xfs)."""
 
-__all__ = ["aligned_empty", "byte_view", "is_aligned", "round_up"]
+__all__ = ["ALIGNMENT_BYTES", "aligned_empty", "byte_view", "is_aligned", "round_up"]
 
 
 def round_up(nbytes: int, alignment: int = ALIGNMENT_BYTES) -> int:

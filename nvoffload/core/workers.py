@@ -60,7 +60,7 @@ def _run(items: queue.SimpleQueue, handle: Callable[[object], None]) -> None:
 
 
 def _stop_all_at_exit() -> None:
-    from nvoffload.transfer.future import WAIT_LIMIT_S
+    from nvoffload.core.future import WAIT_LIMIT_S
 
     running = list(_live.items())
     for _, stop in running:
