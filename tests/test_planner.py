@@ -11,6 +11,7 @@ import os
 import pytest
 
 from nvoffload.cli import main
+from nvoffload.io.config import IOConfig
 from nvoffload.planner import (
     BUILTIN_PROFILES,
     MachineProfile,
@@ -56,6 +57,7 @@ def test_calibrate_measures_every_engine(profile_path):
     assert 0 < profile.compute_with_io <= 1 and 0 < profile.io_with_compute <= 1  # measured beside the store
     assert "measured by nvoffload calibrate --quick" in profile.source
     assert 0 < profile.optimizer_tensor_s < 0.1  # a step's fixed time per parameter tensor (about 1 ms here)
+    assert 0.5 < profile.crc32c_gbps < 100  # one thread's CRC-32C (about 15 GB/s with SSE4.2)
     assert 0 < profile.saved_tensor_s < 0.1  # a saved tensor's round trip through activation offload (about 0.5 ms here)
 
 
@@ -137,8 +139,10 @@ def test_profiles_are_checked():
 
 
 def test_one_rank_plans_as_one_process_did():
-    """ranks=1 (the default) is the planner before ranks: step times from the planner of commit b5f5625."""
+    """ranks=1 (the default) is the planner before ranks: step times from the planner of commit b5f5625 (whose
+    checksums ran on one thread of 15 GB/s: the profile's I/O threads are given that rate together)."""
     profile = BUILTIN_PROFILES["h100-sxm-512g-4xgen4"]
+    profile = dataclasses.replace(profile, crc32c_gbps=15.0 / min(IOConfig().num_threads, profile.cpu_cores))
     shape = ModelShape.from_preset("gpt2-1.3b")
     before = {(False, True, 1): 2.4694224254925596, (False, False, 1): 2.3738789805471048, (True, False, 4): 4.555919818508421}
     for (stream, clip, accum), step_s in before.items():
@@ -272,7 +276,8 @@ def test_compute_beside_nvme_io_runs_at_the_profiles_measured_fractions():
     e = free.engine_s
     # the embeddings' updates (their gradients are final as backward ends) and their state's traffic: a tail
     last = shape.resident_params / shape.params
-    tail_cpu, tail_io = last * (e["cpu adam"] + 2 * 12 * shape.params / 15e9), last * e["nvme"]
+    crc_rate = 15e9 * min(IOConfig().num_threads, _cpu_profile(1.0, 1.0).cpu_cores)  # the I/O threads' checksums
+    tail_cpu, tail_io = last * (e["cpu adam"] + 2 * 12 * shape.params / crc_rate), last * e["nvme"]
     cpu_backward = 2 * e["compute"] / 3 + e["cpu adam"] + e["checksums"] + e["copies"] / 2 - tail_cpu
     assert free.phases_s["backward"] == pytest.approx(max(cpu_backward, e["nvme"] - tail_io) + max(tail_cpu, tail_io))
     assert contended.phases_s["backward"] == pytest.approx(
@@ -366,7 +371,9 @@ def test_lora_adapters_are_counted_as_peft_counts_them(tmp_path, kind):
     for the family) and for targets given as names or suffixes."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as peft_defaults
+    from peft.utils.constants import (
+        TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as peft_defaults,
+    )
 
     if kind == "gpt2":
         config = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=500, n_positions=128)
@@ -435,7 +442,7 @@ def test_a_70b_lora_step_is_compute_bound(capsys):
     assert lora["nvme_read_bytes"] == lora["nvme_written_bytes"] == 12 * adapters
     assert main([*args, "--json"]) == 0
     full = json.loads(capsys.readouterr().out)
-    assert full["bottleneck"] == "checksums" and full["step_s"] > 9 * lora["step_s"]
+    assert full["bottleneck"] == "nvme" and full["step_s"] > 4 * lora["step_s"]  # the state's traffic, every step
     assert main([*args, "--lora-rank", "16"]) == 0
     assert "  trainable        LoRA adapters of rank 16, 32.8M parameters; the model frozen" in capsys.readouterr().out
     assert main([*args, "--lora-rank", "16", "--lora-targets", "q_proj", "w_proj"]) == 2
@@ -526,3 +533,19 @@ def test_calibrate_times_what_it_compares_in_turns():
     medians = _median_seconds([lambda: calls.append("a"), lambda: calls.append("b")], 3)
     assert calls == ["a", "b"] * 4  # a warm-up of each, then in turns
     assert len(medians) == 2 and all(0 <= m < 0.1 for m in medians)
+
+
+def test_the_checksums_are_the_io_threads_and_no_longer_bound_a_70b_step():
+    """The store's CRC-32C runs on each I/O thread over the blocks it moves: the planner divides the bytes among
+    min(IOConfig.num_threads, cpu_cores) threads of the profile's crc32c_gbps. With one thread's rate, the
+    Llama-2-70B step on 4 drives was bound by checksums (130 s); with the I/O threads' it is bound by the drives."""
+    profile = BUILTIN_PROFILES["h100-sxm-512g-4xgen4"]
+    threads = min(IOConfig().num_threads, profile.cpu_cores)
+    big = PlanRequest(ModelShape.named("llama2-70b"), 8, 2048, dtype="bfloat16", cpu_memory_bytes=448 << 30,
+                      device_memory_bytes=78 << 30, swap_dirs=4)  # fmt: skip
+    p = plan(big, profile)
+    moved = p.nvme_read_bytes + p.nvme_written_bytes
+    assert p.engine_s["checksums"] == pytest.approx(moved / (profile.crc32c_gbps * 1e9 * threads), rel=1e-9)
+    assert p.bottleneck == "nvme"
+    one_thread = plan(big, dataclasses.replace(profile, crc32c_gbps=profile.crc32c_gbps / threads))
+    assert one_thread.bottleneck == "checksums" and one_thread.step_s > 1.5 * p.step_s

@@ -55,6 +55,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from nvoffload.activations.config import ActivationOffloadConfig
+from nvoffload.io.config import IOConfig
 from nvoffload.memory import resident_state_share
 from nvoffload.planner.contention import overlapped_s
 from nvoffload.planner.profile import MachineProfile
@@ -518,7 +519,9 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     serial = sum(b * min(1.0, 2 * b / activation_host) for b in saved) / sum(saved) if saved else 0.0
     nvme_read_s, nvme_write_s = read / (drives.read_gbps * 1e9), written / (drives.write_gbps * 1e9)
     copies = h2d / (profile.h2d_gbps * 1e9) + d2h / (profile.d2h_gbps * 1e9)
-    checksums = (read + written) / 15e9 if r.checksum else 0.0  # CRC-32C, one thread (bench/results/bench_io.md)
+    # CRC-32C, computed by each I/O thread over the blocks it moves: as many threads at once as the cores allow
+    crc_rate = profile.crc32c_gbps * 1e9 * min(IOConfig().num_threads, profile.cpu_cores)
+    checksums = (read + written) / crc_rate if r.checksum else 0.0
     link = profile.interconnect_gbps * 1e9
     reduce_s = (communication.get("all-reduce", 0) + communication.get("reduce-scatter", 0)) / link
     gather_s = communication.get("all-gather", 0) / link
@@ -541,7 +544,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     # ends: their updates and their optimizer state's traffic run after it, a tail the step waits for.
     last = 0.0 if held else resident_trainable / trainable
     state_io = state / (drives.read_gbps * 1e9) + state / (drives.write_gbps * 1e9)
-    state_checksums = 2 * state / 15e9 if r.checksum else 0.0
+    state_checksums = 2 * state / crc_rate if r.checksum else 0.0
     tail = beside_io(last * (adam + state_checksums), last * state_io)
     nvme_rest = nvme_read_s + nvme_write_s - fwd_io - last * state_io - serial * act_read_s
     cpu_backward = (compute * (1 - fwd_share) if on_cpu else 0) + (0 if held else adam + checksums - last * (adam + state_checksums)) + (copies / 2 if on_cpu else 0)
@@ -554,7 +557,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     engines = {"compute": compute, "cpu adam": adam, "checksums": checksums, "nvme": nvme_read_s + nvme_write_s, "copies": copies,
                "interconnect": reduce_s + gather_s}  # fmt: skip
     busiest = max(engines, key=engines.get)
-    cpu_thread = adam + checksums  # one CPU thread runs both in turn
+    cpu_thread = adam + checksums  # the host's work beside the device: the updates, and the I/O threads' checksums
     if (held and cpu_thread >= engines["interconnect"]) or (not on_cpu and cpu_thread > max(engines.values())):
         busiest = "cpu adam" if adam >= checksums else "checksums"
     if on_cpu and compute + adam + checksums > max(engines.values()):  # compute shares the host's cores

@@ -86,6 +86,10 @@ class MachineProfile:
             (forward and backward over 32 and 128 small saved tensors through
             :class:`~nvoffload.activations.offload_activations`); 0 in the built-in profiles and in profiles saved
             before the field (not measured).
+        crc32c_gbps: one thread's CRC-32C rate, GB/s (the store's checksums, computed by each I/O thread over the
+            blocks it moves: the planner counts ``min(IOConfig.num_threads, cpu_cores)`` of them). ``calibrate``
+            measures it; 15 in the built-in profiles (SSE4.2's crc32 on three streams: ``bench/results/bench_io.md``)
+            and in profiles saved before the field.
     """
 
     name: str
@@ -107,6 +111,7 @@ class MachineProfile:
     io_with_compute: float = 1.0
     optimizer_tensor_s: float = 0.0
     saved_tensor_s: float = 0.0
+    crc32c_gbps: float = 15.0
 
     def __post_init__(self):
         if self.device not in ("cuda", "cpu"):
@@ -142,6 +147,9 @@ class MachineProfile:
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"MachineProfile.{name} must be a non-negative number of seconds, got {value!r}")
+        value = self.crc32c_gbps
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            raise ValueError(f"MachineProfile.crc32c_gbps must be a positive number of GB/s, got {value!r}")
 
     def block_rates(self, d_model: int) -> tuple[float, float, float]:
         """A block's matrices FLOP/s, attention FLOP/s and fixed seconds per pass at width ``d_model``
