@@ -81,8 +81,8 @@ def test_cli_checkpoints_resume_and_refuse_an_unwritable_directory(tmp_path, cap
     ckpt, out_file = tmp_path / "ckpt", tmp_path / "out.safetensors"
     header = [
         "model: the tiny preset, 121K parameters, float32; 2 x 64 tokens x 1 micro-batches a step",
-        "placement: parameters and gradients on cpu; optimizer state (fp32 master and moments) on NVMe, updated by"
-        " the CPU; activations on cpu",
+        "placement: parameters and gradients on cpu; optimizer state (fp32 master and moments) on NVMe where the host"
+        " budget cannot keep it, updated by the CPU; activations on cpu",
         "budgets: --cpu-memory 64M (optimizer staging and resident state)",
         f"swap directory: {swap}",
     ]

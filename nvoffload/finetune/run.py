@@ -523,7 +523,7 @@ def header(
     dev = config.device
     if config.stream:
         placed = f"parameters on NVMe, streamed block by block through host memory to {dev}; gradients consumed during backward"
-        budgets = [f"cpu_memory_bytes {human_size(config.cpu_memory_bytes)} (optimizer staging and the block cache)",
+        budgets = [f"cpu_memory_bytes {human_size(config.cpu_memory_bytes)} (optimizer staging, the block cache and resident state)",
                    f"device_memory_bytes {human_size(config.device_memory_bytes)}"]  # fmt: skip
     else:
         placed = f"parameters and gradients on {dev}"
@@ -535,7 +535,8 @@ def header(
     return [
         f"model: {what}, {human_count(num_parameters)} parameters, {config.dtype}; {config.batch_size} x {seq_len}"
         f" tokens x {config.grad_accum_steps} micro-batches a step{ranks}",
-        f"placement: {placed}; optimizer state (fp32 master and moments) on NVMe, updated by the CPU; activations"
+        f"placement: {placed}; optimizer state (fp32 master and moments) on NVMe where the host budget cannot keep it,"
+        f" updated by the CPU; activations"
         f" {activations}",
         "budgets: " + ", ".join(budgets),
         f"swap directory: {swap_dir}{each}",
