@@ -111,11 +111,11 @@ class ResidentState:
 
     def offer(self, chunk: Chunk, nrows: int) -> bool:
         """Give ``chunk`` (``nrows`` rows of state) a home if its two generations fit what is left; True if so."""
-        gen_bytes = -(-self._rows * chunk.numel * 4 // 4096) * 4096
+        rows_bytes = self._rows * chunk.numel * 4
+        gen_bytes = -(-rows_bytes // 4096) * 4096
         if self.used_bytes + 2 * gen_bytes > self.capacity_bytes:
             return False
         memory = self._slab.allocate(2 * gen_bytes, "the resident optimizer state")
-        rows_bytes = self._rows * chunk.numel * 4
         chunk.home = tuple(memory[at : at + rows_bytes].view(torch.float32) for at in (0, gen_bytes))
         self.used_bytes += 2 * gen_bytes
         self.state_bytes += nrows * chunk.numel * 4
