@@ -186,14 +186,14 @@ def main(argv=None) -> Path:
             labels.append(f"{case} x{ranks}")
         ax.set_yticks(range(len(labels)), labels)
         ax.set_xlabel("seconds from the case's first timed step (one bar per step; colour = rank)")
-        ax.set_title(f"{args.preset}, {tokens} tokens a step, this 2-core machine: steps of each rank")
+        ax.set_title(f"{args.preset}, {tokens} tokens a step, {os.cpu_count()} cores: steps of each rank")
         fig.tight_layout()
         return fig
 
     notes = (
         f"{args.preset}, global batch {args.batch} x {args.seq_len} tokens x 2 micro-batches, split between the"
-        f" ranks; median of {args.steps} timed steps (a step's time: its slowest rank's). This machine: 2 cores, no"
-        " GPU, gloo over loopback; each rank gets cores/ranks threads, so 2 ranks compute no faster than 1 (on a"
+        f" ranks; median of {args.steps} timed steps (a step's time: its slowest rank's). This machine: {os.cpu_count()} cores,"
+        " gloo over loopback (the ranks compute on the CPU); each rank gets cores/ranks threads, so 2 ranks compute no faster than 1 (on a"
         " multi-GPU server each rank has its own GPU), while the optimizer's work and NVMe traffic split between"
         " them. optimizer_nvme_GB_per_rank_step: the optimizer"
         " store's bytes read + written per step per rank (streaming's weight traffic is each rank's own, not"

@@ -64,6 +64,7 @@ def parse_args(argv):
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--cpu-memory-gib", type=float, default=4.0)
     p.add_argument("--device-memory-gib", type=float, default=2.0)
+    p.add_argument("--device", default=None, help="the compute device (default: CUDA when present, else the CPU)")
     p.add_argument("--swap-dir", default=None, help="directory on NVMe (default: a temporary one under /tmp)")
     p.add_argument(
         "--retain-host-memory", action="store_true",
@@ -96,12 +97,13 @@ def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple
             nvoffload.OffloadConfig(
                 swap_dirs=[swap], cpu_memory_bytes=int(args.cpu_memory_gib * GiB),
                 device_memory_bytes=int(args.device_memory_gib * GiB), retain_host_memory=args.retain_host_memory,
-                max_grad_norm=max_grad_norm, gradient_accumulation_steps=accum,
+                max_grad_norm=max_grad_norm, gradient_accumulation_steps=accum, device=args.device,
             ),
             param_init_fn=model.init_weights,
         )  # fmt: skip
         init_s = time.perf_counter() - t0
         session = opt.session
+        x = x.to(session.streamer.device)
         recorded = None
         for step in range(args.steps):
             if traced and step == args.steps - 1:
@@ -146,6 +148,7 @@ def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple
 
 def main(argv=None) -> Path:
     args = parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     base = GPTConfig.preset(args.preset)
     cfg = GPTConfig(**{**base.__dict__, "seq_len": args.seq_len})
     n_params = cfg.num_parameters
@@ -163,15 +166,16 @@ def main(argv=None) -> Path:
         "cpu_memory_bytes": host_budget, "device_memory_bytes": device_budget,
         "training_state_bytes": state_bytes, "state_vs_host_budget": state_bytes / host_budget,
         "state_vs_device_budget": state_bytes / device_budget, "init_s": init_s,
-        "retain_host_memory": args.retain_host_memory, "recipes": {r: RECIPES[r] for r in args.recipe},
+        "retain_host_memory": args.retain_host_memory, "device": args.device, "recipes": {r: RECIPES[r] for r in args.recipe},
     }  # fmt: skip
     overhead = max(r["peak_rss_gib"] for r in rows) - budget / GiB
     notes = (
         f"{n_params / 1e9:.2f}B parameters; training state {state_bytes / GiB:.1f} GiB = "
         f"{state_bytes / host_budget:.1f}x the host budget and {state_bytes / device_budget:.1f}x the device budget. "
         f"Peak RSS minus (host + device budgets) = {overhead:.2f} GiB (the fixed overhead: interpreter, torch, "
-        "activations, I/O buffers). On this CPU-only machine the device tier is host memory. "
-        f"Built on the meta device and written to the store block by block in {init_s:.1f} s."
+        "activations, I/O buffers). "
+        + ("On the CPU the device tier is host memory. " if args.device == "cpu" else f"Computed on {args.device}. ")
+        + f"Built on the meta device and written to the store block by block in {init_s:.1f} s."
         + (" Recipes run one after another in this process: peak RSS is the process's so far." if len(rows) > args.steps else "")
     )
     where = {} if args.results_dir is None else {"results_dir": args.results_dir}

@@ -19,8 +19,10 @@ def test_an_nccl_bucket_is_copied_out_after_its_reduction_while_the_host_runs_ah
         numels = [3000, 5000, 7000]
         ranks = Ranks(None, 0, 1, torch.device("cuda", 0))
         buckets = GradientBuckets(ranks, Partition(numels, 1, align_numel=1024), bucket_bytes=32 << 10, budget_bytes=64 << 10)
+        dist.all_reduce(torch.zeros(1, device="cuda"))  # NCCL makes its communicator at the first collective
+        torch.cuda.synchronize()
         with TransferEngine(1 << 20, "cuda") as engine:
-            torch.cuda._sleep(500_000_000)  # a few hundred ms of GPU work before the gradients exist
+            torch.cuda._sleep(2_000_000_000)  # about a second of GPU work before the gradients exist
             grads = [torch.full((n,), float(i + 1), device="cuda") for i, n in enumerate(numels)]
             produced = torch.cuda.Event()
             produced.record()

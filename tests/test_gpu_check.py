@@ -67,25 +67,43 @@ def test_the_dry_run_runs_every_step_and_the_summary_names_each_with_its_status_
     assert "device='cpu'" in (out / "bench_overlap.log").read_text()
 
 
-def test_a_benchmark_command_line_its_parser_refuses_fails_its_step(tmp_path):
-    """The dry run's argument check is a real one: a flag a benchmark does not take fails that step, and the
-    next benchmark's is still checked."""
+def two_benchmarks(tmp_path, failures: int) -> Path:
+    """A copy of the script's setup that checks bench_x (given a flag it does not take) and bench_y, then exits
+    with 0 when ``failures`` steps did not pass."""
     bench = tmp_path / "repo" / "bench"
     bench.mkdir(parents=True)
     script = SCRIPT.read_text().split("run environment", 1)[0]
     script += "benchmark bench_x 30 --quick --no-such-flag\nbenchmark bench_y 30 --quick\ncheck_arguments 30\n"
-    (bench / "gpu_check.sh").write_text(script + "((failures == 1))\n")
+    (bench / "gpu_check.sh").write_text(script + f"((failures == {failures}))\n")
     (bench / "bench_x.py").write_text(
         "import argparse\np = argparse.ArgumentParser()\np.add_argument('--quick', action='store_true')\n"
         "p.add_argument('--results-dir')\np.parse_args()\nraise SystemExit('ran')\n"
     )
     (bench / "bench_y.py").write_text((bench / "bench_x.py").read_text())
-    done = check(tmp_path, "--dry-run", script=bench / "gpu_check.sh", GPU_CHECK_OUT=str(tmp_path / "out"))
+    return bench / "gpu_check.sh"
+
+
+def test_a_benchmark_command_line_its_parser_refuses_fails_its_step(tmp_path):
+    """The dry run's argument check is a real one: a flag a benchmark does not take fails that step, and the
+    next benchmark's is still checked."""
+    script = two_benchmarks(tmp_path, failures=1)
+    done = check(tmp_path, "--dry-run", script=script, GPU_CHECK_OUT=str(tmp_path / "out"))
     assert done.returncode == 0, done.stdout + done.stderr
     rows = summary_rows(tmp_path / "out" / "summary.md")
     assert (rows["bench_x"]["status"], rows["bench_y"]["status"]) == ("failed (exit 2)", "arguments ok")
     assert "unrecognized arguments: --no-such-flag" in (tmp_path / "out" / "bench_x.log").read_text()
     assert "quick=True" in (tmp_path / "out" / "bench_y.log").read_text()
+
+
+def test_gpu_check_steps_runs_only_the_steps_it_names_and_the_others_neither_run_nor_fail(tmp_path):
+    """A rerun of the steps that failed (GPU_CHECK_STEPS): bench_x, whose command line would fail, is not
+    selected, so it has its row without running and the check passes."""
+    script = two_benchmarks(tmp_path, failures=0)
+    done = check(tmp_path, "--dry-run", script=script, GPU_CHECK_OUT=str(tmp_path / "out"), GPU_CHECK_STEPS="bench_y")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = summary_rows(tmp_path / "out" / "summary.md")
+    assert (rows["bench_x"]["status"], rows["bench_y"]["status"]) == ("not selected", "arguments ok")
+    assert not (tmp_path / "out" / "bench_x.log").exists()
 
 
 def test_an_unknown_argument_is_refused_and_without_a_gpu_the_gpu_run_says_to_use_the_dry_run(tmp_path):
