@@ -4,10 +4,11 @@ their ratio, and the worst ratio.
 
 Configurations (a GPT on ``--device``: CUDA when present, else the CPU standing in for it): the optimizer
 alone (the model on the device, its AdamW state on NVMe) and streaming (all three tiers), two host budgets,
-activation offload on and off, two batch sizes. Then ``nvoffload finetune`` commands as a user runs them (some
-with ``--plan auto`` and the profile just measured), each beside ``nvoffload plan`` given the same flags verbatim:
-the ``small`` preset (3.3M parameters) optimizer only and streamed with activation offload, and GPT-2 124M (not
-with --quick).
+activation offload on and off, two batch sizes. Then ``nvoffload finetune`` commands as a user runs them (through
+its entry point, in this process; some with ``--plan auto`` and the profile just measured), each beside
+``nvoffload plan`` given the same flags verbatim:
+the ``small`` preset (3.3M parameters) optimizer only and streamed with activation offload, and GPT-2 124M
+(with --quick: the ``tiny`` preset with ``--plan auto``, optimizer only, and streamed with activation offload).
 
 Each case runs ``--repeats`` times, in turns (every case once, then again: a load that comes and goes on the
 machine falls on all of them), each time ``--steps`` steps after a warm-up step that is not counted (for
@@ -22,11 +23,12 @@ all those steps; the table also shows the fastest and the slowest repetition's m
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import RESULTS_DIR, save_report  # noqa: E402
 
 import nvoffload  # noqa: E402
+from nvoffload.cli import main as cli_main  # noqa: E402
 from nvoffload.models import GPT, GPTConfig  # noqa: E402
 from nvoffload.optim import NVMeAdamW  # noqa: E402
 from nvoffload.planner import ModelShape, PlanRequest, plan  # noqa: E402
@@ -71,14 +74,18 @@ def cases(quick: bool) -> list[Case]:
 
 def finetune_commands(quick: bool) -> dict[str, list[str]]:
     """``nvoffload finetune`` commands' flags, given to ``nvoffload plan`` as they are."""
+    if quick:  # the same three kinds of command, on the tiny preset
+        tiny = ["--preset", "tiny", "--batch-size", "2"]
+        return {
+            "finetune tiny": [*tiny, "--cpu-memory", "16M", "--device-memory", "64M", "--plan", "auto"],
+            "finetune tiny, optimizer only": tiny,
+            "finetune tiny, streamed, activations offloaded": [*tiny, "--stream", "--offload-activations", "--cpu-memory", "16M"],
+        }
     small = {
         "finetune small, optimizer only": ["--preset", "small", "--batch-size", "8"],
         "finetune small, streamed, activations offloaded": ["--preset", "small", "--batch-size", "8", "--stream",
                                                             "--offload-activations", "--cpu-memory", "64M"],
     }  # fmt: skip
-    if quick:
-        tiny = ["--preset", "tiny", "--batch-size", "2", "--cpu-memory", "16M", "--device-memory", "64M", "--plan", "auto"]
-        return {"finetune tiny": tiny, **small}
     gpt2 = ["--preset", "gpt2-124m", "--seq-len", "128", "--batch-size", "4", "--plan", "auto"]
     return {
         **small,
@@ -87,7 +94,13 @@ def finetune_commands(quick: bool) -> dict[str, list[str]]:
     }
 
 
-_NVOFFLOAD = [sys.executable, "-m", "nvoffload"]
+def nvoffload_command(argv: list[str]) -> tuple[int, str, str]:
+    """``nvoffload`` with ``argv`` through its own entry point, in this process (torch is imported once for all
+    of them): its exit status, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = cli_main(argv)
+    return status, out.getvalue(), err.getvalue()
 
 
 def finetune_flags(flags: list[str], swap: str, steps: int, device: str) -> list[str]:
@@ -97,10 +110,10 @@ def finetune_flags(flags: list[str], swap: str, steps: int, device: str) -> list
 
 def plan_finetune(flags: list[str], profile_path: str) -> dict:
     """``nvoffload plan`` of the ``finetune`` command line ``flags`` (its JSON, for the profile's device)."""
-    planned = subprocess.run([*_NVOFFLOAD, "plan", *flags, "--profile", profile_path, "--json"], capture_output=True, text=True)
-    if planned.returncode != 0:
-        raise RuntimeError(f"nvoffload plan {' '.join(flags)} does not fit:\n{planned.stdout[-3000:]}{planned.stderr[-3000:]}")
-    planned = json.loads(planned.stdout)
+    status, out, err = nvoffload_command(["plan", *flags, "--profile", profile_path, "--json"])
+    if status != 0:
+        raise RuntimeError(f"nvoffload plan {' '.join(flags)} does not fit:\n{out[-3000:]}{err[-3000:]}")
+    planned = json.loads(out)
     if "--plan" not in flags and (planned["stream"], planned["activations"]) != ("--stream" in flags, "offload" if "--offload-activations" in flags else "keep"):
         raise RuntimeError(f"nvoffload plan chose another run than finetune {' '.join(flags)} starts: {planned['placement']}")
     return planned
@@ -109,13 +122,14 @@ def plan_finetune(flags: list[str], profile_path: str) -> dict:
 def run_finetune(flags: list[str], profile_path: str, steps: int, tokens: int) -> list[float]:
     """The seconds of each step after the first that ``nvoffload finetune`` with ``flags`` printed (as tokens/s
     of its ``tokens`` a step)."""
-    ran = subprocess.run([*_NVOFFLOAD, "finetune", *flags, *(["--profile", profile_path] if "--plan" in flags else [])],
-                         capture_output=True, text=True)  # fmt: skip
-    if ran.returncode != 0:
-        raise RuntimeError(f"nvoffload finetune {' '.join(flags)} failed:\n{ran.stderr[-3000:]}")
-    tokens_per_s = [float(m.replace(",", "")) for m in re.findall(r"\| ([\d,.]+) tok/s", ran.stdout)]
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the memory the cases before it freed, for its device budget
+    status, out, err = nvoffload_command(["finetune", *flags, *(["--profile", profile_path] if "--plan" in flags else [])])
+    if status != 0:
+        raise RuntimeError(f"nvoffload finetune {' '.join(flags)} failed:\n{err[-3000:]}")
+    tokens_per_s = [float(m.replace(",", "")) for m in re.findall(r"\| ([\d,.]+) tok/s", out)]
     if len(tokens_per_s) != steps + 1:
-        raise RuntimeError(f"expected {steps + 1} step lines from finetune, got:\n{ran.stdout[-3000:]}")
+        raise RuntimeError(f"expected {steps + 1} step lines from finetune, got:\n{out[-3000:]}")
     return [tokens / t for t in tokens_per_s[1:]]
 
 
