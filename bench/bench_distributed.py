@@ -2,7 +2,8 @@
 
 Each case trains a GPT (``gpt2-124m`` by default) for a warm-up step and ``--steps`` timed steps on the
 same global batch (``--batch`` sequences per micro-batch, two micro-batches per step), split between the
-ranks, in its own processes:
+ranks, in its own processes (with ``--quick``: the cases of each number of ranks one after the other in
+the same processes):
 
 * ``compute``: forward and backward alone on 1 rank (no optimizer): the compute limit of this machine;
 * ``ddp``: the peer, ``DistributedDataParallel`` with ``torch.optim.AdamW`` (fused, state in RAM);
@@ -41,7 +42,7 @@ GB = 1e9
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the tiny preset, one timed step (smoke test)")
+    p.add_argument("--quick", action="store_true", help="the tiny preset, one timed step, the cases in 2 launches (smoke test)")
     p.add_argument("--preset", default="gpt2-124m")
     p.add_argument("--batch", type=int, default=4, help="sequences per micro-batch, split between the ranks")
     p.add_argument("--seq-len", type=int, default=128)
@@ -57,31 +58,41 @@ def parse_args(argv):
 
 
 def run_rank(args) -> None:
-    """One rank of ``args.case``: writes its step spans (wall clock) and NVMe bytes to ``args.out``."""
+    """One rank of each case of ``args.case`` (cases separated by commas, one after the other): writes each
+    case's step spans (wall clock) and NVMe bytes to ``args.out`` (its ``{case}`` replaced by the case)."""
     import torch
     import torch.distributed as dist
-
-    import nvoffload
-    from nvoffload.models import GPT, GPTConfig
-    from nvoffload.optim import NVMeAdamW
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
     torch.set_num_threads(max(1, os.cpu_count() // world))
-    swap = Path(args.swap_dir) / f"rank{rank}"
+    for case in args.case.split(","):
+        run_case(args, case, world, rank)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def run_case(args, case: str, world: int, rank: int) -> None:
+    import torch
+
+    import nvoffload
+    from nvoffload.models import GPT, GPTConfig
+    from nvoffload.optim import NVMeAdamW
+
+    swap = Path(args.swap_dir) / case / f"rank{rank}"
     swap.mkdir(parents=True, exist_ok=True)
     cfg = GPTConfig.preset(args.preset)
     torch.manual_seed(0)
     model = GPT(cfg)
     opt = None
-    if args.case == "ddp":
+    if case == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    elif args.case == "optimizer":
+    elif case == "optimizer":
         opt = NVMeAdamW(model.parameters(), lr=1e-4, swap_dir=str(swap), cpu_memory_bytes=256 * MiB)
-    elif args.case == "streaming":
+    elif case == "streaming":
         block = max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks)
         config = nvoffload.OffloadConfig(
             swap_dirs=[swap], cpu_memory_bytes=512 * MiB, device_memory_bytes=1024 * MiB + 4 * block,
@@ -108,28 +119,26 @@ def run_rank(args) -> None:
         stats = opt.memory_stats()
         nvme = (stats.read_bytes + stats.written_bytes) / args.steps
         opt.close()
-    Path(args.out).write_text(json.dumps({"spans": spans[1:], "nvme_bytes_per_step": nvme}))
-    if world > 1:
-        dist.destroy_process_group()
+    Path(args.out.replace("{case}", case)).write_text(json.dumps({"spans": spans[1:], "nvme_bytes_per_step": nvme}))
 
 
-def launch(args, case: str, ranks: int, root: Path) -> list[dict]:
-    """Run one case with ``ranks`` processes; each rank's record."""
+def launch(args, cases: list[str], ranks: int, root: Path) -> dict[str, list[dict]]:
+    """Run ``cases`` one after the other in the same ``ranks`` processes; each case's records of each rank."""
     script = Path(__file__).resolve()
-    outs = [root / f"{case}-{ranks}-rank{r}.json" for r in range(ranks)]
-    common = ["--case", case, "--preset", args.preset, "--batch", str(args.batch), "--seq-len", str(args.seq_len),
-              "--steps", str(args.steps), "--swap-dir", str(root / f"swap-{case}-{ranks}")]  # fmt: skip
+    outs = {case: [root / f"{case}-{ranks}-rank{r}.json" for r in range(ranks)] for case in cases}
+    common = ["--case", ",".join(cases), "--preset", args.preset, "--batch", str(args.batch), "--seq-len", str(args.seq_len),
+              "--steps", str(args.steps), "--swap-dir", str(root / f"swap-{ranks}")]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(script.parents[1])}
     if ranks == 1:
-        command = [sys.executable, str(script), *common, "--out", str(outs[0])]
+        command = [sys.executable, str(script), *common, "--out", str(root / f"{{case}}-{ranks}-rank0.json")]
     else:  # each rank writes its own file: the worker adds its rank to --out
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                    "--log-dir", str(root / "torchrun"),  # else torchrun leaves a /tmp/torchelastic_* per run
-                   str(script), *common, "--out", str(root / f"{case}-{ranks}-rank{{rank}}.json")]  # fmt: skip
+                   str(script), *common, "--out", str(root / f"{{case}}-{ranks}-rank{{rank}}.json")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode != 0:
-        raise RuntimeError(f"case {case} on {ranks} ranks failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return [json.loads(out.read_text()) for out in outs]
+        raise RuntimeError(f"case {','.join(cases)} on {ranks} ranks failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return {case: [json.loads(out.read_text()) for out in case_outs] for case, case_outs in outs.items()}
 
 
 def eight_gpu_plan() -> dict:
@@ -156,7 +165,11 @@ def main(argv=None) -> Path:
     root = Path(tempfile.mkdtemp(prefix="bench_distributed_", dir=args.swap_dir or "/tmp"))
     started = time.time()
     try:
-        runs = {(case, ranks): launch(args, case, ranks, root) for case, ranks in CASES}
+        if args.quick:  # each number of ranks' cases in the same processes (two launches, not seven)
+            ran = {n: launch(args, [c for c, r in CASES if r == n], n, root) for n in sorted({r for _, r in CASES})}
+            runs = {(case, ranks): ran[ranks][case] for case, ranks in CASES}
+        else:  # each case in processes of its own
+            runs = {(case, ranks): launch(args, [case], ranks, root)[case] for case, ranks in CASES}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
