@@ -1,6 +1,6 @@
 """Activation offload against the alternatives, on a GPT-style model on this machine's CPU.
 
-Cases, each measured in a fresh subprocess so that the peak RSS is its own:
+Cases, each measured in a fresh subprocess so that the peak RSS is its own (with ``--quick`` all in one):
 
 - ``none``: plain training step (the reference);
 - ``nvme``: ``offload_activations`` to a swap directory (a TensorStore);
@@ -131,7 +131,7 @@ def run_case(case: str, settings: dict, swap_dir: str) -> dict:
 
 def main(argv=None) -> Path | None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps, the cases in one process: a smoke run")
     parser.add_argument("--preset", default="small")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=4)
@@ -146,8 +146,9 @@ def main(argv=None) -> Path | None:
     parser.add_argument("--settings-json", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
-    if args.run_case:  # child process: one case, one JSON line
-        print(json.dumps(run_case(args.run_case, json.loads(args.settings_json), args.swap_dir)))
+    if args.run_case:  # child process: each case (separated by commas) in turn, one JSON line each
+        for case in args.run_case.split(","):
+            print(json.dumps(run_case(case, json.loads(args.settings_json), args.swap_dir)), flush=True)
         return None
 
     settings = settings_from(args)
@@ -159,12 +160,13 @@ def main(argv=None) -> Path | None:
     with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap:
         probe = measure_contention(swap, **(CONTENTION_QUICK if args.quick else {}))
         print(probe.describe())
-        for case in cases:
-            cmd = [sys.executable, __file__, "--run-case", case, "--settings-json", json.dumps(settings), "--swap-dir", swap]
+        # each case in a process of its own; --quick: all in one (the tiny model's peak RSS is the imports')
+        for group in [cases] if args.quick else [[case] for case in cases]:
+            cmd = [sys.executable, __file__, "--run-case", ",".join(group), "--settings-json", json.dumps(settings), "--swap-dir", swap]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
-                raise RuntimeError(f"case {case} failed:\n{done.stderr[-3000:]}")
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                raise RuntimeError(f"case {','.join(group)} failed:\n{done.stderr[-3000:]}")
+            rows.extend(json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"case": '))
     base = next((r for r in rows if r["case"] == "none"), None)
     for row in rows:
         row["step_vs_none"] = row["step_s"] / base["step_s"] if base else float("nan")
