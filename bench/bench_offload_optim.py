@@ -2,7 +2,7 @@
 
 A GPT-style model (``gpt2-350m`` by default, ~350M parameters, on this
 machine's CPU), five cases, each in its own process so that its peak resident
-memory is its own:
+memory is its own (with ``--quick``: the first four in one process):
 
 1. ``fwd_bwd``: forward + backward alone.
 2. ``optim``: ``NVMeAdamW.step()`` alone (gradients given), state on NVMe.
@@ -49,7 +49,7 @@ CASES = ["fwd_bwd", "optim", "full", "adamw_ram", "full_unretained"]
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a tiny model, two timed steps (smoke test)")
+    p.add_argument("--quick", action="store_true", help="a tiny model, two timed steps, four cases in one process (smoke test)")
     p.add_argument("--preset", default="gpt2-350m")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=128)
@@ -124,9 +124,9 @@ def run_case(args) -> dict:
 
 def main(argv=None) -> Path:
     args = parse_args(argv)
-    if args.case:
-        row = run_case(args)
-        Path(args.out).write_text(json.dumps(row))
+    if args.case:  # child process: each case (separated by commas) in turn, their rows as a JSON list
+        rows = [run_case(argparse.Namespace(**{**vars(args), "case": case})) for case in args.case.split(",")]
+        Path(args.out).write_text(json.dumps(rows))
         return Path(args.out)
     cases = [c for c in args.cases.split(",") if c]
     unknown = set(cases) - set(CASES)
@@ -136,15 +136,20 @@ def main(argv=None) -> Path:
     with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap, tempfile.TemporaryDirectory() as tmp:
         probe = measure_contention(swap, **(CONTENTION_QUICK if args.quick else {}))
         print(probe.describe())
-        for case in cases:
-            out = os.path.join(tmp, f"{case}.json")
-            cmd = [sys.executable, __file__, "--case", case, "--out", out, "--swap-dir", swap,
+        # each case in a process of its own; --quick: the retained cases in one (the model's peak RSS is small
+        # beside the imports') and full_unretained in another (glibc's settings are the process's)
+        retained = [c for c in cases if c != "full_unretained"]
+        groups = [retained, [c for c in cases if c not in retained]] if args.quick else [[c] for c in cases]
+        for group in filter(None, groups):
+            out = os.path.join(tmp, f"{group[0]}.json")
+            cmd = [sys.executable, __file__, "--case", ",".join(group), "--out", out, "--swap-dir", swap,
                    "--preset", args.preset, "--batch", str(args.batch), "--seq-len", str(args.seq_len),
                    "--steps", str(args.steps), "--cpu-memory-mib", str(args.cpu_memory_mib)]  # fmt: skip
             subprocess.run(cmd, check=True)
-            row = json.loads(Path(out).read_text())
-            row.setdefault("host_staging_mib", 0.0)
-            rows.append(row)
+            for row in json.loads(Path(out).read_text()):
+                row.setdefault("host_staging_mib", 0.0)
+                rows.append(row)
+    rows.sort(key=lambda r: cases.index(r["case"]))
     by = {r["case"]: r for r in rows}
     notes = [probe.describe()]
     contention = probe.to_dict()
