@@ -51,9 +51,8 @@ def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical
     for name in ("ref", "run"):
         (tmp_path / f"{name}-swap").mkdir()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(_command(tmp_path, "ref", data, steps), capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-
+    ref = subprocess.Popen(_command(tmp_path, "ref", data, steps), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True, env=env)  # fmt: skip  (beside the two runs below; its stderr is a few lines)
     process = subprocess.Popen(_command(tmp_path, "run", data, steps), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=env)  # fmt: skip
     lines: list[str] = []
@@ -78,6 +77,8 @@ def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical
     assert done.returncode == 0, done.stderr[-3000:]
     resumed_at = int(next(line for line in done.stdout.splitlines() if line.startswith("step ")).split(":")[0].removeprefix("step "))
     assert 3 <= resumed_at <= steps  # it went on from a checkpoint at step 2 or later
+    ref_err = ref.communicate(timeout=300)[1]
+    assert ref.returncode == 0, ref_err[-3000:]
     expected, actual = load_file(tmp_path / "ref.safetensors"), load_file(tmp_path / "run.safetensors")
     assert all(torch.equal(expected[k], actual[k]) for k in expected)
     final = f"checkpoint-{steps}/optimizer.safetensors"
@@ -211,7 +212,7 @@ def test_resuming_a_text_run_with_data_is_refused_naming_the_checkpoint(tmp_path
 
 
 @pytest.mark.slow
-def test_data_parallel_finetune_on_instruction_data_trains_as_one_process(tmp_path):
+def test_data_parallel_finetune_on_instruction_data_trains_as_one_process(tmp_path, capsys):
     """Two ranks whose rows hold different numbers of targets: each rank's loss is divided by the global
     batch's count, so the averaged gradients are those of one process on the whole batch (a mean per rank
     would weigh the ranks' targets unequally)."""
@@ -224,16 +225,25 @@ def test_data_parallel_finetune_on_instruction_data_trains_as_one_process(tmp_pa
             "--batch-size", "4", "--grad-accum", "2", "--max-grad-norm", "0.05", "--eval-fraction", "0.2",
             "--no-progress"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    weights, lines = {}, {}
     for ranks in (1, 2):
         (tmp_path / f"swap{ranks}").mkdir()
-        done = subprocess.run(
-            [*python(ranks, tmp_path / "torchrun"), "-m", "nvoffload", *args, "--swap-dir", str(tmp_path / f"swap{ranks}"),
-             "--save-to", str(tmp_path / f"{ranks}.safetensors")], capture_output=True, text=True, timeout=300, env=env,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        weights[ranks] = load_file(tmp_path / f"{ranks}.safetensors")
-        lines[ranks] = [re.findall(r"(?:loss|eval) [\d.]+", line) for line in done.stdout.splitlines() if line.startswith("step ")]
+    # the two ranks under torchrun, and meanwhile the one process in this one (no second interpreter to start)
+    two = subprocess.Popen(
+        [*python(2, tmp_path / "torchrun"), "-m", "nvoffload", *args, "--swap-dir", str(tmp_path / "swap2"),
+         "--save-to", str(tmp_path / "2.safetensors")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks' OMP_NUM_THREADS
+    try:
+        assert main([*args, "--swap-dir", str(tmp_path / "swap1"), "--save-to", str(tmp_path / "1.safetensors")]) == 0
+        out1 = capsys.readouterr().out
+    finally:
+        torch.set_num_threads(threads)
+        out2, err2 = two.communicate(timeout=300)
+    assert two.returncode == 0, out2[-3000:] + err2[-3000:]
+    weights = {ranks: load_file(tmp_path / f"{ranks}.safetensors") for ranks in (1, 2)}
+    lines = {ranks: [re.findall(r"(?:loss|eval) [\d.]+", line) for line in out.splitlines() if line.startswith("step ")]
+             for ranks, out in ((1, out1), (2, out2))}  # fmt: skip
     assert len(lines[2]) == 3 and lines[2][-1][1].startswith("eval ")
     assert lines[1] == lines[2]  # the step's loss and evaluation loss, to the 3 decimals printed
     assert_trained_alike(weights[2], weights[1])

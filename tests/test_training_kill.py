@@ -1,11 +1,14 @@
-"""`nvoffload finetune --checkpoint-dir --resume` killed with SIGKILL at random moments, ten times, some of
-them while a checkpoint is being written: each time the latest complete checkpoint verifies and the next run
-resumes from it; the run finally ends bit-identical to one never interrupted, and leaves no swap file."""
+"""`nvoffload finetune --checkpoint-dir --resume` killed with SIGKILL at chosen moments of a step and of a
+checkpoint's write (mid-step, twice; while a checkpoint's files are written; once they are all written but the
+directory is not yet renamed; while an old checkpoint is removed): each time the latest complete checkpoint
+verifies and the next run resumes from it; the run finally ends bit-identical to one never interrupted (run
+beside the killed ones), and leaves no swap file. Each moment is caught exactly: the process is stopped
+(SIGSTOP) when it looks reached, its checkpoint directory read, and it is killed only if the moment holds,
+else let go on to the next step."""
 
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -16,12 +19,14 @@ import torch
 
 from nvoffload.checkpoint import load_file
 from nvoffload.training_checkpoint import (
+    MANIFEST,
     latest_training_checkpoint,
     verify_training_checkpoint,
 )
 
-STEPS = 30
-KILLS = 10
+STEPS = 12
+# the moment of each kill, one process each, in this order ("mid-step" with how long after a checkpoint)
+MOMENTS = ("writing", ("mid-step", 0.01), "written, not renamed", "removing an old one", ("mid-step", 0.06))
 
 
 def _command(tmp_path, name: str) -> list[str]:
@@ -34,74 +39,104 @@ def _command(tmp_path, name: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _started(process: subprocess.Popen, lines: list[str]) -> tuple[threading.Event, threading.Thread]:
-    """An event set once the process has printed its first step, and the thread reading its output."""
-    event = threading.Event()
+def _read(process: subprocess.Popen, lines: list[str]) -> threading.Thread:
+    """The thread appending the process's output lines to ``lines``."""
 
     def read() -> None:
         for line in process.stdout:
             lines.append(line)
-            if line.startswith("step "):
-                event.set()
-        event.set()  # it ended
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    return event, reader
+    return reader
 
 
-def _saving(ckpt_dir) -> bool:
-    """A checkpoint is being written: its hidden temporary directory exists."""
+def _phase(ckpt_dir) -> str | None:
+    """What the checkpoint directory shows: a checkpoint's files being written (its hidden temporary directory
+    without the manifest), all of them written (with it), an old checkpoint being removed, or nothing."""
     try:
-        return any(e.startswith(".checkpoint-") for e in os.listdir(ckpt_dir))
+        entries = os.listdir(ckpt_dir)
     except FileNotFoundError:
-        return False
+        return None
+    for entry in entries:
+        if entry.startswith(".checkpoint-") and ".old-" in entry:
+            return "removing an old one"
+        if entry.startswith(".checkpoint-") and ".tmp-" in entry:
+            try:
+                written = MANIFEST in os.listdir(os.path.join(ckpt_dir, entry))
+            except FileNotFoundError:  # renamed meanwhile
+                continue
+            return "written, not renamed" if written else "writing"
+    return None
 
 
-def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path):
+def _kill_at(process: subprocess.Popen, lines: list[str], ckpt_dir, moment) -> None:
+    """SIGKILL ``process`` at ``moment`` of one of its steps (after its first step, so that it made progress)."""
+    deadline = time.monotonic() + 120
+    while not any(line.startswith("step ") for line in lines):
+        assert process.poll() is None and time.monotonic() < deadline, "no step within 120 s:\n" + "".join(lines)
+        time.sleep(0.005)
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, f"{moment} not caught:\n" + "".join(lines)
+        if isinstance(moment, tuple):  # a while after a checkpoint is written: within the next step
+            seen = len(lines)
+            while len(lines) == seen or not lines[-1].startswith("checkpoint of step"):
+                assert process.poll() is None and time.monotonic() < deadline, "".join(lines)
+                time.sleep(0.0005)
+            time.sleep(moment[1])
+        elif _phase(ckpt_dir) != moment:
+            time.sleep(0.0005)
+            continue
+        process.send_signal(signal.SIGSTOP)  # stops every thread at once: what it shows now holds at the kill
+        try:
+            phase = _phase(ckpt_dir)
+            mid_step = isinstance(moment, tuple) and phase is None and lines[-1].startswith("checkpoint of step")
+            if mid_step or phase == moment:
+                process.send_signal(signal.SIGKILL)
+                return
+        finally:
+            process.send_signal(signal.SIGCONT)
+
+
+def test_sigkill_at_chosen_moments_then_resume_is_bit_identical(tmp_path):
     for name in ("ref", "run"):
         (tmp_path / f"{name}-swap").mkdir()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(_command(tmp_path, "ref"), capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    ref = subprocess.Popen(
+        _command(tmp_path, "ref"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )  # fmt: skip
+    ref_lines: list[str] = []
+    ref_reader = _read(ref, ref_lines)
 
-    rng = random.Random(17)
     ckpt_dir = tmp_path / "run-ckpt"
-    killed_while_saving = 0
     previous = None
-    for kill in range(KILLS):
+    for moment in MOMENTS:
         lines: list[str] = []
         process = subprocess.Popen(
             _command(tmp_path, "run"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )  # fmt: skip
-        started, reader = _started(process, lines)
-        assert started.wait(120), "no step within 120 s"
-        if kill % 2:  # the moment a checkpoint is being written
-            deadline = time.monotonic() + 30
-            while not _saving(ckpt_dir) and time.monotonic() < deadline and process.poll() is None:
-                time.sleep(0.0005)
-            time.sleep(rng.uniform(0, 0.01))
-        else:
-            time.sleep(rng.uniform(0, 0.4))
-        saving = _saving(ckpt_dir)
-        process.send_signal(signal.SIGKILL)
-        returncode = process.wait(60)
-        reader.join(60)
-        process.stdout.close()
+        reader = _read(process, lines)
+        try:
+            _kill_at(process, lines, ckpt_dir, moment)
+        finally:
+            process.kill()
+            returncode = process.wait(60)
+            reader.join(60)
+            process.stdout.close()
         assert returncode == -signal.SIGKILL, "".join(lines)[-3000:]  # killed before it could finish
-        killed_while_saving += saving
         latest = latest_training_checkpoint(ckpt_dir)
         if latest is not None:
             verified = verify_training_checkpoint(ckpt_dir)  # the latest complete one verifies
             assert verified.step == latest.step and (previous is None or verified.step >= previous)
             previous = verified.step
-        assert any(line.startswith("step ") for line in lines)
     assert previous is not None and previous < STEPS
-    assert killed_while_saving >= 3, killed_while_saving
 
     done = subprocess.run(_command(tmp_path, "run"), capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "\nresumed from " in done.stdout and "\nstep 1:" not in done.stdout  # it resumed
+    assert ref.wait(300) == 0, "".join(ref_lines)[-3000:]
+    ref_reader.join(60)
+    ref.stdout.close()
     expected, actual = load_file(tmp_path / "ref.safetensors"), load_file(tmp_path / "run.safetensors")
     assert expected.keys() == actual.keys()
     assert all(torch.equal(expected[k], actual[k]) for k in expected)
