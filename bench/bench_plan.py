@@ -4,11 +4,11 @@ their ratio, and the worst ratio.
 
 Configurations (a GPT on ``--device``: CUDA when present, else the CPU standing in for it): the optimizer
 alone (the model on the device, its AdamW state on NVMe) and streaming (all three tiers), two host budgets,
-activation offload on and off, two batch sizes. Then ``nvoffload finetune`` commands as a user runs them (through
-its entry point, in this process; some with ``--plan auto`` and the profile just measured), each beside
-``nvoffload plan`` given the same flags verbatim:
-the ``small`` preset (3.3M parameters) optimizer only and streamed with activation offload, and GPT-2 124M
-(with --quick: the ``tiny`` preset with ``--plan auto``, optimizer only, and streamed with activation offload).
+activation offload on and off, two batch sizes. Then ``nvoffload finetune`` commands as a user runs them (each
+in a process of its own; with --quick through its entry point in this process; some with ``--plan auto`` and the
+profile just measured), each beside ``nvoffload plan`` given the same flags verbatim: the ``small`` preset
+(3.3M parameters) optimizer only and streamed with activation offload, and GPT-2 124M (with --quick: the
+``tiny`` preset with ``--plan auto``, optimizer only, and streamed with activation offload).
 
 Each case runs ``--repeats`` times, in turns (every case once, then again: a load that comes and goes on the
 machine falls on all of them), each time ``--steps`` steps after a warm-up step that is not counted (for
@@ -29,6 +29,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -94,9 +95,13 @@ def finetune_commands(quick: bool) -> dict[str, list[str]]:
     }
 
 
-def nvoffload_command(argv: list[str]) -> tuple[int, str, str]:
-    """``nvoffload`` with ``argv`` through its own entry point, in this process (torch is imported once for all
-    of them): its exit status, stdout and stderr."""
+def nvoffload_command(argv: list[str], fresh_process: bool = False) -> tuple[int, str, str]:
+    """``nvoffload`` with ``argv``: its exit status, stdout and stderr. Through its own entry point in this
+    process (torch imported once for all of them), or with ``fresh_process`` as a user runs it: in a process of
+    its own, with nothing of the cases before it (threads, allocator, memory) in it."""
+    if fresh_process:
+        ran = subprocess.run([sys.executable, "-m", "nvoffload", *argv], capture_output=True, text=True, check=False)
+        return ran.returncode, ran.stdout, ran.stderr
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = cli_main(argv)
@@ -119,12 +124,13 @@ def plan_finetune(flags: list[str], profile_path: str) -> dict:
     return planned
 
 
-def run_finetune(flags: list[str], profile_path: str, steps: int, tokens: int) -> list[float]:
+def run_finetune(flags: list[str], profile_path: str, steps: int, tokens: int, fresh_process: bool) -> list[float]:
     """The seconds of each step after the first that ``nvoffload finetune`` with ``flags`` printed (as tokens/s
-    of its ``tokens`` a step)."""
-    if torch.cuda.is_available():
+    of its ``tokens`` a step); ``fresh_process``: run as a user runs it (the measured runs), else in this process
+    (the quick smoke run)."""
+    if torch.cuda.is_available() and not fresh_process:
         torch.cuda.empty_cache()  # the memory the cases before it freed, for its device budget
-    status, out, err = nvoffload_command(["finetune", *flags, *(["--profile", profile_path] if "--plan" in flags else [])])
+    status, out, err = nvoffload_command(["finetune", *flags, *(["--profile", profile_path] if "--plan" in flags else [])], fresh_process)
     if status != 0:
         raise RuntimeError(f"nvoffload finetune {' '.join(flags)} failed:\n{err[-3000:]}")
     tokens_per_s = [float(m.replace(",", "")) for m in re.findall(r"\| ([\d,.]+) tok/s", out)]
@@ -205,7 +211,7 @@ def main(argv=None) -> Path:
             flags = finetune_flags(flags, swap, steps, args.device)
             planned = plan_finetune(flags, profile_path)
             label = f"{name}: stream {planned['stream']}, activations {planned['activations']}"
-            runs[label] = (planned, lambda flags=flags, planned=planned: run_finetune(flags, profile_path, steps, tokens_per_step(planned)))
+            runs[label] = (planned, lambda flags=flags, planned=planned: run_finetune(flags, profile_path, steps, tokens_per_step(planned), not args.quick))
             commands.append(f"{label}: `nvoffload finetune {' '.join(flags[: flags.index('--steps')])} --device {args.device}`")
         times = {name: [] for name in runs}  # each repetition's step times
         for turn in range(repeats):
