@@ -1,7 +1,7 @@
-"""One training run for tests/test_distributed.py: under ``torchrun`` each rank on its part of every batch, alone
-the one-process reference on the whole batches. Writes ``<out>/rank<r>.pt``: the final weights, the losses, the
-optimizer's NVMe byte counters and, before each ``step()``, the sum of the gradients in ``.grad`` and whether
-updates were queued during backward.
+"""One training run for tests/test_distributed.py: as ranks (torchrun's environment: ``WORLD_SIZE``, ``RANK``,
+``MASTER_ADDR``...) each rank on its part of every batch, alone the one-process reference on the whole batches.
+Writes ``<out>/rank<r>.pt``: the final weights, the losses, the optimizer's NVMe byte counters and, before each
+``step()``, the sum of the gradients in ``.grad`` and whether updates were queued during backward.
 
     python tests/dist_worker.py MODE OUT SWAP_ROOT [--steps N] [--accum K | --accums K1,K2,..] [--no-clip]
                                 [--ckpt DIR [--save-at S] [--resume]] [--device-memory B] [--bucket-bytes B]
@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import math
 import os
 import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 import nvoffload
 from nvoffload.models import GPT, GPTConfig
@@ -33,7 +35,9 @@ MAX_GRAD_NORM = 0.05  # small enough that every step clips
 BUCKET_BYTES = 48 << 10  # many buckets, some holding one parameter larger than this
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """One run; ``argv`` as on the command line (default: ``sys.argv[1:]``). Alone (no ``WORLD_SIZE``) the tests
+    run it in their own process (``test_distributed.in_process``)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["optimizer", "streaming"])
     parser.add_argument("out")
@@ -53,9 +57,16 @@ def main() -> None:
     parser.add_argument("--device-memory", type=int, default=16 * MiB, help="device_memory_bytes (streaming mode)")
     parser.add_argument("--bucket-bytes", type=int, default=BUCKET_BYTES)
     parser.add_argument("--late-rank", type=int, help="this rank starts each backward pass 0.2 s after the others")
-    args = parser.parse_args()
-    if "WORLD_SIZE" in os.environ:  # gloo's own timeout as the optimizer's: a stalled peer ends the run
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    args = parser.parse_args(argv)
+    if "WORLD_SIZE" in os.environ:
+        # The ranks start seconds apart (torch's import; torch._dynamo's, imported by the first optimizer): a
+        # long timeout until they meet, then gloo's own timeout as the optimizer's, so that a stalled peer ends
+        # the run --timeout after the others started waiting for it.
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+        importlib.import_module("torch._dynamo")
+
+        dist.barrier()
+        _set_pg_timeout(datetime.timedelta(seconds=args.timeout))
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     os.makedirs(args.out, exist_ok=True)
     swap = os.path.join(args.swap_root, f"rank{rank}")

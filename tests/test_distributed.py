@@ -1,7 +1,9 @@
-"""Data parallel training over torch.distributed ranks (gloo, CPU), launched with torchrun as users launch it.
+"""Data parallel training over torch.distributed ranks (gloo, CPU), launched with torchrun as users launch it
+(``nvoffload finetune``) or as torchrun starts them (plain processes given its environment variables).
 
 Each run is ``tests/dist_worker.py``: a small GPT trained 10 steps with clipping (every step clips) and two
-micro-batches per step, by one process on the whole batches or by N ranks each on its part of every batch.
+micro-batches per step, by one process on the whole batches (in the tests' own process) or by N ranks each on
+its part of every batch.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,21 +22,71 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 MODES = ["optimizer", "streaming"]
 
 
-def python(ranks: int, log_dir: Path) -> list[str]:
-    """Plain python for one rank, else torchrun with its logs under ``log_dir`` (by default it leaves a
-    ``/tmp/torchelastic_*`` directory behind for each run)."""
-    if ranks == 1:
-        return [sys.executable]
+def torchrun(ranks: int, log_dir: Path) -> list[str]:
+    """torchrun with its logs under ``log_dir`` (by default it leaves a ``/tmp/torchelastic_*`` directory
+    behind for each run)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--log-dir", str(log_dir)]
 
 
-def run(mode: str, out: Path, swap_root: Path, ranks: int, *args: str, timeout_s: float = 300) -> list[dict]:
-    """Train with ``ranks`` processes (1: plain python, else torchrun); each rank's results."""
-    command = [*python(ranks, out.parent / "torchrun"), str(WORKER), mode, str(out), str(swap_root), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(ranks)]
+class Run:
+    """A run of ``tests/dist_worker.py`` by ``ranks`` processes, started at once: plain processes as torchrun
+    starts them (:func:`launch`), without torchrun's seconds of start-up; :meth:`results` waits for them. One
+    rank runs in :meth:`results`, in this process (:func:`in_process`)."""
+
+    def __init__(self, mode: str, out: Path, swap_root: Path, ranks: int, *args: str):
+        self.argv = [mode, str(out), str(swap_root), *args]
+        self.out, self.ranks = out, ranks
+        out.mkdir(parents=True, exist_ok=True)
+        self.procs = launch(ranks, out, *self.argv) if ranks > 1 else []
+
+    def results(self, timeout_s: float = 300) -> list[dict]:
+        """Each rank's results, once every rank exited 0: at most ``timeout_s``; a rank that fails stops the
+        others (as torchrun does)."""
+        if not self.procs:
+            in_process(self.argv)
+        else:
+            deadline = time.monotonic() + timeout_s
+            try:
+                while any(p.poll() is None for p in self.procs) and all(p.poll() in (None, 0) for p in self.procs):
+                    assert time.monotonic() < deadline, f"the ranks ran over {timeout_s} s"
+                    time.sleep(0.05)
+            finally:
+                for p in self.procs:
+                    p.kill()
+                    p.wait()
+            logs = "".join((self.out / f"rank{r}.log").read_text()[-4000:] for r in range(self.ranks))
+            assert all(p.returncode == 0 for p in self.procs), ([p.returncode for p in self.procs], logs)
+        return [torch.load(self.out / f"rank{r}.pt", weights_only=True) for r in range(self.ranks)]
+
+
+def in_process(argv: list[str]) -> None:
+    """``tests/dist_worker.py`` alone, in this process (not seconds of imports in another): one thread, as
+    the ranks run, and this process's RNG left as it was."""
+    import dist_worker
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng():
+            dist_worker.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(mode: str, out: Path, swap_root: Path, ranks: int, *args: str) -> list[dict]:
+    """Train with ``ranks`` processes (1: in this process); each rank's results."""
+    return Run(mode, out, swap_root, ranks, *args).results()
+
+
+def alone_and_two_ranks(mode: str, root: Path, *args: str, rank_args: tuple[str, ...] = ()) -> tuple[dict, list[dict]]:
+    """The same run by one process on the whole batches (in this process) and, meanwhile, by 2 ranks (with
+    ``rank_args`` too): the one process's results and the ranks'."""
+    two = Run(mode, root / "two", root / "swap-two", 2, *args, *rank_args)
+    try:
+        one = run(mode, root / "one", root / "swap-one", 1, *args)[0]
+    finally:
+        ranks = two.results()
+    return one, ranks
 
 
 def relative_difference(a: dict, b: dict) -> float:
@@ -57,9 +110,8 @@ def trained(request, tmp_path_factory):
     """One process on the whole batches, and 2 ranks."""
     mode = request.param
     root = tmp_path_factory.mktemp(mode)
-    one = run(mode, root / "one", root / "swap-one", 1)
-    two = run(mode, root / "two", root / "swap-two", 2)
-    return mode, root, one[0], two
+    one, two = alone_and_two_ranks(mode, root)
+    return mode, root, one, two
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +218,7 @@ def free_port() -> int:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("stall", [False, True], ids=["dies", "hangs"])
 def test_a_rank_that_dies_or_hangs_stops_the_others_with_a_message(tmp_path, mode, stall):
-    procs = launch(2, tmp_path, mode, str(tmp_path / "out"), str(tmp_path / "swap"), "--timeout", "10",
+    procs = launch(2, tmp_path, mode, str(tmp_path / "out"), str(tmp_path / "swap"), "--timeout", "4",
                    "--fail-rank", "1", *(["--stall"] if stall else []))  # fmt: skip
     try:
         procs[0].wait(timeout=120)  # rank 0 must not wait for ever
@@ -214,20 +266,29 @@ def test_finetune_under_torchrun_trains_as_one_process(tmp_path, stream):
     args = ["finetune", "--steps", "3", "--batch-size", "4", "--grad-accum", "2", "--max-grad-norm", "0.05",
             "--no-progress", *(["--stream"] if stream else [])]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    weights, outputs = {}, {}
+    procs = {}  # one process and torchrun's 2 ranks, at once
     for ranks in (1, 2):
         swap = tmp_path / f"swap{ranks}"
         swap.mkdir()
-        done = subprocess.run(
-            [*python(ranks, tmp_path / "torchrun"), "-m", "nvoffload", *args, "--swap-dir", str(swap), "--save-to", str(tmp_path / f"{ranks}.safetensors")],
-            capture_output=True, text=True, timeout=300, env=env,
+        launcher = [sys.executable] if ranks == 1 else torchrun(ranks, tmp_path / "torchrun")
+        procs[ranks] = subprocess.Popen(
+            [*launcher, "-m", "nvoffload", *args, "--swap-dir", str(swap), "--save-to", str(tmp_path / f"{ranks}.safetensors")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        weights[ranks] = load_file(tmp_path / f"{ranks}.safetensors")
-        outputs[ranks] = [line for line in done.stdout.splitlines() if line.startswith("step ")]
-        if ranks > 1:  # each rank in its own subdirectory, left empty
-            assert sorted(p.name for p in swap.iterdir()) == ["rank0", "rank1"]
-            assert not any(os.scandir(swap / "rank0")) and not any(os.scandir(swap / "rank1"))
+    weights, outputs = {}, {}
+    try:
+        for ranks, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+            weights[ranks] = load_file(tmp_path / f"{ranks}.safetensors")
+            outputs[ranks] = [line for line in stdout.splitlines() if line.startswith("step ")]
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    swap = tmp_path / "swap2"  # each rank in its own subdirectory, left empty
+    assert sorted(p.name for p in swap.iterdir()) == ["rank0", "rank1"]
+    assert not any(os.scandir(swap / "rank0")) and not any(os.scandir(swap / "rank1"))
     assert len(outputs[2]) == 3  # rank 0 reports, once per step
     losses = [[float(line.split("loss ")[1].split()[0]) for line in outputs[r]] for r in (1, 2)]
     assert losses[0] == losses[1]  # the global batch's loss, to the 3 decimals printed
@@ -239,6 +300,7 @@ def test_a_checkpoint_missing_a_piece_of_a_tensor_is_refused(trained, saved, tmp
     import json
     import shutil
 
+    from nvoffload.checkpoint import CheckpointError
     from nvoffload.training_checkpoint import MANIFEST, STATE_FILE, _file_crc32c
 
     mode, *_ = trained
@@ -253,11 +315,8 @@ def test_a_checkpoint_missing_a_piece_of_a_tensor_is_refused(trained, saved, tmp
     manifest["files"][STATE_FILE] = (ckpt / STATE_FILE).stat().st_size
     manifest["trainer_state_crc32c"] = _file_crc32c(str(ckpt / STATE_FILE))
     (ckpt / MANIFEST).write_text(json.dumps(manifest))
-    command = [sys.executable, str(WORKER), mode, str(tmp_path / "out"), str(tmp_path / "swap"), "--ckpt", str(ckpt.parent), "--resume"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})  # fmt: skip
-    assert done.returncode == 1
-    assert "CheckpointError" in done.stderr and "are not all in the pieces the ranks saved" in done.stderr, done.stderr[-3000:]
+    with pytest.raises(CheckpointError, match="are not all in the pieces the ranks saved"):
+        in_process([mode, str(tmp_path / "out"), str(tmp_path / "swap"), "--ckpt", str(ckpt.parent), "--resume"])
 
 
 @pytest.mark.parametrize("trained", ["optimizer"], indirect=True)  # streaming releases them during backward
@@ -278,8 +337,7 @@ def test_held_gradients_with_updates_in_backward_or_changing_micro_batches(tmp_p
     2, 3, then 1 micro-batches per step, a step with more than the last one's averages again in step() and one
     with fewer completes the average there: both train as one process does."""
     args = ["--no-clip"] if case == "no-clip" else ["--accums", "2,3,1", "--steps", "6"]
-    one = run("optimizer", tmp_path / "one", tmp_path / "swap-one", 1, *args)[0]
-    two = run("optimizer", tmp_path / "two", tmp_path / "swap-two", 2, *args)
+    one, two = alone_and_two_ranks("optimizer", tmp_path, *args)
     for rank in two:
         for name, value in two[0]["weights"].items():
             assert torch.equal(rank["weights"][name], value), name

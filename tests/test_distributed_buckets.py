@@ -9,7 +9,7 @@ import torch.distributed as dist
 from nvoffload.distributed import DEFAULT_BUCKET_BYTES, GradientBuckets, Partition, Ranks, reserve_buckets
 from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.models import GPT, GPTConfig
-from test_distributed import MODES, assert_trained_alike, run
+from test_distributed import MODES, alone_and_two_ranks, assert_trained_alike
 
 
 def tiny_gpt() -> GPT:
@@ -24,8 +24,7 @@ def test_two_gloo_ranks_stream_half_a_megabyte_of_gradients_within_four_blocks(t
     model = tiny_gpt()
     assert sum(p.numel() * p.element_size() for p in model.parameters()) < 512 << 10
     args = ["--steps", "3", "--device-memory", str(4 * block_bytes(model)), "--bucket-bytes", str(DEFAULT_BUCKET_BYTES)]
-    one = run("streaming", tmp_path / "one", tmp_path / "swap-one", 1, *args)[0]
-    two = run("streaming", tmp_path / "two", tmp_path / "swap-two", 2, *args)
+    one, two = alone_and_two_ranks("streaming", tmp_path, *args)
     for name, value in two[0]["weights"].items():
         assert torch.equal(two[1]["weights"][name], value), name
     assert_trained_alike(two[0]["weights"], one["weights"])
@@ -84,8 +83,7 @@ def test_a_bucket_is_read_after_its_reduction_ends_however_late_the_other_rank(t
     ``.grad``), and the ranks' weights would part from each other and from one process's."""
     monkeypatch.setenv("NVOFFLOAD_SIM_COPY_DELAY_US", "2000")
     args = ["--steps", "3", "--no-clip"]
-    one = run(mode, tmp_path / "one", tmp_path / "swap-one", 1, *args)[0]
-    two = run(mode, tmp_path / "two", tmp_path / "swap-two", 2, *args, "--late-rank", "1")
+    one, two = alone_and_two_ranks(mode, tmp_path, *args, rank_args=("--late-rank", "1"))
     for name, value in two[0]["weights"].items():
         assert torch.equal(two[1]["weights"][name], value), name
     assert_trained_alike(two[0]["weights"], one["weights"], rel=1e-5, per_tensor=1e-3)
