@@ -407,22 +407,29 @@ def test_too_little_space_for_the_offloaded_activations_is_refused_before_anythi
     only the optimizer state."""
     import subprocess
 
-    swap = tmp_path / "small"
-    swap.mkdir()
-    prefix = _unshare_tmpfs(swap, "180m")  # the optimizer state is 78 MB (and a reserve), the activations 126 MB
-    if prefix is None:
+    def command(root, *more: str) -> list[str] | None:  # in root: a small tmpfs as the swap directory, and ckpt
+        swap = root / "small"
+        swap.mkdir(parents=True)
+        prefix = _unshare_tmpfs(swap, "180m")  # the optimizer state is 78 MB (and a reserve), the activations 126 MB
+        argv = ["finetune", "--preset", "small", "--steps", "1", "--batch-size", "16", "--swap-dir", str(swap),
+                "--checkpoint-dir", str(root / "ckpt"), "--no-progress", *more]  # fmt: skip
+        return None if prefix is None else [*prefix, sys.executable, "-m", "nvoffload", *argv]
+
+    refused, fits = command(tmp_path / "refused", "--offload-activations"), command(tmp_path / "fits")
+    if refused is None or fits is None:
         pytest.skip("cannot mount a small tmpfs in a private mount namespace here (unshare --user --mount)")
-    argv = ["finetune", "--preset", "small", "--steps", "1", "--batch-size", "16", "--swap-dir", str(swap),
-            "--checkpoint-dir", str(tmp_path / "ckpt"), "--no-progress"]  # fmt: skip
-    cmd = [*prefix, sys.executable, "-m", "nvoffload", *argv, "--offload-activations"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    # the same run without offloaded activations fits there: run beside the refused one, in a namespace of its own
+    fitting = subprocess.Popen(fits, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        done = subprocess.run(refused, capture_output=True, text=True, timeout=300)
+    finally:
+        out, err = fitting.communicate(timeout=300)
+    swap = tmp_path / "refused" / "small"
     assert done.returncode == 2 and done.stdout == "", done
     assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"nvoffload finetune: error: swap directory {swap} needs")
     assert "a micro-batch's offloaded activations (120M)" in done.stderr  # 4 x 16 x 128 x (7 x 256 + 2 x 1024) x 4 bytes
-    assert os.listdir(tmp_path) == ["small"]
-    # the same run without offloaded activations fits there
-    done = subprocess.run([*prefix, sys.executable, "-m", "nvoffload", *argv], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.splitlines()[4].startswith("step 1: loss"), done.stderr[-2000:]
+    assert os.listdir(tmp_path / "refused") == ["small"]
+    assert fitting.returncode == 0 and out.splitlines()[4].startswith("step 1: loss"), err[-2000:]
 
 
 @pytest.mark.parametrize("mode", [[], ["--stream", "--cpu-memory", "256M"]], ids=["optimizer", "stream"])

@@ -45,14 +45,15 @@ def _records(path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical(tmp_path):
+def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical(tmp_path, request):
     steps = 6
     data = _pairs(tmp_path / "pairs.jsonl")
     for name in ("ref", "run"):
         (tmp_path / f"{name}-swap").mkdir()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    ref = subprocess.Popen(_command(tmp_path, "ref", data, steps), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           text=True, env=env)  # fmt: skip  (beside the two runs below; its stderr is a few lines)
+    reference = subprocess.Popen(_command(tmp_path, "ref", data, steps), stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip  (beside the two runs below; its stderr is a few lines)
+    request.addfinalizer(lambda: reference.poll() is None and (reference.kill(), reference.communicate(timeout=60)))  # if a check failed
     process = subprocess.Popen(_command(tmp_path, "run", data, steps), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=env)  # fmt: skip
     lines: list[str] = []
@@ -77,8 +78,8 @@ def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical
     assert done.returncode == 0, done.stderr[-3000:]
     resumed_at = int(next(line for line in done.stdout.splitlines() if line.startswith("step ")).split(":")[0].removeprefix("step "))
     assert 3 <= resumed_at <= steps  # it went on from a checkpoint at step 2 or later
-    ref_err = ref.communicate(timeout=300)[1]
-    assert ref.returncode == 0, ref_err[-3000:]
+    ref_err = reference.communicate(timeout=300)[1]
+    assert reference.returncode == 0, ref_err[-3000:]
     expected, actual = load_file(tmp_path / "ref.safetensors"), load_file(tmp_path / "run.safetensors")
     assert all(torch.equal(expected[k], actual[k]) for k in expected)
     final = f"checkpoint-{steps}/optimizer.safetensors"
@@ -216,7 +217,7 @@ def test_data_parallel_finetune_on_instruction_data_trains_as_one_process(tmp_pa
     """Two ranks whose rows hold different numbers of targets: each rank's loss is divided by the global
     batch's count, so the averaged gradients are those of one process on the whole batch (a mean per rank
     would weigh the ranks' targets unequally)."""
-    from test_distributed import assert_trained_alike, python
+    from test_distributed import assert_trained_alike
 
     with open(tmp_path / "uneven.jsonl", "w") as f:
         for i in range(40):
@@ -229,7 +230,8 @@ def test_data_parallel_finetune_on_instruction_data_trains_as_one_process(tmp_pa
         (tmp_path / f"swap{ranks}").mkdir()
     # the two ranks under torchrun, and meanwhile the one process in this one (no second interpreter to start)
     two = subprocess.Popen(
-        [*python(2, tmp_path / "torchrun"), "-m", "nvoffload", *args, "--swap-dir", str(tmp_path / "swap2"),
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--log-dir",
+         str(tmp_path / "torchrun"), "-m", "nvoffload", *args, "--swap-dir", str(tmp_path / "swap2"),
          "--save-to", str(tmp_path / "2.safetensors")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     threads = torch.get_num_threads()

@@ -81,7 +81,7 @@ def _kill_at(process: subprocess.Popen, lines: list[str], ckpt_dir, moment) -> N
         if isinstance(moment, tuple):  # a while after a checkpoint is written: within the next step
             seen = len(lines)
             while len(lines) == seen or not lines[-1].startswith("checkpoint of step"):
-                assert process.poll() is None and time.monotonic() < deadline, "".join(lines)
+                assert process.poll() is None and time.monotonic() < deadline, f"{moment} not caught:\n" + "".join(lines)
                 time.sleep(0.0005)
             time.sleep(moment[1])
         elif _phase(ckpt_dir) != moment:
@@ -108,35 +108,39 @@ def test_sigkill_at_chosen_moments_then_resume_is_bit_identical(tmp_path):
     ref_lines: list[str] = []
     ref_reader = _read(ref, ref_lines)
 
-    ckpt_dir = tmp_path / "run-ckpt"
-    previous = None
-    for moment in MOMENTS:
-        lines: list[str] = []
-        process = subprocess.Popen(
-            _command(tmp_path, "run"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )  # fmt: skip
-        reader = _read(process, lines)
-        try:
-            _kill_at(process, lines, ckpt_dir, moment)
-        finally:
-            process.kill()
-            returncode = process.wait(60)
-            reader.join(60)
-            process.stdout.close()
-        assert returncode == -signal.SIGKILL, "".join(lines)[-3000:]  # killed before it could finish
-        latest = latest_training_checkpoint(ckpt_dir)
-        if latest is not None:
-            verified = verify_training_checkpoint(ckpt_dir)  # the latest complete one verifies
-            assert verified.step == latest.step and (previous is None or verified.step >= previous)
-            previous = verified.step
-    assert previous is not None and previous < STEPS
+    try:
+        ckpt_dir = tmp_path / "run-ckpt"
+        previous = None
+        for moment in MOMENTS:
+            lines: list[str] = []
+            process = subprocess.Popen(
+                _command(tmp_path, "run"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            )  # fmt: skip
+            reader = _read(process, lines)
+            try:
+                _kill_at(process, lines, ckpt_dir, moment)
+            finally:
+                process.kill()
+                returncode = process.wait(60)
+                reader.join(60)
+                process.stdout.close()
+            assert returncode == -signal.SIGKILL, "".join(lines)[-3000:]  # killed before it could finish
+            latest = latest_training_checkpoint(ckpt_dir)
+            if latest is not None:
+                verified = verify_training_checkpoint(ckpt_dir)  # the latest complete one verifies
+                assert verified.step == latest.step and (previous is None or verified.step >= previous)
+                previous = verified.step
+        assert previous is not None and previous < STEPS
 
-    done = subprocess.run(_command(tmp_path, "run"), capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "\nresumed from " in done.stdout and "\nstep 1:" not in done.stdout  # it resumed
-    assert ref.wait(300) == 0, "".join(ref_lines)[-3000:]
-    ref_reader.join(60)
-    ref.stdout.close()
+        done = subprocess.run(_command(tmp_path, "run"), capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "\nresumed from " in done.stdout and "\nstep 1:" not in done.stdout  # it resumed
+        assert ref.wait(300) == 0, "".join(ref_lines)[-3000:]
+    finally:
+        ref.kill()  # when something above failed
+        ref.wait(60)
+        ref_reader.join(60)
+        ref.stdout.close()
     expected, actual = load_file(tmp_path / "ref.safetensors"), load_file(tmp_path / "run.safetensors")
     assert expected.keys() == actual.keys()
     assert all(torch.equal(expected[k], actual[k]) for k in expected)
