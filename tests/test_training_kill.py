@@ -19,12 +19,12 @@ import torch
 
 from nvoffload.checkpoint import load_file
 from nvoffload.training_checkpoint import (
-    MANIFEST,
+    STATE_FILE,
     latest_training_checkpoint,
     verify_training_checkpoint,
 )
 
-STEPS = 12
+STEPS = 16
 # the moment of each kill, one process each, in this order ("mid-step" with how long after a checkpoint)
 MOMENTS = ("writing", ("mid-step", 0.01), "written, not renamed", "removing an old one", ("mid-step", 0.06))
 
@@ -53,7 +53,8 @@ def _read(process: subprocess.Popen, lines: list[str]) -> threading.Thread:
 
 def _phase(ckpt_dir) -> str | None:
     """What the checkpoint directory shows: a checkpoint's files being written (its hidden temporary directory
-    without the manifest), all of them written (with it), an old checkpoint being removed, or nothing."""
+    without the trainer state), all of them written (with it: only the manifest is left to write), an old
+    checkpoint being removed, or nothing."""
     try:
         entries = os.listdir(ckpt_dir)
     except FileNotFoundError:
@@ -63,7 +64,7 @@ def _phase(ckpt_dir) -> str | None:
             return "removing an old one"
         if entry.startswith(".checkpoint-") and ".tmp-" in entry:
             try:
-                written = MANIFEST in os.listdir(os.path.join(ckpt_dir, entry))
+                written = STATE_FILE in os.listdir(os.path.join(ckpt_dir, entry))  # the last file but the manifest
             except FileNotFoundError:  # renamed meanwhile
                 continue
             return "written, not renamed" if written else "writing"
