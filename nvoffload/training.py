@@ -211,6 +211,20 @@ class OffloadSession:
         self.streamer.bytes_read = self.streamer.bytes_written = 0
         self.streamer.io_wait_s = self.streamer.grad_wait_s = 0.0
 
+    def settle(self) -> None:
+        """What the model's forward pre-hook does before each forward (call it before a forward that does not
+        go through the model's ``__call__``): the forward sees every update its previous backward queued
+        (normally ``step()`` already waited; the gradients an earlier micro-batch keeps go on being written
+        while the next one computes); after a backward that raised, its step is undone (the next one starts
+        from the last ``step()``'s weights); parameters unfrozen since the last forward train from this one on."""
+        opt = self.optimizer
+        if self.streamer.backward_failed:
+            opt.abandon_step()
+        elif opt.updates_queued:
+            opt.synchronize()
+        self.streamer.follow_requires_grad()
+        opt.follow_requires_grad()
+
     def save_checkpoint(self, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
         """Write the model's weights to a safetensors file, one tensor at a time: see
         :meth:`~nvoffload.streaming.ParameterStreamer.save_checkpoint`."""
@@ -440,19 +454,9 @@ def initialize(
     optimizer_ref = weakref.ref(offloaded)
 
     def settle(module, args) -> None:
-        # A forward sees every update its previous backward queued (normally step() already waited); the
-        # gradients an earlier micro-batch keeps go on being written while the next one computes. After a
-        # backward that raised, its step is undone: the next one starts from the last step()'s weights.
         opt = optimizer_ref()
-        if opt is None:
-            return
-        if opt.session is not None and opt.session.streamer.backward_failed:
-            opt.abandon_step()
-        elif opt.updates_queued:
-            opt.synchronize()
-        if opt.session is not None:  # parameters unfrozen since the last forward train from this one on
-            opt.session.streamer.follow_requires_grad()
-            opt.follow_requires_grad()
+        if opt is not None and opt.session is not None:
+            opt.session.settle()
 
     session._handles.append(model.register_forward_pre_hook(settle))
     if activations is not None:

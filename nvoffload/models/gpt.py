@@ -137,6 +137,15 @@ class GPT(nn.Module):
         targets divided by this (the targets of a whole step of micro-batches,
         as ``transformers`` takes it) instead of their mean.
         """
+        h = self.hidden_states(idx, position_ids=position_ids)
+        if targets is None:
+            return F.linear(h, self.tok_emb.weight)
+        return lm_head_loss(h, self.tok_emb.weight, targets, num_items=num_items_in_batch)
+
+
+    def hidden_states(self, idx: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm's output ``(batch, seq, d_model)``, before the LM head (``position_ids`` as in
+        :meth:`forward`); the head is ``F.linear(h, self.tok_emb.weight)``."""
         t = idx.shape[1]
         if t > self.config.seq_len:
             raise ValueError(f"sequence length {t} exceeds the model's seq_len {self.config.seq_len}")
@@ -148,10 +157,7 @@ class GPT(nn.Module):
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x) if mask is None else block(x, mask)
-        h = self.ln_f(x)
-        if targets is None:
-            return F.linear(h, self.tok_emb.weight)
-        return lm_head_loss(h, self.tok_emb.weight, targets, num_items=num_items_in_batch)
+        return self.ln_f(x)
 
 
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:

@@ -191,6 +191,18 @@ class StepProtocol:
             self.sharding.gradients.add(rec.index, grad, deliver)
         rec.param.grad = None  # the queued request (or the bucket) holds it until the worker is done
 
+    @contextlib.contextmanager
+    def backward_passes(self, count: int):
+        """With released gradients: ``count`` backward passes make the steps finished inside the context, whatever
+        ``accumulation_steps`` says (a vertical step's one backward sums its micro-batches in autograd)."""
+        if self.step_in_progress:
+            raise RuntimeError("a step is in progress (backward ran since the last step()): call step() first")
+        saved, self._accumulation_steps = self._accumulation_steps, count
+        try:
+            yield
+        finally:
+            self._accumulation_steps = saved
+
     @property
     def updates_queued(self) -> bool:
         """Whether a hook queued an update since the last ``finish``."""

@@ -584,6 +584,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._check_open()
         self._protocol.abandon()
 
+    def backward_passes(self, count: int):
+        """A context manager: with ``release_grads``, each ``step()`` inside it follows ``count`` backward passes
+        instead of ``gradient_accumulation_steps`` (:func:`nvoffload.vertical.vertical_step`: one backward for
+        all its micro-batches). Raises RuntimeError at entry when a step is in progress."""
+        self._check_open()
+        if not self.config.release_grads:
+            raise ValueError("backward_passes() is for release_grads (parameter streaming); otherwise the count is learned")
+        return self._protocol.backward_passes(count)
+
     @property
     def updates_queued(self) -> bool:
         """Whether backward queued updates since the last ``step()`` (gradients merely kept between

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -216,6 +217,9 @@ class ParameterStreamer:
                 self._grad_hooked.add(p)
 
     def _before_forward(self, block: Block, calls: CallHooks, module, args) -> None:
+        if _recomputing():  # a checkpointed call recomputed by backward, which holds the block: no read ahead
+            self._residency.hold(block, "forward")
+            return
         waited_ns = time.monotonic_ns()
         self._passes.release_unfinished()
         self._residency.hold(block, "forward")
@@ -239,12 +243,37 @@ class ParameterStreamer:
             recording.add("compute", f"{what} {block.index}", started, time.monotonic_ns())
 
     def _after_forward(self, block: Block, calls: CallHooks, module, args, output) -> None:
+        if _recomputing():
+            if self._residency.holds(block, "forward"):
+                self._residency.unhold(block, "forward")
+            return
         self._compute_ended(block, "forward")
         if self._residency.holds(block, "forward"):  # none when the pre-hook raised
             # The last block is the first backward needs: it stays on the device, unless no backward is coming.
             stay = block.pos == len(self._blocks) - 1 and torch.is_grad_enabled() and bool(block.trainable)
             self._residency.unhold(block, "forward", stay=stay)
             calls.forward_ended(module, output)
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        """The streamed blocks' modules, in forward order."""
+        return [b.module for b in self._blocks]
+
+    @contextlib.contextmanager
+    def kept(self, module: nn.Module):
+        """Keep the streamed block ``module`` on the device while the context is open, across several calls of
+        it (the micro-batches of :func:`nvoffload.vertical.vertical_step`): copied once, at the first call or
+        before. At the exit the last block stays for the backward to come (when grad is enabled), as after its
+        forward."""
+        block = next((b for b in self._blocks if b.module is module), None)
+        if block is None:
+            raise ValueError(f"{type(module).__name__} is not one of the streamed blocks")
+        self._residency.hold(block, "kept")
+        try:
+            yield
+        finally:
+            stay = block.pos == len(self._blocks) - 1 and torch.is_grad_enabled() and bool(block.trainable)
+            self._residency.unhold(block, "kept", stay=stay)
 
     def _before_backward(self, block: Block, module) -> None:
         waited_ns = time.monotonic_ns()
@@ -347,6 +376,11 @@ class ParameterStreamer:
     def _close_transfer(self) -> None:
         if self._owns_transfer:
             self.transfer.close()
+
+
+def _recomputing() -> bool:
+    """Whether a block's forward runs inside a backward pass: ``torch.utils.checkpoint`` recomputing it."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _hook(streamer: ParameterStreamer, method, *bound, needs_weights: bool = False):

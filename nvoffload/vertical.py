@@ -1,0 +1,232 @@
+"""The vertical schedule of a streamed step (issue 33): every micro-batch of a block before the next block.
+
+With ``gradient_accumulation_steps=G`` and the ordinary loop, every micro-batch
+streams every block to the device twice and sums its gradients in an fp32 copy
+in the store. :func:`vertical_step` runs the G micro-batches of a step as one
+forward and one backward of the model's own code instead:
+
+* the micro-batches go through the model as one batch (concatenated along the
+  first dimension); each streamed block is called once per micro-batch under
+  non-reentrant ``torch.utils.checkpoint``, while the block stays on the device
+  (:meth:`~nvoffload.streaming.ParameterStreamer.kept`): its weights are copied
+  once for all G calls, and only its input is kept per micro-batch;
+* the head and the loss run per micro-batch on the hidden states, each on its
+  own graph, differentiated at once (``torch.autograd.grad``): the logits of
+  the G micro-batches are never alive together;
+* one backward from the hidden states (and the head's parameters, with the
+  gradients summed over the micro-batches) runs the blocks in reverse: a block's
+  input gradient needs every micro-batch's call, so autograd finishes each block
+  over all G micro-batches before the block below (recomputing one micro-batch at
+  a time), and sums each parameter's G contributions before its
+  post-accumulate-grad hook fires, once a step: the optimizer updates each block
+  once, while backward goes on below, and no gradient is written to be accumulated.
+
+The ordinary loop keeps working as it is; ``state_dict()`` names never change
+(the blocks are wrapped in their containers during the forward only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from nvoffload.optim import OffloadOptimizer
+from nvoffload.streaming import ParameterStreamer
+
+__all__ = ["vertical_step"]
+
+Batch = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+
+
+def vertical_step(
+    optimizer: OffloadOptimizer,
+    micro_batches: Sequence[Batch],
+    *,
+    hidden: Callable[[nn.Module, Batch], torch.Tensor] | None = None,
+    loss: Callable[[nn.Module, torch.Tensor, Batch], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One optimizer step over ``micro_batches``, each block over all of them at once; returns their losses.
+
+    The result equals the ordinary loop's
+    ``for b in micro_batches: (loss(b) / G).backward()`` then ``optimizer.step()``
+    (up to float rounding: the sums run in another order), with
+    ``G = len(micro_batches)`` whatever ``gradient_accumulation_steps`` the
+    config gives; clipping (``max_grad_norm``) is the config's, as there. It
+    waits for the step (``optimizer.step()`` is called) and zeroes nothing else:
+    ``param.grad`` is None afterwards, as after any streamed step.
+
+    Args:
+        optimizer: the optimizer :func:`nvoffload.initialize` returned (its
+            session streams the model's blocks).
+        micro_batches: the G micro-batches, each a tuple/list or a mapping of
+            tensors whose first dimension is the batch (the sizes may differ; all
+            must have the same keys or length). They are concatenated into one
+            batch for ``hidden``.
+        hidden: ``hidden(model, batch)`` gives the hidden states before the head,
+            ``(rows, ...)`` with the rows of the micro-batches one after the other;
+            it must call the streamed blocks through their containers (the
+            model's own forward does). Default for
+            :class:`~nvoffload.models.GPT`: ``model.hidden_states(batch[0])``.
+        loss: ``loss(model, h, micro_batch)`` gives the scalar loss of one
+            micro-batch from its rows ``h`` of the hidden states (the head and the
+            loss; it may use parameters outside the streamed blocks, never the
+            blocks'). Default for :class:`~nvoffload.models.GPT`:
+            :func:`~nvoffload.models.gpt.lm_head_loss` with the tied head and
+            ``batch[1]`` as targets.
+
+    Returns:
+        The G losses (detached, not divided by G), as one tensor.
+
+    Raises:
+        ValueError: no micro-batch, micro-batches that do not match, a session
+            with ``loss_scaling`` or ``offload_activations`` (not supported yet),
+            or no default for the model's type.
+        RuntimeError: a step is in progress (backward ran since the last ``step()``).
+    """
+    session = optimizer.session
+    if session is None or session.closed:
+        raise ValueError("vertical_step needs the optimizer of an open nvoffload.initialize() session")
+    if session.config.loss_scaling is not None or session.config.offload_activations:
+        raise ValueError("vertical_step does not support loss_scaling or offload_activations yet: use the ordinary loop")
+    if not micro_batches:
+        raise ValueError("vertical_step needs at least one micro-batch")
+    streamer = session.streamer
+    model = streamer.model
+    hidden, loss = _defaults(model, hidden, loss)
+    sizes = [_rows(b) for b in micro_batches]
+    batch = _concatenated(micro_batches)
+    session.settle()
+    with optimizer.backward_passes(1):
+        with torch.enable_grad():
+            with _per_micro_batch(streamer, sizes):
+                h = hidden(model, batch)
+            if h.shape[0] != sum(sizes):
+                raise ValueError(f"hidden() gave {h.shape[0]} rows for micro-batches of {sum(sizes)} rows in all")
+            losses, grad_h, head = _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss)
+        roots = [h, *head]
+        torch.autograd.backward(roots, [grad_h, *head.values()])
+        optimizer.step()
+    return torch.stack(losses)
+
+
+def _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss):
+    """Each micro-batch's loss and its gradients (divided by G): of its rows of ``h`` (concatenated) and of the
+    parameters outside the streamed blocks that the head uses (summed, in the order of the micro-batches)."""
+    count = len(sizes)
+    blocks = {p for p in streamer.model.parameters() if streamer.holds(p)}
+    outside = [p for p in model.parameters() if p.requires_grad and p not in blocks]
+    losses, grads_h = [], []
+    head: dict[torch.Tensor, torch.Tensor] = {}
+    for rows, micro_batch in zip(h.detach().split(sizes), micro_batches):
+        rows.requires_grad_()
+        value = loss(model, rows, micro_batch)
+        losses.append(value.detach())
+        grads = torch.autograd.grad(value / count, [rows, *outside], allow_unused=True)
+        grads_h.append(grads[0])
+        for p, g in zip(outside, grads[1:]):
+            if g is not None:
+                head[p] = g if p not in head else head[p] + g
+    return losses, torch.cat(grads_h), head
+
+
+@contextlib.contextmanager
+def _per_micro_batch(streamer: ParameterStreamer, sizes: list[int]):
+    """Inside: each streamed block, in its container, is a :class:`_MicroBatched` around it."""
+    swapped = []
+    try:
+        for block in streamer.blocks:
+            parent, key = _container_of(streamer.model, block)
+            parent._modules[key] = _MicroBatched(block, streamer, sizes)
+            swapped.append((parent, key, block))
+        yield
+    finally:
+        for parent, key, block in swapped:
+            parent._modules[key] = block
+
+
+def _container_of(model: nn.Module, module: nn.Module) -> tuple[nn.Module, str]:
+    for parent in model.modules():
+        for key, child in parent._modules.items():
+            if child is module:
+                return parent, key
+    raise ValueError(f"{type(module).__name__}: a streamed block that is not a child of a module of the model")
+
+
+class _MicroBatched(nn.Module):
+    """A streamed block called once per micro-batch, each call under non-reentrant checkpointing, the block kept
+    on the device across the calls; tensors whose first dimension is the batch's are split, the others given to
+    every call; the outputs are concatenated back."""
+
+    def __init__(self, block: nn.Module, streamer: ParameterStreamer, sizes: list[int]):
+        super().__init__()
+        self._stash = (block, streamer)  # not a child: the wrapper owns no parameters
+        self.sizes = sizes
+
+    def forward(self, *args, **kwargs):
+        block, streamer = self._stash
+        rows = sum(self.sizes)
+        parts = [_split(a, rows, self.sizes) for a in args]
+        kwparts = {k: _split(v, rows, self.sizes) for k, v in kwargs.items()}
+        outs = []
+        with streamer.kept(block):
+            for i in range(len(self.sizes)):
+                call_args = [p[i] for p in parts]
+                call_kwargs = {k: p[i] for k, p in kwparts.items()}
+                outs.append(checkpoint(block, *call_args, use_reentrant=False, **call_kwargs))
+        if isinstance(outs[0], torch.Tensor):
+            return torch.cat(outs)
+        if isinstance(outs[0], tuple):
+            return tuple(torch.cat(parts) if _batched(parts[0]) else parts[0] for parts in zip(*outs))
+        raise TypeError(f"a streamed block returned {type(outs[0]).__name__}: vertical_step takes a tensor or a tuple")
+
+
+def _batched(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _split(value, rows: int, sizes: list[int]) -> list:
+    if _batched(value) and value.shape[0] == rows:
+        return list(value.split(sizes))
+    return [value] * len(sizes)
+
+
+def _rows(micro_batch: Batch) -> int:
+    tensors = list(micro_batch.values()) if isinstance(micro_batch, Mapping) else list(micro_batch)
+    rows = {t.shape[0] for t in tensors if _batched(t)}
+    if len(rows) != 1:
+        raise ValueError(f"a micro-batch's tensors must share their first dimension (the batch), got {sorted(rows)}")
+    return rows.pop()
+
+
+def _concatenated(micro_batches: Sequence[Batch]) -> Batch:
+    first = micro_batches[0]
+    if isinstance(first, Mapping):
+        keys = list(first)
+        if any(list(b) != keys for b in micro_batches):
+            raise ValueError("the micro-batches must have the same keys")
+        return {k: torch.cat([b[k] for b in micro_batches]) for k in keys}
+    if any(len(b) != len(first) for b in micro_batches):
+        raise ValueError("the micro-batches must have the same number of tensors")
+    return tuple(torch.cat(ts) for ts in zip(*micro_batches))
+
+
+def _defaults(model: nn.Module, hidden, loss):
+    if hidden is not None and loss is not None:
+        return hidden, loss
+    from nvoffload.models import GPT
+    from nvoffload.models.gpt import lm_head_loss
+
+    if not isinstance(model, GPT):
+        raise ValueError(f"vertical_step has no default hidden() and loss() for {type(model).__name__}: give both")
+
+    def gpt_hidden(model, batch):
+        return model.hidden_states(batch[0])
+
+    def gpt_loss(model, h, micro_batch):
+        return lm_head_loss(h, model.tok_emb.weight, micro_batch[1])
+
+    return hidden or gpt_hidden, loss or gpt_loss
