@@ -135,3 +135,75 @@ def test_equals_torch_accumulating_the_same_micro_batches(tmp_path, G, max_grad_
         assert {int(s["step"]) for s in opt.state_dict()["state"].values()} == {STEPS}
     finally:
         opt.close()
+
+
+def test_four_micro_batches_move_no_more_weight_or_state_bytes_than_one(tmp_path):
+    """The engines' own counters, with the blocks evicted from the host cache (read from the store each pass):
+    a vertical step of 4 micro-batches reads and writes the store and copies weights to the device exactly as
+    one of 1 (the block inputs stay on the device here), and writes no gradient to be accumulated; the
+    ordinary loop's 4 micro-batches copy the weights 4 times and keep gradients in the store."""
+    cfg, model = tiny(n_layer=6)
+    block = max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks)
+    resident = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("blocks."))
+    model, opt = nvoffload.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
+        nvoffload.OffloadConfig(
+            swap_dirs=[tmp_path], device_memory_bytes=2 * resident + 3 * block + (1 << 20),
+            cpu_memory_bytes=2 * 4 * (block + 4096), gradient_accumulation_steps=4,
+        ),
+    )  # fmt: skip
+    session = opt.session
+    copied = [0]
+    to_device = session.streamer.transfer.to_device
+
+    def counting(dst, src, *args, **kwargs):
+        copied[0] += dst.numel() * dst.element_size()
+        return to_device(dst, src, *args, **kwargs)
+
+    session.streamer.transfer.to_device = counting
+
+    def step(G, vertical, seed):
+        batches = micro_batches(cfg, seed, G)
+        if vertical:
+            vertical_step(opt, batches)
+        else:
+            for x, y in batches:
+                (model(x, y) / G).backward()
+            opt.step()
+        opt.synchronize()
+        session.streamer.flush()
+
+    def measured(G, vertical, seed):
+        step(G, vertical, seed)  # the host cache as such steps leave it
+        session.reset_stats()
+        copied[0] = 0
+        step(G, vertical, seed)
+        streamer = session.streamer
+        return {
+            "store read (weights)": streamer.bytes_read, "store written (weights)": streamer.bytes_written,
+            "optimizer read": session.io_bytes()[0] - streamer.bytes_read,
+            "optimizer written": session.io_bytes()[1] - streamer.bytes_written, "to device": copied[0],
+        }  # fmt: skip
+
+    try:
+        step(1, True, 0)  # the first step writes the state's first generation
+        one = measured(1, True, 1)
+        four = measured(4, True, 3)
+        ordinary = measured(4, False, 5)
+        assert one["store read (weights)"] >= 3 * block  # the blocks come from the store, not all from the host cache
+        assert one["to device"] >= 2 * 5 * block  # each block copied to the device in forward and in backward
+        exact = ("to device", "optimizer read", "optimizer written")
+        assert {k: four[k] for k in exact} == {k: one[k] for k in exact}, (one, four)
+        # The weights' store traffic moves by a block or two from step to step: whether the optimizer's update
+        # of a block lands before the host cache evicts it is a race (measured: G = 1 reads 10 blocks and writes
+        # 6, G = 4 reads 8 to 10 and writes 6 or 7; the ordinary loop's G = 4 reads 22). Whatever G, a block is
+        # read at most for the forward, the backward and its update, and written at most twice.
+        for G, got in ((1, one), (4, four)):
+            assert got["store read (weights)"] <= 3 * 6 * block, (G, got)
+            assert got["store written (weights)"] <= 2 * 6 * block, (G, got)
+        # the ordinary loop: the weights copied once per micro-batch and pass, gradients kept in the store
+        assert ordinary["to device"] >= 3 * one["to device"]
+        params = sum(p.numel() * 4 for p in model.parameters())
+        assert ordinary["optimizer written"] >= one["optimizer written"] + 3 * params  # 3 fp32 sums kept
+    finally:
+        opt.close()
