@@ -320,6 +320,24 @@ def test_read_ahead_follows_the_plan_within_its_budget():
     assert sorted(dropped) == ["b", "c", "d"] and ra.waiting_bytes == 0
 
 
+def test_read_ahead_keeps_what_the_caller_has_within_its_budget():
+    """keep() counts data already where a read would bring it as a read started: taken or dropped like one, and
+    only where pump() would start a read (budget 0: one at a time)."""
+    dropped = []
+    ra = ReadAhead(0, lambda key: 10, lambda key: (Future.completed(key), 10), lambda key, fut: dropped.append(key))
+    assert ra.keep("a", Future.completed(), 10) and ra.waiting() == ["a"] and ra.waiting_bytes == 10
+    assert not ra.keep("b", Future.completed(), 10)  # one read alone past the budget, not two
+    assert not ra.keep("a", Future.completed(), 10)
+    ra.plan(["a"])  # planned: kept, and not read again
+    ra.pump()
+    assert ra.waiting() == ["a"] and dropped == []
+    ra.plan(["b"])
+    assert dropped == ["a"]
+    ra.pump()
+    assert ra.waiting() == ["b"] and ra.take("b").result() == "b"
+    assert ra.keep("c", Future.completed(), 10) and ra.take("c") is not None and ra.waiting_bytes == 0
+
+
 # ---------------------------------------------------------------------------- NVMe <-> device
 
 

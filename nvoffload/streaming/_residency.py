@@ -15,7 +15,7 @@ from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.streaming import _guard
 from nvoffload.streaming._blocks import Block
 from nvoffload.streaming._host_cache import HostCache
-from nvoffload.transfer import WAIT_LIMIT_S, Future, TransferEngine
+from nvoffload.transfer import WAIT_LIMIT_S, Future, ReadAhead, TransferEngine
 
 __all__ = ["DeviceResidency", "GradientLedger"]
 
@@ -124,14 +124,18 @@ class DeviceResidency:
     backward at once stays until both let go. Off the device a block's parameters
     keep their identity, but refuse reads (:mod:`~nvoffload.streaming._guard`).
 
-    Double buffering: :meth:`stage` starts the copy of the block that comes next
-    (host to device on the transfer engine's copy stream, chained after its
+    Double buffering: :meth:`stage` plans the block that comes next on a
+    :class:`~nvoffload.transfer.ReadAhead` (the transfer engine's queue), which
+    starts its copy (host to device on the transfer engine's copy stream, chained after its
     store read when the host cache is still reading it) while the current block
-    computes, if the device budget has room for it; :meth:`hold` then has the
-    compute stream wait for the copy's event (on a GPU the host does not wait).
-    A block that was not staged is copied the same way when it is held. The host
-    copy stays pinned in the cache until its copy is done. At most one block is
-    staged: staging another, or :meth:`close`, lets the previous one go.
+    computes, if the device budget has room for it; :meth:`hold` takes it and has
+    the compute stream wait for the copy's event (on a GPU the host does not
+    wait). A block that was not staged is copied the same way when it is held.
+    The host copy stays pinned in the cache until its copy is done. The
+    read-ahead's budget is one block (whatever its size: what the device budget
+    leaves for the blocks coming next is the device budget's to say): staging
+    another, or :meth:`close`, lets the previous one go, and a block kept on the
+    device after its last hold (``unhold(stay=True)``) is counted as staged.
 
     When a block does not fit, :meth:`hold` waits only while gradients queued for
     the optimizer could free enough and keep being freed; otherwise it raises
@@ -148,7 +152,9 @@ class DeviceResidency:
         self._resident_bytes = resident_bytes
         self._lock = threading.RLock()
         self._holds: dict[Block, collections.Counter[str]] = {}  # blocks held on the device
-        self._staged: Block | None = None  # on the device (or arriving), held by no one yet
+        # Blocks on the device (or arriving) and held by no one yet: one at a time (budget 0: one read alone).
+        self._ahead = ReadAhead(0, lambda block: block.nbytes, self._start_ahead, self._drop_ahead)
+        self._headroom_bytes = 0  # the headroom of the stage() whose read-ahead is starting
         self._copies: dict[Block, Future] = {}  # copies whose host source is still pinned
         self._placements: list[_guard.Placement] = []
         self.grad_wait_s = 0.0  # time spent waiting for the optimizer to free gradients' device memory
@@ -180,24 +186,9 @@ class DeviceResidency:
         and ``headroom_bytes`` more; let a block staged before and not held since go (None: just that)."""
         with self._lock:
             self._reap()
-            if self._staged is not None and self._staged is not block:
-                self._leave(self._staged)
-                self._staged = None
-            if block is None or block is self._staged or block in self._holds:
-                return
-            try:
-                self.memory.allocate("device", block.nbytes, f"{block} (read ahead)", headroom_bytes=headroom_bytes)
-            except MemoryBudgetError:
-                return  # no room now: the block is copied when it is held
-            try:
-                self._bring(block)
-            except MemoryBudgetError:  # no host room to read it ahead
-                self._leave(block)
-                return
-            except BaseException:
-                self._leave(block)
-                raise
-            self._staged = block
+            self._headroom_bytes = headroom_bytes
+            self._ahead.plan([] if block is None else [block])
+            self._ahead.pump()
 
     def unhold(self, block: Block, why: str, *, stay: bool = False) -> None:
         """Drop one hold of ``block`` for ``why``; the last one takes the block off the device, or, with ``stay``
@@ -209,10 +200,9 @@ class DeviceResidency:
             holds[why] -= 1
             if not +holds:
                 del self._holds[block]
-                if stay and self._staged is None:
+                if stay and self._ahead.keep(block, Future.completed(), block.nbytes):  # already on the device
                     for p in block.params:
                         _guard.guard(p)
-                    self._staged = block
                 else:
                     self._leave(block)
 
@@ -234,20 +224,41 @@ class DeviceResidency:
         """What holds the device memory, for error messages."""
         with self._lock:
             blocks = [f"{b.index} ({', '.join(sorted(+h))})" for b, h in self._holds.items()]
-            if self._staged is not None:
-                blocks.append(f"{self._staged.index} (read ahead)")
+            blocks += [f"{b.index} (read ahead)" for b in self._ahead.waiting()]
         return (
             f"device memory in use: {self._resident_bytes} bytes of parameters outside the blocks; "
             f"parameter blocks on the device: {', '.join(blocks) or 'none'}; {self.gradients.describe()}"
         )
 
     # ------------------------------------------------------------------ internals (caller holds the lock)
+    def _start_ahead(self, block: Block) -> tuple[Future | None, int] | None:
+        """:class:`ReadAhead`'s ``start``: reserve the block's device memory (with the stage's headroom) and start
+        its copy; (None, 0) for a block held already, None when the device or the host has no room now (the
+        block is copied when it is held)."""
+        if block in self._holds:
+            return None, 0
+        try:
+            self.memory.allocate("device", block.nbytes, f"{block} (read ahead)", headroom_bytes=self._headroom_bytes)
+        except MemoryBudgetError:
+            return None
+        try:
+            self._bring(block)
+        except MemoryBudgetError:  # no host room to read it ahead
+            self._leave(block)
+            return None
+        except BaseException:
+            self._leave(block)
+            raise
+        return self._copies[block], block.nbytes
+
+    def _drop_ahead(self, block: Block, copy: Future) -> None:
+        """:class:`ReadAhead`'s ``drop``: a staged block no hold took leaves the device (its copy landed first)."""
+        self._leave(block)
+
     def _arrive(self, block: Block, headroom_bytes: int) -> None:
         """Reserve the block's device memory (a staged block has it: only the headroom), copy it unless staged,
         and order compute after the copy."""
-        staged = block is self._staged
-        if staged:
-            self._staged = None
+        staged = self._ahead.take(block) is not None
         try:
             self._reserve(block, 0 if staged else block.nbytes, headroom_bytes)
         except BaseException:

@@ -137,6 +137,23 @@ class ReadAhead:
     def waiting_bytes(self) -> int:
         return self._bytes
 
+    def waiting(self) -> list[Hashable]:
+        """The keys of the reads started (or kept) and not taken yet, oldest first."""
+        with self._lock:
+            return list(self._started)
+
+    def keep(self, key: Hashable, future: Future, nbytes: int) -> bool:
+        """Count what the caller already has for ``key`` (its data kept where a read would bring it; ``future``
+        its copy, or a completed one) as a read started ahead, to be taken or dropped like one, if the budget
+        allows it as :meth:`pump` would; False (nothing counted, the caller keeps it) when it does not or a read
+        of ``key`` is waiting."""
+        with self._lock:
+            if key in self._started or (self._started and self._bytes + nbytes > self.budget_bytes):
+                return False
+            self._started[key] = (future, nbytes)
+            self._bytes += nbytes
+            return True
+
     def plan(self, keys: Iterable[Hashable]) -> None:
         """Read in this order from now on; reads started for keys outside it are dropped."""
         with self._lock:
