@@ -189,8 +189,12 @@ def _batched(value) -> bool:
 
 
 def _split(value, rows: int, sizes: list[int]) -> list:
+    """``value`` for each micro-batch: a tensor whose first dimension is the batch's split, a tuple or list split
+    element by element (rotary embeddings' ``(cos, sin)``), anything else the same for every call."""
     if _batched(value) and value.shape[0] == rows:
         return list(value.split(sizes))
+    if isinstance(value, (tuple, list)) and any(_batched(v) and v.shape[0] == rows for v in value):
+        return [type(value)(parts) for parts in zip(*(_split(v, rows, sizes) for v in value))]
     return [value] * len(sizes)
 
 
@@ -220,6 +224,8 @@ def _defaults(model: nn.Module, hidden, loss):
     from nvoffload.models import GPT
     from nvoffload.models.gpt import lm_head_loss
 
+    if _causal_lm(model):
+        return hidden or _hf_hidden, loss or _hf_loss
     if not isinstance(model, GPT):
         raise ValueError(f"vertical_step has no default hidden() and loss() for {type(model).__name__}: give both")
 
@@ -230,3 +236,34 @@ def _defaults(model: nn.Module, hidden, loss):
         return lm_head_loss(h, model.tok_emb.weight, micro_batch[1])
 
     return hidden or gpt_hidden, loss or gpt_loss
+
+
+def _causal_lm(model: nn.Module) -> bool:
+    """A Hugging Face causal LM: a base model under ``base_model_prefix``, an output embedding and a loss function."""
+    prefix = getattr(model, "base_model_prefix", None)
+    return (
+        isinstance(prefix, str) and isinstance(getattr(model, prefix, None), nn.Module)
+        and callable(getattr(model, "get_output_embeddings", None)) and hasattr(model, "loss_function")
+    )  # fmt: skip
+
+
+def _hf_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(input_ids, attention_mask, labels)`` of a mapping with those keys or of a tuple ``(input_ids, labels)``."""
+    if isinstance(batch, Mapping):
+        return batch["input_ids"], batch.get("attention_mask"), batch["labels"]
+    input_ids, labels = batch
+    return input_ids, None, labels
+
+
+def _hf_hidden(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The base model's last hidden state, as the causal LM's forward computes it (no cache: a training step)."""
+    input_ids, attention_mask, _ = _hf_inputs(batch)
+    base = getattr(model, model.base_model_prefix)
+    return base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+
+def _hf_loss(model: nn.Module, h: torch.Tensor, micro_batch: Batch) -> torch.Tensor:
+    """The causal LM's head and loss on one micro-batch's hidden states (its ``loss_function``: labels shifted)."""
+    labels = _hf_inputs(micro_batch)[2]
+    logits = model.get_output_embeddings()(h)
+    return model.loss_function(logits, labels, vocab_size=model.config.vocab_size)

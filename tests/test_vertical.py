@@ -207,3 +207,50 @@ def test_four_micro_batches_move_no_more_weight_or_state_bytes_than_one(tmp_path
         assert ordinary["optimizer written"] >= one["optimizer written"] + 3 * params  # 3 fp32 sums kept
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hugging_face_causal_lms_equal_torch_accumulating_the_same_micro_batches(tmp_path, family):
+    """Rotary embeddings (Llama) and learned positions (GPT-2), each family's own masks, the model's own loss,
+    with no hidden() or loss() named: four micro-batches of two rows in one step, clipping that bites."""
+    pytest.importorskip("transformers")
+    from test_hf_recipe import budgets, build, hf_loss
+
+    model = build(family, meta=False)
+    fused, foreach = copy.deepcopy(model), copy.deepcopy(model)
+    refs = [
+        (fused, torch.optim.AdamW(fused.parameters(), lr=LR, weight_decay=WD, fused=True)),
+        (foreach, torch.optim.AdamW(foreach.parameters(), lr=LR, weight_decay=WD, foreach=True)),
+    ]
+    model, opt = nvoffload.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), budgets(tmp_path, model, max_grad_norm=1.0)
+    )
+    names, G, clipped = list(model.state_dict()), 4, 0
+    try:
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            batches = [(x, x) for x in torch.randint(0, 128, (G, 2, 16), generator=g)]
+            ref_losses = []
+            for ref, ref_opt in refs:
+                ref_losses.append([])
+                for x, y in batches:
+                    loss = hf_loss(ref, x, y)
+                    (loss / G).backward()
+                    ref_losses[-1].append(float(loss.detach()))
+                norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+                ref_opt.step()
+                ref_opt.zero_grad()
+            clipped += norm > 1.0
+            losses = vertical_step(opt, batches).tolist()
+            assert opt.grad_norm() == pytest.approx(norm, rel=1e-5)
+            torch_loss_diff = max(abs(a - b) for a, b in zip(*ref_losses))
+            assert max(abs(a - b) for a, b in zip(losses, ref_losses[0])) <= max(2 * torch_loss_diff, 1e-6)
+        assert clipped > 0
+        fused_state = fused.state_dict()
+        torch_diff = _max_diff(fused_state, foreach.state_dict())
+        assert 0 < torch_diff < 1e-4
+        state = model.state_dict()
+        assert list(state) == names
+        assert _max_diff({n: state[n] for n in fused_state}, fused_state) <= 2 * torch_diff
+    finally:
+        opt.close()
