@@ -211,6 +211,13 @@ class OffloadSession:
         self.streamer.bytes_read = self.streamer.bytes_written = 0
         self.streamer.io_wait_s = self.streamer.grad_wait_s = 0.0
 
+    @property
+    def activation_offload(self):
+        """The :class:`~nvoffload.activations.offload_activations` context the model's forward runs in
+        (``offload_activations=True``), None without: enter it around a forward that does not go through the
+        model's ``__call__``."""
+        return self._activations
+
     def settle(self) -> None:
         """What the model's forward pre-hook does before each forward (call it before a forward that does not
         go through the model's ``__call__``): the forward sees every update its previous backward queued

@@ -83,15 +83,14 @@ def vertical_step(
 
     Raises:
         ValueError: no micro-batch, micro-batches that do not match, a session
-            with ``loss_scaling`` or ``offload_activations`` (not supported yet),
-            or no default for the model's type.
+            with ``loss_scaling`` (not supported yet), or no default for the model's type.
         RuntimeError: a step is in progress (backward ran since the last ``step()``).
     """
     session = optimizer.session
     if session is None or session.closed:
         raise ValueError("vertical_step needs the optimizer of an open nvoffload.initialize() session")
-    if session.config.loss_scaling is not None or session.config.offload_activations:
-        raise ValueError("vertical_step does not support loss_scaling or offload_activations yet: use the ordinary loop")
+    if session.config.loss_scaling is not None:
+        raise ValueError("vertical_step does not support loss_scaling yet: use the ordinary loop")
     if not micro_batches:
         raise ValueError("vertical_step needs at least one micro-batch")
     streamer = session.streamer
@@ -102,7 +101,9 @@ def vertical_step(
     session.settle()
     with optimizer.backward_passes(1):
         with torch.enable_grad():
-            with _per_micro_batch(streamer, sizes):
+            # With activation offload, what the forward saves outside the checkpointed calls (each call's input,
+            # the embeddings' and the final norm's) moves as the model's own forward would move it.
+            with _per_micro_batch(streamer, sizes), session.activation_offload or contextlib.nullcontext():
                 h = hidden(model, batch)
             if h.shape[0] != sum(sizes):
                 raise ValueError(f"hidden() gave {h.shape[0]} rows for micro-batches of {sum(sizes)} rows in all")

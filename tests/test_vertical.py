@@ -98,6 +98,19 @@ def _max_diff(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("G", [1, 2, 4])
 @pytest.mark.parametrize("max_grad_norm", [None, 0.5], ids=["no-clip", "clip-bites"])
 def test_equals_torch_accumulating_the_same_micro_batches(tmp_path, G, max_grad_norm):
+    check_equals_torch(tmp_path, G, max_grad_norm)
+
+
+def test_with_activation_offload_the_block_inputs_move_through_it_and_the_step_is_the_same(tmp_path):
+    session = check_equals_torch(tmp_path, 4, 0.5, offload_activations=True, activation_memory_bytes=192 << 10)
+    stats = session.activation_offload.stats()
+    assert stats.bytes_written > 0 and stats.bytes_read == stats.bytes_written  # written in forward, read back
+    assert stats.offloaded_bytes == 0  # all released by backward
+
+
+def check_equals_torch(tmp_path, G, max_grad_norm, **offload):
+    """STEPS steps of G micro-batches streamed, against fused torch AdamW accumulating the same micro-batches:
+    weights within twice torch's own fused-vs-foreach difference; returns the (closed) session."""
     cfg, model = tiny()
     fused, foreach = copy.deepcopy(model), copy.deepcopy(model)
     refs = {
@@ -105,7 +118,7 @@ def test_equals_torch_accumulating_the_same_micro_batches(tmp_path, G, max_grad_
         "foreach": (foreach, torch.optim.AdamW(foreach.parameters(), lr=LR, weight_decay=WD, foreach=True)),
     }
     # gradient_accumulation_steps is the ordinary loop's: a vertical step takes its G micro-batches in one backward
-    model, opt = streamed(tmp_path, model, max_grad_norm=max_grad_norm, gradient_accumulation_steps=3)
+    model, opt = streamed(tmp_path, model, max_grad_norm=max_grad_norm, gradient_accumulation_steps=3, **offload)
     ref_losses = {k: [] for k in refs}
     losses, clipped = [], 0
     try:
@@ -135,6 +148,7 @@ def test_equals_torch_accumulating_the_same_micro_batches(tmp_path, G, max_grad_
         assert {int(s["step"]) for s in opt.state_dict()["state"].values()} == {STEPS}
     finally:
         opt.close()
+    return opt.session
 
 
 def test_four_micro_batches_move_no_more_weight_or_state_bytes_than_one(tmp_path):
