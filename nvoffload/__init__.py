@@ -14,7 +14,8 @@ Subpackages:
 - :mod:`nvoffload.device` -- the thin CUDA layer (everything else is device-neutral).
 
 :func:`initialize` with an :class:`OffloadConfig` puts all of them to work on a
-model and its optimizer; :func:`save_training_checkpoint` and
+model and its optimizer; :func:`vertical_step` runs a step's micro-batches block by block
+(:mod:`nvoffload.vertical`); :func:`save_training_checkpoint` and
 :func:`load_training_checkpoint` save and resume a run (:mod:`nvoffload.training_checkpoint`).
 """
 
@@ -26,6 +27,7 @@ from nvoffload.training_checkpoint import (
     load_training_checkpoint,
     save_training_checkpoint,
 )
+from nvoffload.vertical import vertical_step
 
 __all__ = [
     "LossScaling",
@@ -36,5 +38,6 @@ __all__ = [
     "latest_training_checkpoint",
     "load_training_checkpoint",
     "save_training_checkpoint",
+    "vertical_step",
 ]
 __version__ = "0.1.0"

@@ -268,3 +268,39 @@ def test_hugging_face_causal_lms_equal_torch_accumulating_the_same_micro_batches
         assert _max_diff({n: state[n] for n in fused_state}, fused_state) <= 2 * torch_diff
     finally:
         opt.close()
+
+
+def test_the_ordinary_loop_between_vertical_steps_is_unchanged(tmp_path):
+    """gradient_accumulation_steps=3 stays the ordinary loop's: vertical steps of 2 micro-batches and ordinary
+    steps of 3 alternate, equal to torch; a vertical step while an ordinary one is in progress is refused."""
+    cfg, model = tiny()
+    fused, foreach = copy.deepcopy(model), copy.deepcopy(model)
+    refs = [(m, torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WD, **kw)) for m, kw in
+            ((fused, {"fused": True}), (foreach, {"foreach": True}))]  # fmt: skip
+    model, opt = streamed(tmp_path, model, max_grad_norm=0.5, gradient_accumulation_steps=3)
+    try:
+        for step in range(4):
+            G = 2 if step % 2 == 0 else 3
+            batches = micro_batches(cfg, step, G)
+            for ref, ref_opt in refs:
+                for x, y in batches:
+                    (ref(x, y) / G).backward()
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+                ref_opt.step()
+                ref_opt.zero_grad()
+            if G == 2:
+                nvoffload.vertical_step(opt, batches)
+                continue
+            (model(*batches[0]) / G).backward()
+            with pytest.raises(RuntimeError, match="a step is in progress"):
+                nvoffload.vertical_step(opt, batches)
+            for x, y in batches[1:]:
+                (model(x, y) / G).backward()
+            opt.step()
+            opt.zero_grad()
+        fused_state = fused.state_dict()
+        torch_diff = _max_diff(fused_state, foreach.state_dict())
+        assert _max_diff(model.state_dict(), fused_state) <= 2 * torch_diff
+        assert {int(s["step"]) for s in opt.state_dict()["state"].values()} == {4}
+    finally:
+        opt.close()
