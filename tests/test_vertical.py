@@ -43,8 +43,8 @@ def test_each_block_runs_every_micro_batch_before_the_block_below_and_its_hooks_
     def count(name):
         def hook(param):
             fires[name] += 1
-            if name == "blocks.0.fc.weight":  # the block below every other: its update is queued with its gradient
-                order.append(("update", 0))
+            if name.endswith(".fc.weight"):  # a block's gradient is final: its update is queued now
+                order.append(("update", int(name.split(".")[1])))
 
         return hook
 
@@ -81,6 +81,12 @@ def test_each_block_runs_every_micro_batch_before_the_block_below_and_its_hooks_
         # backward: block 2 over every micro-batch (the last first), then block 1, then block 0
         assert [k for k, _ in backward] == [2] * G + [1] * G + [0] * G
         assert all(sorted(i for k, i in backward if k == b) == list(range(G)) for b in range(3))
+        # each block's update is queued once its micro-batches are done, before the block below starts: the
+        # optimizer works on it while backward goes on
+        for b in range(3):
+            queued = order.index(("update", b))
+            assert max(order.index((b, i)) for i in range(G)) < queued
+            assert b == 0 or queued < min(order.index((b - 1, i)) for i in range(G))
         # each parameter's hook fired once for the step, summed over the micro-batches
         assert set(fires.values()) == {1}, fires
         assert all(p.grad is None for p in model.parameters())
