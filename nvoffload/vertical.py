@@ -55,7 +55,12 @@ def vertical_step(
     ``for b in micro_batches: (loss(b) / G).backward()`` then ``optimizer.step()``
     (up to float rounding: the sums run in another order), with
     ``G = len(micro_batches)`` whatever ``gradient_accumulation_steps`` the
-    config gives; clipping (``max_grad_norm``) is the config's, as there. It
+    config gives; clipping (``max_grad_norm``) and fp16 loss scaling
+    (``loss_scaling``: the losses are scaled here, and a step whose gradients
+    overflow is skipped) are the config's, as there. With bf16 or fp16
+    parameters the G gradients of a parameter are summed by autograd in its
+    dtype, as torch's own loop sums them in ``.grad`` (the ordinary streamed
+    loop sums them in fp32 in the store). It
     waits for the step (``optimizer.step()`` is called) and zeroes nothing else:
     ``param.grad`` is None afterwards, as after any streamed step.
 
@@ -82,15 +87,13 @@ def vertical_step(
         The G losses (detached, not divided by G), as one tensor.
 
     Raises:
-        ValueError: no micro-batch, micro-batches that do not match, a session
-            with ``loss_scaling`` (not supported yet), or no default for the model's type.
+        ValueError: no micro-batch, micro-batches that do not match, or no
+            default for the model's type.
         RuntimeError: a step is in progress (backward ran since the last ``step()``).
     """
     session = optimizer.session
     if session is None or session.closed:
         raise ValueError("vertical_step needs the optimizer of an open nvoffload.initialize() session")
-    if session.config.loss_scaling is not None:
-        raise ValueError("vertical_step does not support loss_scaling yet: use the ordinary loop")
     if not micro_batches:
         raise ValueError("vertical_step needs at least one micro-batch")
     streamer = session.streamer
@@ -107,16 +110,18 @@ def vertical_step(
                 h = hidden(model, batch)
             if h.shape[0] != sum(sizes):
                 raise ValueError(f"hidden() gave {h.shape[0]} rows for micro-batches of {sum(sizes)} rows in all")
-            losses, grad_h, head = _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss)
+            scale = optimizer.loss_scale or 1.0  # fp16: the loss scaled as optimizer.scale_loss() scales it
+            losses, grad_h, head = _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss, scale)
         roots = [h, *head]
         torch.autograd.backward(roots, [grad_h, *head.values()])
         optimizer.step()
     return torch.stack(losses)
 
 
-def _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss):
-    """Each micro-batch's loss and its gradients (divided by G): of its rows of ``h`` (concatenated) and of the
-    parameters outside the streamed blocks that the head uses (summed, in the order of the micro-batches)."""
+def _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss, scale):
+    """Each micro-batch's loss and its gradients (divided by G, times the loss ``scale``): of its rows of ``h``
+    (concatenated) and of the parameters outside the streamed blocks that the head uses (summed, in the order of
+    the micro-batches)."""
     count = len(sizes)
     blocks = {p for p in streamer.model.parameters() if streamer.holds(p)}
     outside = [p for p in model.parameters() if p.requires_grad and p not in blocks]
@@ -126,7 +131,7 @@ def _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss):
         rows.requires_grad_()
         value = loss(model, rows, micro_batch)
         losses.append(value.detach())
-        grads = torch.autograd.grad(value / count, [rows, *outside], allow_unused=True)
+        grads = torch.autograd.grad(value / count * scale, [rows, *outside], allow_unused=True)
         grads_h.append(grads[0])
         for p, g in zip(outside, grads[1:]):
             if g is not None:
