@@ -45,12 +45,18 @@ class MasterLoop:
         self.opt = torch.optim.AdamW(self.master, lr=LR, weight_decay=WD, fused=True)
 
     def step(self, batches):
+        self.accumulate(batches)
+        return self.update()
+
+    def accumulate(self, batches):
         for x, y in batches:
             loss = self.loss(self.model, x, y) / len(batches)
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             for p, m in zip(self.params, self.master):
                 m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
                 p.grad = None
+
+    def update(self):
         if self.scaler:
             self.scaler.unscale_(self.opt)
         norm = torch.nn.utils.clip_grad_norm_(self.master, self.max_grad_norm or math.inf)

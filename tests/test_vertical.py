@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from test_streaming import batch, config
+from test_streaming_recipe import MasterLoop
 
 import nvoffload
 from nvoffload.models import GPT, GPTConfig
@@ -312,41 +313,17 @@ def test_the_ordinary_loop_between_vertical_steps_is_unchanged(tmp_path):
         opt.close()
 
 
-class SixteenBitTorch:
-    """The 16-bit references: torch's loop (``(loss / G).backward()`` summing the G gradients in the parameters'
-    dtype, as the vertical step's autograd does) or the G gradients summed in fp32; then fp32 master weights,
-    ``clip_grad_norm_``, fused AdamW, and in fp16 a real ``torch.amp.GradScaler``."""
+class TorchLoop(MasterLoop):
+    """torch's own loop on 16-bit parameters: ``(loss / G).backward()`` sums the G gradients in ``.grad``, in the
+    parameters' dtype (as the vertical step's autograd sums them); then :class:`MasterLoop`'s update (fp32 master
+    weights, ``clip_grad_norm_``, fused AdamW, a real ``GradScaler`` in fp16)."""
 
-    def __init__(self, model, scaler, fp32_sums):
-        self.model, self.scaler, self.fp32_sums = model, scaler, fp32_sums
-        self.params = list(model.parameters())
-        self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
-        self.opt = torch.optim.AdamW(self.master, lr=LR, weight_decay=WD, fused=True)
-
-    def step(self, batches):
+    def accumulate(self, batches):
         for x, y in batches:
-            loss = self.model(x, y) / len(batches)
+            loss = self.loss(self.model, x, y) / len(batches)
             (self.scaler.scale(loss) if self.scaler else loss).backward()
-            if self.fp32_sums:
-                for p, m in zip(self.params, self.master):
-                    m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
-                    p.grad = None
-        if not self.fp32_sums:
-            for p, m in zip(self.params, self.master):
-                m.grad, p.grad = p.grad.float(), None
-        if self.scaler:
-            self.scaler.unscale_(self.opt)
-        norm = float(torch.nn.utils.clip_grad_norm_(self.master, 1.0))
-        if self.scaler:
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            self.opt.step()
-        self.opt.zero_grad()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                p.copy_(m)
-        return norm
+        for p, m in zip(self.params, self.master):
+            m.grad, p.grad = p.grad.float(), None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -364,8 +341,8 @@ def test_sixteen_bit_steps_are_torchs_loop_with_its_loss_scaling(tmp_path, dtype
             return None
         return torch.amp.GradScaler("cpu", init_scale=scaling.init_scale, growth_interval=scaling.growth_interval)
 
-    torch_loop = SixteenBitTorch(copy.deepcopy(model), scaler(), fp32_sums=False)
-    fp32_sums = SixteenBitTorch(copy.deepcopy(model), scaler(), fp32_sums=True)
+    torch_loop = TorchLoop(copy.deepcopy(model), 1.0, scaler())
+    fp32_sums = MasterLoop(copy.deepcopy(model), 1.0, scaler())  # the G gradients summed in fp32
     model, opt = streamed(tmp_path, model, max_grad_norm=1.0, loss_scaling=scaling)
     G, skipped = 4, 0
     try:
