@@ -11,7 +11,10 @@ checked by the :class:`~nvoffload.io.TensorStore`):
 The host buffers themselves come from host slabs
 (:class:`~nvoffload.transfer.HostSlab`), each one mapping of exactly its
 budget (page-locked once with CUDA), carved between the engines' transfer
-engines; this module only counts.
+engines. Once a slab is attached (:meth:`~MemoryManager.use_host_slab`, as
+:func:`nvoffload.initialize` does) the host tier is that slab's accounting
+(its aligned bytes in use, peak and capacity), the one place host memory is
+counted: host bytes are taken from the slab, not allocated here.
 Engines :meth:`~MemoryManager.allocate` before they hold memory and
 :meth:`~MemoryManager.free` after; an allocation past the budget raises
 :class:`MemoryBudgetError` instead of silently using more. The peak of each
@@ -158,14 +161,27 @@ class MemoryManager:
         self._peak = dict.fromkeys(TIERS, 0)
         self._lock = threading.Condition()
         self._cuda_device = device if device is not None and device.type == "cuda" else None
+        self.host_slab = None  # the HostSlab whose accounting the host tier is (use_host_slab)
+
+    def use_host_slab(self, slab) -> None:
+        """Make ``slab`` (a :class:`~nvoffload.transfer.HostSlab`) the host tier: its used, peak and capacity
+        bytes are the tier's, and host bytes are allocated from it (:meth:`allocate` refuses the host tier)."""
+        with self._lock:
+            if self.host_slab is not None or self._used["host"]:
+                raise ValueError("the host tier already counts memory: attach the host slab before anything is allocated")
+            self.host_slab = slab
 
     def limit_bytes(self, tier: str) -> int:
-        return self._limit[self._check(tier)]
+        if self._check(tier) == "host" and self.host_slab is not None:
+            return self.host_slab.capacity_bytes
+        return self._limit[tier]
 
     def available_bytes(self, tier: str) -> int:
         """Bytes the tier's budget has left now."""
+        if self._check(tier) == "host" and self.host_slab is not None:
+            return self.host_slab.available_bytes
         with self._lock:
-            return self._limit[self._check(tier)] - self._used[tier]
+            return self._limit[tier] - self._used[tier]
 
     def allocate(self, tier: str, nbytes: int, what: str, *, wait_s: float = 0.0, headroom_bytes: int = 0) -> None:
         """Account ``nbytes`` more in ``tier``, leaving room for ``headroom_bytes`` that will follow.
@@ -175,7 +191,7 @@ class MemoryManager:
         seconds for it to be freed (back-pressure: backward waits for the
         optimizer), then raises :class:`MemoryBudgetError`.
         """
-        self._check(tier)
+        self._counted_here(tier)
         needed = nbytes + headroom_bytes
         with self._lock:
             self._lock.wait_for(
@@ -190,26 +206,32 @@ class MemoryManager:
 
     def track(self, tier: str, nbytes: int) -> None:
         """Account ``nbytes`` that an engine cannot refuse (gradients autograd made); counted, never refused."""
+        self._counted_here(tier)
         with self._lock:
-            self._add(self._check(tier), nbytes)
+            self._add(tier, nbytes)
             self._tracked[tier] += nbytes
 
     def untrack(self, tier: str, nbytes: int) -> None:
         """Free memory counted with :meth:`track`."""
+        self._counted_here(tier)
         with self._lock:
-            self._tracked[self._check(tier)] -= nbytes
+            self._tracked[tier] -= nbytes
             self._used[tier] -= nbytes
             self._lock.notify_all()
 
     def free(self, tier: str, nbytes: int) -> None:
+        self._counted_here(tier)
         with self._lock:
-            self._used[self._check(tier)] -= nbytes
+            self._used[tier] -= nbytes
             self._lock.notify_all()
 
     def stats(self) -> dict[str, TierStats]:
         """Used, peak and limit of each tier; on CUDA, the device tier with what the allocator reserves."""
         with self._lock:
             stats = {t: TierStats(self._used[t], self._peak[t], self._limit[t]) for t in TIERS}
+        slab = self.host_slab
+        if slab is not None:
+            stats["host"] = TierStats(slab.used_bytes, slab.peak_bytes, slab.capacity_bytes)
         if self._cuda_device is not None:
             import torch
 
@@ -224,10 +246,17 @@ class MemoryManager:
         """Restart each tier's peak from its current use (at the start of a step)."""
         with self._lock:
             self._peak = dict(self._used)
+        if self.host_slab is not None:
+            self.host_slab.reset_peak()
 
     def _add(self, tier: str, nbytes: int) -> None:
         self._used[tier] += nbytes
         self._peak[tier] = max(self._peak[tier], self._used[tier])
+
+    def _counted_here(self, tier: str) -> str:
+        if self._check(tier) == "host" and self.host_slab is not None:
+            raise ValueError(f"host memory is taken from {self.host_slab.what}, not allocated in the host tier")
+        return tier
 
     @staticmethod
     def _check(tier: str) -> str:

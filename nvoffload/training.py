@@ -294,9 +294,12 @@ class _Transfers:
         self.slab = HostSlab(host_bytes, "nvoffload's host memory (cpu_memory_bytes)")
         self.device = compute_device(device)
         self.engines: dict[str, TransferEngine] = {}
+        self.reserved: list[HostSlab] = []  # carves that only hold room (the gloo gradient buckets')
 
     def engine(self, name: str, nbytes: int | None, what: str) -> TransferEngine:
-        """A transfer engine over ``nbytes`` carved from the slab (all of what is left when ``nbytes`` is None)."""
+        """A transfer engine over ``nbytes`` carved from the slab (all of what is left when ``nbytes`` is None:
+        the slab counts that carve by the buffers it hands out, see :meth:`HostSlab.carve`)."""
+        elastic = nbytes is None
         if nbytes is None:
             nbytes = self.slab.available_bytes
             if nbytes < ALIGNMENT_BYTES:
@@ -305,7 +308,7 @@ class _Transfers:
                     f"cpu_memory_bytes ({self.slab.capacity_bytes}) leaves nothing for {what} after the other "
                     f"engines' shares ({shares}): raise it, or lower optimizer_memory_fraction or activation_memory_bytes"
                 )
-        carve = self.slab.carve(nbytes, what)
+        carve = self.slab.carve(nbytes, what, by_buffers=elastic)
         self.engines[name] = TransferEngine(carve, self.device, what=what)
         return self.engines[name]
 
@@ -315,17 +318,20 @@ class _Transfers:
             engine.close()
             engine.slab.close()
         self.engines = {}
+        for carve in self.reserved:
+            carve.close()
+        self.reserved = []
         self.device.close()
         self.slab.close()
 
 
 def _resident_state_bytes(model: nn.Module, blocks: list[nn.Module], config: OffloadConfig, optimizer_bytes: int,
                           host_left_bytes: int) -> int:
-    """Host bytes for the optimizer's resident state: what the share left for parameter blocks (``cpu_memory_bytes``
-    less the optimizer's and activation offload's, and less what the host tier has lent elsewhere) holds beyond
+    """Host bytes for the optimizer's resident state: what the share left for parameter blocks (``host_left_bytes``,
+    what the host slab has left before the optimizer's and activation offload's carves, less those) holds beyond
     caching every block (:func:`~nvoffload.memory.resident_state_share`, the planner's rule)."""
     pages = [-(-n // ALIGNMENT_BYTES) * ALIGNMENT_BYTES for n in (optimizer_bytes, config.activation_bytes)]
-    stream_host = min(config.cpu_memory_bytes // ALIGNMENT_BYTES * ALIGNMENT_BYTES - sum(pages), host_left_bytes)
+    stream_host = host_left_bytes - sum(pages)
     return resident_state_share(stream_host, [b.nbytes for b in partition(model, blocks)[0]], config.prefetch_blocks)
 
 
@@ -410,19 +416,16 @@ def initialize(
         device_memory_bytes=config.device_memory_bytes, cpu_memory_bytes=config.cpu_memory_bytes, device=device
     )
     optimizer_bytes = int(config.cpu_memory_bytes * config.optimizer_memory_fraction)
-    memory.allocate("host", optimizer_bytes, "the optimizer's staging buffers")
-    if config.activation_bytes:
-        memory.allocate("host", config.activation_bytes, "activation transfers (offload_activations)")
     ranks = Ranks.resolve(process_group)
-    if ranks is not None:  # reduced gradients: two buckets in flight at most
-        reserve_buckets(memory, ranks, list(model.parameters()), config.bucket_bytes)
     blocks = list(blocks) if blocks is not None else find_blocks(model)
-    resident_state = _resident_state_bytes(model, blocks, config, optimizer_bytes, memory.available_bytes("host"))
-    if resident_state:
-        memory.allocate("host", resident_state, "the optimizer's resident state")
     resources = _Transfers(config.cpu_memory_bytes, device)
+    memory.use_host_slab(resources.slab)  # the host tier is the slab's accounting: every host byte is a carve's
     store = streamer = None
     try:
+        if ranks is not None:  # reduced gradients: two buckets in flight at most
+            buckets = reserve_buckets(memory, ranks, list(model.parameters()), config.bucket_bytes)
+            resources.reserved += [buckets] if buckets is not None else []
+        resident_state = _resident_state_bytes(model, blocks, config, optimizer_bytes, resources.slab.available_bytes)
         optimizer_transfer = resources.engine("optimizer", optimizer_bytes + resident_state, "the optimizer's host memory")
         if config.activation_bytes:
             activation_transfer = resources.engine("activations", config.activation_bytes, "activation offload's host memory")

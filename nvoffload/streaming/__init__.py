@@ -6,8 +6,8 @@
 - the store (:mod:`nvoffload.io`): one flat byte tensor per block (its parameters
   at aligned offsets, each with its own dtype), its home;
 - host memory (``_host_cache``): copies of blocks in the transfer engine's
-  host slab, least recently used first out, within the
-  :class:`~nvoffload.memory.MemoryManager`'s host budget; the
+  host slab, least recently used first out, within that slab (the
+  :class:`~nvoffload.memory.MemoryManager`'s host tier is the slab's accounting); the
   optimizer reads and writes weights there, and a changed block is written
   back before it leaves;
 - the device (``_residency``): a block while a forward, a backward

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from nvoffload.io import TensorStore
-from nvoffload.memory import MemoryBudgetError, MemoryManager
+from nvoffload.memory import MemoryBudgetError
 from nvoffload.streaming._blocks import Block
 from nvoffload.transfer import Future, ReadAhead, TransferEngine, WriteBehind
 
@@ -33,11 +33,12 @@ class _Entry:
 
 
 class HostCache:
-    """Host copies of blocks, least recently used first out, within the :class:`MemoryManager`'s host budget.
+    """Host copies of blocks, least recently used first out, within the slab of ``transfer``.
 
     The buffers come from the slab of ``transfer`` (page-locked with CUDA, so
     copies to the device run asynchronously; 4 KiB-aligned for the store's
-    direct I/O) and are counted in the host tier. The store holds every
+    direct I/O), counted there only: the slab is the host tier's accounting
+    (:meth:`MemoryManager.use_host_slab`, or a carve of that slab). The store holds every
     block. :meth:`pin` gives a block's host copy, its flat bytes (read from the
     store if not cached; ``Block.view`` gives each parameter's part), and keeps
     it cached until :meth:`unpin`;
@@ -58,9 +59,8 @@ class HostCache:
     them to the device.
     """
 
-    def __init__(self, store: TensorStore, memory: MemoryManager, transfer: TransferEngine, read_ahead_bytes: int):
+    def __init__(self, store: TensorStore, transfer: TransferEngine, read_ahead_bytes: int):
         self.store = store
-        self.memory = memory
         self.transfer = transfer
         self.slab = transfer.slab
         self._lock = threading.RLock()  # taken before the read-ahead's
@@ -68,7 +68,7 @@ class HostCache:
         # A read not used is let go as a cached block like any other (least recently used first out): no drop.
         self._ahead = ReadAhead(read_ahead_bytes, lambda b: b.nbytes, self._start_ahead, lambda block, read: None)
         self._order: list[Block] | None = None  # the pass the read-ahead follows
-        # Every write-back, oldest first; its buffer is a cached block's, counted in the host tier already. A
+        # Every write-back, oldest first; its buffer is a cached block's, counted in the slab already. A
         # failed one is raised by the next call that needs its block (_settle_write), not by the queue.
         self._writes = WriteBehind(self.slab.capacity_bytes, "parameter blocks' write-backs", keep_errors=False)
         self.bytes_read = 0
@@ -228,25 +228,18 @@ class HostCache:
                 raise
 
     def _new_buffer(self, block: Block, *, wait: bool = True) -> torch.Tensor:
-        what = f"host copy of {block}"
         self._make_room(block, wait=wait)
-        self.memory.allocate("host", block.nbytes, what)
-        try:
-            return self.slab.allocate(block.nbytes, what)
-        except BaseException:
-            self.memory.free("host", block.nbytes)
-            raise
+        return self.slab.allocate(block.nbytes, f"host copy of {block}")
 
     def _give_back(self, block: Block, host: torch.Tensor) -> None:
         self.slab.free(host)
-        self.memory.free("host", block.nbytes)
 
     def _drop(self, block: Block) -> None:
         self._ahead.take(block)  # a block read ahead and let go unused no longer counts against the read-ahead
         self._give_back(block, self._lru.pop(block).host)
 
     def _fits(self, block: Block) -> bool:
-        return self.memory.available_bytes("host") >= block.nbytes and self.slab.fits(block.nbytes)
+        return self.slab.fits(block.nbytes)
 
     def _make_room(self, block: Block, *, wait: bool = True) -> None:
         """Evict least recently used unpinned blocks (writing back changed ones) until ``block`` fits; without
@@ -269,7 +262,6 @@ class HostCache:
         if not self._fits(block):
             pinned = [str(b.index) for b, e in self._lru.items() if e.pins]
             raise MemoryBudgetError(
-                f"{block} needs {block.nbytes} bytes of host memory, but {self.memory.available_bytes('host')} are "
-                f"left ({self.slab.available_bytes} in {self.slab.what}) and the cached blocks in use cannot leave "
-                f"(pinned: {', '.join(pinned) or 'none'})"
+                f"{block} needs {block.nbytes} bytes of host memory, but {self.slab.available_bytes} are left in "
+                f"{self.slab.what} and the cached blocks in use cannot leave (pinned: {', '.join(pinned) or 'none'})"
             )

@@ -147,9 +147,11 @@ class ParameterStreamer:
             transfer = TransferEngine(host_bytes, self.device, what="parameter streaming's host memory")
         self.transfer = transfer
         try:
+            if self._owns_transfer and memory.host_slab is None:  # the host tier is the slab's accounting
+                memory.use_host_slab(transfer.slab)
             # read ahead: the block copied to the device next and ``prefetch_blocks`` after it
             largest = max(b.nbytes for b in self._blocks)
-            self._cache = HostCache(store, memory, transfer, read_ahead_bytes=(1 + prefetch_blocks) * largest)
+            self._cache = HostCache(store, transfer, read_ahead_bytes=(1 + prefetch_blocks) * largest)
             gradients = GradientLedger(memory, model)
             self._residency = DeviceResidency(
                 memory, self._cache, transfer, self.device, gradients, resident_bytes(self._resident)

@@ -6,7 +6,10 @@ A :class:`HostSlab` is one anonymous memory mapping of ``capacity_bytes``
 (page-aligned, so every buffer carved from it is ready for O_DIRECT), registered
 with CUDA once when CUDA is present; buffers are 4 KiB-aligned ranges of it, so
 the budget is the real footprint. :meth:`HostSlab.carve` gives an engine its own
-share of a shared slab without a second allocation.
+share of a shared slab without a second allocation; the shared slab's
+:attr:`~HostSlab.used_bytes` is what its carves hold (a carve made with
+``by_buffers`` counts the buffers allocated from it), the host tier of
+:class:`~nvoffload.memory.MemoryManager` (host memory is counted there only).
 """
 
 from __future__ import annotations
@@ -52,12 +55,14 @@ class HostSlab:
     >>> slab.free(buf); slab.close()
     """
 
-    def __init__(self, capacity_bytes: int, what: str = "host memory", *, _parent: HostSlab | None = None, _base=None):
+    def __init__(self, capacity_bytes: int, what: str = "host memory", *, _parent: HostSlab | None = None, _base=None,
+                 _by_buffers: bool = False):
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < ALIGNMENT_BYTES:
             raise ValueError(f"a host slab needs an int of at least {ALIGNMENT_BYTES} bytes, got {capacity_bytes!r}")
         self.what = what
         self.capacity_bytes = capacity_bytes - capacity_bytes % ALIGNMENT_BYTES
         self._parent = _parent
+        self._by_buffers = _by_buffers  # the parent counts this carve's buffers, not its size
         if _base is None:
             self._map = mmap.mmap(-1, self.capacity_bytes)  # page-aligned, zero-filled on first touch
             self._base = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -67,7 +72,7 @@ class HostSlab:
         self._extents = Extents()
         self._extents.end = self.capacity_bytes
         self._extents.give(0, self.capacity_bytes)
-        self._pieces: dict[int, tuple[int, int, str]] = {}  # data_ptr -> (offset, aligned bytes, what)
+        self._pieces: dict[int, tuple[int, int, str, int]] = {}  # data_ptr -> (offset, aligned bytes, what, counted)
         self._used = 0
         self._peak = 0
         self._cond = threading.Condition()
@@ -78,6 +83,9 @@ class HostSlab:
     # ---------------------------------------------------------------- allocation
     def allocate(self, nbytes: int, what: str, *, wait_s: float = 0.0) -> torch.Tensor:
         """A 4 KiB-aligned ``uint8`` buffer of ``nbytes`` (its aligned size is counted)."""
+        return self._allocate(nbytes, what, wait_s, counted=True)
+
+    def _allocate(self, nbytes: int, what: str, wait_s: float, *, counted: bool) -> torch.Tensor:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
         size = max(_round_up(nbytes), ALIGNMENT_BYTES)
@@ -97,9 +105,8 @@ class HostSlab:
                     raise MemoryBudgetError(self._full_message(what, size, wait_s))
                 self._cond.wait(left)
             piece = self._base[offset : offset + nbytes]
-            self._pieces[piece.data_ptr()] = (offset, size, what)
-            self._used += size
-            self._peak = max(self._peak, self._used)
+            self._pieces[piece.data_ptr()] = (offset, size, what, size if counted else 0)
+            self._count(size if counted else 0)
         return piece
 
     def free(self, buffer: torch.Tensor) -> None:
@@ -108,15 +115,20 @@ class HostSlab:
             entry = self._pieces.pop(buffer.data_ptr(), None)
             if entry is None:
                 raise ValueError(f"the buffer at {buffer.data_ptr():#x} was not allocated from {self.what}, or was freed")
-            offset, size, _ = entry
+            offset, size, _, counted = entry
             self._extents.give(offset, size)
-            self._used -= size
+            if not (self._closed and self._by_buffers):  # closing stopped counting what was still out
+                self._count(-counted)
             self._cond.notify_all()
 
-    def carve(self, nbytes: int, what: str) -> HostSlab:
-        """A slab over ``nbytes`` of this one (an engine's share of a shared budget); ``close()`` gives it back."""
-        piece = self.allocate(nbytes, what)
-        return HostSlab(piece.numel(), what, _parent=self, _base=piece)
+    def carve(self, nbytes: int, what: str, *, by_buffers: bool = False) -> HostSlab:
+        """A slab over ``nbytes`` of this one (an engine's share of a shared budget); ``close()`` gives it back.
+
+        This slab counts the carve whole in :attr:`used_bytes`, or with ``by_buffers`` only the buffers
+        allocated from it (an engine that holds its share's bytes as it needs them, the host cache); then
+        :attr:`available_bytes` counts what the carve has left, so carve such a share last."""
+        piece = self._allocate(nbytes, what, 0.0, counted=not by_buffers)
+        return HostSlab(piece.numel(), what, _parent=self, _base=piece, _by_buffers=by_buffers)
 
     # ---------------------------------------------------------------- accounting
     @property
@@ -139,6 +151,15 @@ class HostSlab:
         with self._cond:
             return self._extents.fits(max(_round_up(nbytes), ALIGNMENT_BYTES))
 
+    def _count(self, nbytes: int) -> None:
+        """(holding the lock) ``nbytes`` more in use (fewer when negative), counted in the parent too when this is
+        a ``by_buffers`` carve (the lock order: a carve's, then its parent's)."""
+        self._used += nbytes
+        self._peak = max(self._peak, self._used)
+        if self._by_buffers and nbytes:
+            with self._parent._cond:
+                self._parent._count(nbytes)
+
     def reset_peak(self) -> None:
         with self._cond:
             self._peak = self._used
@@ -159,6 +180,8 @@ class HostSlab:
             if self._closed:
                 return
             self._closed = True
+            if self._by_buffers:  # buffers still out are no longer counted in the parent
+                self._count(-self._used)
             self._cond.notify_all()
         if self._parent is not None:
             self._parent.free(self._base)
@@ -171,7 +194,7 @@ class HostSlab:
 
     def _full_message(self, what: str, size: int, wait_s: float) -> str:
         holders: dict[str, int] = {}
-        for _, held, owner in self._pieces.values():
+        for _, held, owner, _ in self._pieces.values():
             holders[owner] = holders.get(owner, 0) + held
         top = ", ".join(f"{owner}: {held}" for owner, held in sorted(holders.items(), key=lambda kv: -kv[1])[:4])
         waited = f" after waiting {wait_s:g} s" if wait_s else ""
