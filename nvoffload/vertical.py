@@ -21,6 +21,13 @@ forward and one backward of the model's own code instead:
   post-accumulate-grad hook fires, once a step: the optimizer updates each block
   once, while backward goes on below, and no gradient is written to be accumulated.
 
+Clipping is the ordinary loop's speculation, unchanged: each block's update runs
+as its hook fires; with ``max_grad_norm`` the hook also keeps the gradient in the
+store (4 bytes a parameter, written once a step whatever G), and ``step()`` redoes
+the updates from it when the norm clips. (Deferring each block's update to just
+before its next forward, with no redo, is the alternative issue 33 asks to
+measure.)
+
 The ordinary loop keeps working as it is; ``state_dict()`` names never change
 (the blocks are wrapped in their containers during the forward only).
 """
