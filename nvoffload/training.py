@@ -33,6 +33,7 @@ from nvoffload.distributed import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
     Ranks,
+    buckets_budget,
     check_not_ddp,
     reserve_buckets,
 )
@@ -335,6 +336,10 @@ def _resident_state_bytes(model: nn.Module, blocks: list[nn.Module], config: Off
     return resident_state_share(stream_host, [b.nbytes for b in partition(model, blocks)[0]], config.prefetch_blocks)
 
 
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+
+
 def _host_budget_that_fits(config: OffloadConfig, shortfall_bytes: int) -> str:
     """The ``cpu_memory_bytes`` (rounded up to MiB) whose parameter-streaming share, what is left after the
     optimizer's fraction and activation offload's bytes, is ``shortfall_bytes`` larger."""
@@ -422,14 +427,22 @@ def initialize(
     memory.use_host_slab(resources.slab)  # the host tier is the slab's accounting: every host byte is a carve's
     store = streamer = None
     try:
-        if ranks is not None:  # reduced gradients: two buckets in flight at most
-            buckets = reserve_buckets(memory, ranks, list(model.parameters()), config.bucket_bytes)
-            resources.reserved += [buckets] if buckets is not None else []
-        resident_state = _resident_state_bytes(model, blocks, config, optimizer_bytes, resources.slab.available_bytes)
+        # with gloo the reduced gradients (two buckets in flight at most) are host memory, carved from the
+        # streamer's share below, as the host tier counted them before the slab was the one accounting
+        gloo = ranks is not None and ranks.device.type == "cpu"
+        bucket_pages = _pages(buckets_budget(list(model.parameters()), config.bucket_bytes)) if gloo else 0
+        resident_state = _resident_state_bytes(
+            model, blocks, config, optimizer_bytes, resources.slab.available_bytes - bucket_pages
+        )  # fmt: skip
         optimizer_transfer = resources.engine("optimizer", optimizer_bytes + resident_state, "the optimizer's host memory")
         if config.activation_bytes:
             activation_transfer = resources.engine("activations", config.activation_bytes, "activation offload's host memory")
         streamer_transfer = resources.engine("streamer", None, "parameter streaming's host memory")
+        if ranks is not None:
+            buckets = reserve_buckets(
+                memory, ranks, list(model.parameters()), config.bucket_bytes, host_slab=streamer_transfer.slab
+            )  # fmt: skip
+            resources.reserved += [buckets] if buckets is not None else []
         store = TensorStore(list(config.swap_dirs), checksum=config.checksum)
         streamer = ParameterStreamer(
             model, store, memory, device=device, blocks=blocks, prefetch_blocks=config.prefetch_blocks,

@@ -36,13 +36,13 @@ does so).
 
 from torch import nn
 
-from nvoffload.distributed._buckets import DEFAULT_BUCKET_BYTES, BackwardAverage, GradientBuckets, reserve_buckets
+from nvoffload.distributed._buckets import DEFAULT_BUCKET_BYTES, BackwardAverage, GradientBuckets, buckets_budget, reserve_buckets
 from nvoffload.distributed._partition import Partition
 from nvoffload.distributed._ranks import DEFAULT_TIMEOUT_S, Ranks, RankTimeoutError
 from nvoffload.distributed._sharding import Sharding
 
 __all__ = [
-    "check_not_ddp", "rank_swap_dirs", "DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT_S", "BackwardAverage", "GradientBuckets", "Partition", "Ranks", "RankTimeoutError", "Sharding", "reserve_buckets",
+    "check_not_ddp", "rank_swap_dirs", "DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT_S", "BackwardAverage", "GradientBuckets", "buckets_budget", "Partition", "Ranks", "RankTimeoutError", "Sharding", "reserve_buckets",
 ]  # fmt: skip
 
 

@@ -351,11 +351,13 @@ def _split(items: Sequence, dtype_of, param_of, bucket_bytes: int) -> list[list]
     return buckets
 
 
-def reserve_buckets(memory: MemoryManager, ranks: Ranks, params: Sequence[torch.Tensor], bucket_bytes: int):
+def reserve_buckets(memory: MemoryManager, ranks: Ranks, params: Sequence[torch.Tensor], bucket_bytes: int,
+                    host_slab=None):
     """Count in ``memory`` what the gradient buckets take at most (:func:`buckets_budget`), in the tier of
     :attr:`Ranks.device` (the device with NCCL, host memory with gloo). When the host tier is a slab
-    (:meth:`MemoryManager.use_host_slab`), gloo's share is a carve of it, returned (``close()`` gives it back;
-    else None): the buckets' tensors are torch's, so the carve only holds their room in the budget."""
+    (:meth:`MemoryManager.use_host_slab`), gloo's share is a carve of ``host_slab`` (default: that slab, or a
+    carve of it), returned (``close()`` gives it back; else None): the buckets' tensors are torch's, so the
+    carve only holds their room in the budget."""
     total = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     tier, budget = ("host", "cpu_memory_bytes") if ranks.device.type == "cpu" else ("device", "device_memory_bytes")
     nbytes = buckets_budget(params, bucket_bytes)
@@ -364,7 +366,7 @@ def reserve_buckets(memory: MemoryManager, ranks: Ranks, params: Sequence[torch.
         f" the {total} bytes of all the gradients: lower bucket_bytes or raise {budget})"
     )
     if tier == "host" and memory.host_slab is not None:
-        return memory.host_slab.carve(nbytes, what) if nbytes else None
+        return (host_slab or memory.host_slab).carve(nbytes, what) if nbytes else None
     memory.allocate(tier, nbytes, what)
     return None
 

@@ -139,7 +139,9 @@ class ParameterStreamer:
             raise ValueError(f"the transfer engine copies to {transfer.device.device}, not to {self.device}")
         self._blocks, self._resident = partition(model, blocks if blocks is not None else find_blocks(model))
         self._backward_order = self._blocks[::-1]  # the blocks as backward runs them, read ahead in that order
-        host_bytes = memory.available_bytes("host") if transfer is None else transfer.slab.available_bytes
+        # a transfer engine's whole share (initialize carves the gloo gradient buckets' room from it, as the
+        # host tier counted them before: the same budgets pass)
+        host_bytes = memory.available_bytes("host") if transfer is None else transfer.slab.capacity_bytes
         _check_budgets(self._blocks, self._resident, memory, host_bytes, prefetch_blocks)
         materializer = Materializer(model, self.device, param_init_fn=param_init_fn, checkpoint=checkpoint)
         self._owns_transfer = transfer is None
