@@ -15,7 +15,10 @@ model's activations, the I/O threads' bounce buffers).
 step with and without gradient clipping and accumulation: ``plain``,
 ``clip`` (max_grad_norm 1.0), ``accum`` (2 micro-batches), ``clip+accum``,
 and ``accum+clip-unbitten`` (max_grad_norm so large it never clips: what
-keeping the gradients costs when the speculative updates stand).
+keeping the gradients costs when the speculative updates stand); ``accum4``
+(4 micro-batches, each streaming every block) beside ``vertical4`` and
+``clip+vertical4`` (the same 4 by :func:`nvoffload.vertical_step`: each block
+over the 4 while on the device).
 
     python bench/bench_streaming.py [--quick] [--preset gpt2-1.3b] [--cpu-memory-gib 4] [--device-memory-gib 2]
         [--recipe plain --recipe clip+accum ...] [--trace]
@@ -44,13 +47,16 @@ from nvoffload.models import GPT, GPTConfig  # noqa: E402
 from nvoffload.trace import Trace  # noqa: E402
 
 GiB = 1 << 30
-# name: (max_grad_norm, gradient_accumulation_steps)
+# name: (max_grad_norm, gradient_accumulation_steps, by the vertical schedule)
 RECIPES = {
-    "plain": (None, 1),
-    "clip": (1.0, 1),
-    "accum": (None, 2),
-    "clip+accum": (1.0, 2),
-    "accum+clip-unbitten": (1e9, 2),
+    "plain": (None, 1, False),
+    "clip": (1.0, 1, False),
+    "accum": (None, 2, False),
+    "clip+accum": (1.0, 2, False),
+    "accum+clip-unbitten": (1e9, 2, False),
+    "accum4": (None, 4, False),
+    "vertical4": (None, 4, True),
+    "clip+vertical4": (1.0, 4, True),
 }
 
 
@@ -84,7 +90,7 @@ def parse_args(argv):
 def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple[list[dict], float, Trace | None]:
     """Train ``args.steps`` steps with ``recipe`` on a fresh model built on the meta device; rows, init time, and
     with ``traced`` the trace of the last step."""
-    max_grad_norm, accum = RECIPES[recipe]
+    max_grad_norm, accum, vertical = RECIPES[recipe]
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(cfg)
@@ -110,11 +116,16 @@ def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple
                 trace.start()
             session.reset_stats()
             t0 = time.perf_counter()
-            for micro in range(accum):
-                loss = model(x.roll(micro, dims=1), x.roll(micro - 1, dims=1)) / accum
-                loss.backward()
-            t1 = time.perf_counter()
-            opt.step()
+            micro_batches = [(x.roll(micro, dims=1), x.roll(micro - 1, dims=1)) for micro in range(accum)]
+            if vertical:  # forward, backward and step() in one call: its step() is the wait for the last updates
+                loss = nvoffload.vertical_step(opt, micro_batches).mean()
+                t1 = time.perf_counter()
+            else:
+                for micro_batch in micro_batches:
+                    loss = model(*micro_batch)
+                    (loss / accum).backward()
+                t1 = time.perf_counter()
+                opt.step()
             opt.zero_grad()
             t2 = time.perf_counter()
             if traced and step == args.steps - 1:
@@ -125,7 +136,7 @@ def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple
             norm = opt.grad_norm()
             rows.append({
                 "case": f"{recipe} step {step}",
-                "loss": float(loss.detach()) * accum,
+                "loss": float(loss.detach()),  # the last micro-batch's (vertical: the mean of the step's)
                 "grad_norm": norm,
                 "clipped": max_grad_norm is not None and norm > max_grad_norm,
                 "step_s": t2 - t0,

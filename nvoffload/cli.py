@@ -122,6 +122,7 @@ def _run_options(p: argparse.ArgumentParser, *, plan: bool) -> None:
         p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None, help="stream the parameters (default: the planner decides, as finetune --plan auto does)")
     else:
         p.add_argument("--stream", action="store_true", help="stream the parameters from NVMe too, block by block, within --cpu-memory and --device-memory (a --model is built on the meta device and filled from its directory)")
+    p.add_argument("--vertical", action=argparse.BooleanOptionalAction, default=d.vertical, help="with --stream and --grad-accum > 1 (one process, no --lora-rank): each block runs over every micro-batch of the step while it is on the device, so its weights move once a step; --no-vertical: micro-batch after micro-batch (default: vertical)")
     p.add_argument("--device-memory", dest="device_memory_bytes", type=_size, default=d.device_memory_bytes, metavar="SIZE", help=f"with --stream: device memory for parameters and gradients, e.g. 2G (default {human_size(d.device_memory_bytes)})")
     if plan:
         p.add_argument("--offload-activations", action=argparse.BooleanOptionalAction, default=None, help="offload activations (default: the planner decides between keeping, offloading and recomputing them)")
@@ -251,7 +252,7 @@ def _plan_request(args):
         checksum=getattr(args, "checksum", True), ranks=args.ranks if "ranks" in args else int(os.environ.get("WORLD_SIZE", "1")),
         activations="recompute" if getattr(args, "recompute", False) else
         None if args.offload_activations is None else ("offload" if args.offload_activations else "keep"),
-        lora_rank=args.lora_rank, lora_targets=args.lora_targets,
+        lora_rank=args.lora_rank, lora_targets=args.lora_targets, vertical=args.vertical,
     )  # fmt: skip
 
 

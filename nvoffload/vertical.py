@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nvoffload.optim import OffloadOptimizer
+from nvoffload.sft import causal_lm_hidden, causal_lm_logits
 from nvoffload.streaming import ParameterStreamer
 
 __all__ = ["vertical_step"]
@@ -55,11 +56,13 @@ def vertical_step(
     *,
     hidden: Callable[[nn.Module, Batch], torch.Tensor] | None = None,
     loss: Callable[[nn.Module, torch.Tensor, Batch], torch.Tensor] | None = None,
+    mean: bool = True,
 ) -> torch.Tensor:
     """One optimizer step over ``micro_batches``, each block over all of them at once; returns their losses.
 
     The result equals the ordinary loop's
-    ``for b in micro_batches: (loss(b) / G).backward()`` then ``optimizer.step()``
+    ``for b in micro_batches: (loss(b) / G).backward()`` (``mean=False``:
+    ``loss(b).backward()``) then ``optimizer.step()``
     (up to float rounding: the sums run in another order), with
     ``G = len(micro_batches)`` whatever ``gradient_accumulation_steps`` the
     config gives; clipping (``max_grad_norm``) and fp16 loss scaling
@@ -82,13 +85,25 @@ def vertical_step(
             ``(rows, ...)`` with the rows of the micro-batches one after the other;
             it must call the streamed blocks through their containers (the
             model's own forward does). Default for
-            :class:`~nvoffload.models.GPT`: ``model.hidden_states(batch[0])``.
+            :class:`~nvoffload.models.GPT`: ``model.hidden_states(batch[0])``;
+            for a Hugging Face causal LM (micro-batches ``(input_ids, labels)``
+            or mappings with those keys, ``attention_mask`` and
+            ``position_ids`` optional): its base model's last hidden state
+            (:func:`~nvoffload.sft.causal_lm_hidden`).
         loss: ``loss(model, h, micro_batch)`` gives the scalar loss of one
             micro-batch from its rows ``h`` of the hidden states (the head and the
             loss; it may use parameters outside the streamed blocks, never the
             blocks'). Default for :class:`~nvoffload.models.GPT`:
             :func:`~nvoffload.models.gpt.lm_head_loss` with the tied head and
-            ``batch[1]`` as targets.
+            ``batch[1]`` as targets; for a Hugging Face causal LM: its output
+            embeddings and its ``loss_function`` (labels shifted, as its forward
+            takes them; a model that transforms its logits after the output
+            embeddings, such as Gemma 2, is refused: give ``loss``).
+        mean: the step's loss is the mean of the micro-batches' losses (each
+            divided by G, as with ``gradient_accumulation_steps``); False: their
+            sum (each ``loss`` already its share of the step's, e.g. summed over
+            its targets and divided by the step's count of targets, as
+            ``transformers``' ``num_items_in_batch``).
 
     Returns:
         The G losses (detached, not divided by G), as one tensor.
@@ -118,18 +133,18 @@ def vertical_step(
             if h.shape[0] != sum(sizes):
                 raise ValueError(f"hidden() gave {h.shape[0]} rows for micro-batches of {sum(sizes)} rows in all")
             scale = optimizer.loss_scale or 1.0  # fp16: the loss scaled as optimizer.scale_loss() scales it
-            losses, grad_h, head = _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss, scale)
+            divisor = len(sizes) if mean else 1
+            losses, grad_h, head = _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss, divisor, scale)
         roots = [h, *head]
         torch.autograd.backward(roots, [grad_h, *head.values()])
         optimizer.step()
     return torch.stack(losses)
 
 
-def _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss, scale):
-    """Each micro-batch's loss and its gradients (divided by G, times the loss ``scale``): of its rows of ``h``
-    (concatenated) and of the parameters outside the streamed blocks that the head uses (summed, in the order of
-    the micro-batches)."""
-    count = len(sizes)
+def _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss, divisor, scale):
+    """Each micro-batch's loss and its gradients (divided by ``divisor``, times the loss ``scale``): of its rows of
+    ``h`` (concatenated) and of the parameters outside the streamed blocks that the head uses (summed, in the order
+    of the micro-batches)."""
     blocks = {p for p in streamer.model.parameters() if streamer.holds(p)}
     outside = [p for p in model.parameters() if p.requires_grad and p not in blocks]
     losses, grads_h = [], []
@@ -138,7 +153,7 @@ def _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss, scale)
         rows.requires_grad_()
         value = loss(model, rows, micro_batch)
         losses.append(value.detach())
-        grads = torch.autograd.grad(value / count * scale, [rows, *outside], allow_unused=True)
+        grads = torch.autograd.grad(value / divisor * scale, [rows, *outside], allow_unused=True)
         grads_h.append(grads[0])
         for p, g in zip(outside, grads[1:]):
             if g is not None:
@@ -260,23 +275,22 @@ def _causal_lm(model: nn.Module) -> bool:
     )  # fmt: skip
 
 
-def _hf_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(input_ids, attention_mask, labels)`` of a mapping with those keys or of a tuple ``(input_ids, labels)``."""
+def _hf_inputs(batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor | None], torch.Tensor]:
+    """``(input_ids, {attention_mask, position_ids}, labels)`` of a mapping with those keys (the two in the middle
+    optional) or of a tuple ``(input_ids, labels)``."""
     if isinstance(batch, Mapping):
-        return batch["input_ids"], batch.get("attention_mask"), batch["labels"]
+        extra = {k: batch.get(k) for k in ("attention_mask", "position_ids")}
+        return batch["input_ids"], extra, batch["labels"]
     input_ids, labels = batch
-    return input_ids, None, labels
+    return input_ids, {}, labels
 
 
 def _hf_hidden(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """The base model's last hidden state, as the causal LM's forward computes it (no cache: a training step)."""
-    input_ids, attention_mask, _ = _hf_inputs(batch)
-    base = getattr(model, model.base_model_prefix)
-    return base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    input_ids, extra, _ = _hf_inputs(batch)
+    return causal_lm_hidden(model, input_ids, **extra)
 
 
 def _hf_loss(model: nn.Module, h: torch.Tensor, micro_batch: Batch) -> torch.Tensor:
     """The causal LM's head and loss on one micro-batch's hidden states (its ``loss_function``: labels shifted)."""
     labels = _hf_inputs(micro_batch)[2]
-    logits = model.get_output_embeddings()(h)
-    return model.loss_function(logits, labels, vocab_size=model.config.vocab_size)
+    return model.loss_function(causal_lm_logits(model, h), labels, vocab_size=model.config.vocab_size)

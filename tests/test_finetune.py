@@ -220,6 +220,31 @@ def test_streamed_and_in_memory_finetune_agree(tmp_path):
     assert streamed == pytest.approx(plain, rel=1e-4)
 
 
+@pytest.mark.parametrize("data", [None, "chat"], ids=["text", "packed-chat"])
+def test_streamed_accumulation_by_the_vertical_schedule_trains_as_in_memory(tmp_path, data):
+    """--stream --grad-accum 4 runs each block over the 4 micro-batches while it is on the device (the header says
+    so): the losses and weights equal the in-memory run's, and micro-batch after micro-batch (--no-vertical) too,
+    with clipping that bites, on text and on packed chat rows (position_ids restarting within a row)."""
+    init = tmp_path / "init.safetensors"
+    save_file(GPT(GPTConfig.preset("tiny")).state_dict(), init)
+    common = dict(preset="tiny", steps=3, batch_size=2, grad_accum_steps=4, lr=3e-3, warmup_steps=0, max_grad_norm=0.05,
+                  swap_dir=str(tmp_path), init_from=str(init), data_path=data, loss_on="all" if data else "completion")  # fmt: skip
+    streamed = dict(stream=True, cpu_memory_bytes=8 << 20, device_memory_bytes=64 << 20)
+    runs, said = {}, {}
+    for name, extra in (("plain", {}), ("vertical", streamed), ("each", {**streamed, "vertical": False})):
+        said[name] = []
+        config = FinetuneConfig(**common, **extra, save_to=str(tmp_path / f"{name}.safetensors"))
+        runs[name] = finetune(config, progress=False, on_message=said[name].append)
+    assert "each block runs over the 4 micro-batches while on cpu (vertical schedule" in said["vertical"][0]
+    assert said["each"][0].endswith("micro-batches a step; micro-batch after micro-batch")
+    assert all(s.grad_norm > 0.05 for s in runs["vertical"].steps)  # every step clipped
+    for name in ("vertical", "each"):
+        assert runs[name].losses == pytest.approx(runs["plain"].losses, rel=1e-4), name
+        tuned, plain = load_file(tmp_path / f"{name}.safetensors"), load_file(tmp_path / "plain.safetensors")
+        for key in plain:
+            torch.testing.assert_close(tuned[key], plain[key], rtol=1e-4, atol=1e-5)
+
+
 def test_cli_streamed_budget_too_small(tmp_path, capsys):
     rc = main(["finetune", "--preset", "tiny", "--steps", "1", "--swap-dir", str(tmp_path), "--stream",
                "--device-memory", "64K", "--no-progress"])  # fmt: skip
@@ -303,10 +328,12 @@ def test_cli_finetunes_a_hugging_face_directory(hf_dirs, tmp_path, capsys, kind,
         assert not any("tokenizer" in name for name in os.listdir(out))
 
 
-def test_streamed_and_in_memory_hf_finetune_agree(hf_dirs, tmp_path):
-    """The same Hugging Face model, data and clipping: streamed and in-memory runs give the same losses and weights."""
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_streamed_and_in_memory_hf_finetune_agree(hf_dirs, tmp_path, kind):
+    """The same Hugging Face model, data and clipping: streamed and in-memory runs give the same losses and weights
+    (streamed, the two micro-batches of a step run by the vertical schedule)."""
     transformers = pytest.importorskip("transformers")
-    common = dict(model_dir=str(hf_dirs["gpt2"]), steps=4, batch_size=2, seq_len=16, lr=1e-2, warmup_steps=0,
+    common = dict(model_dir=str(hf_dirs[kind]), steps=4, batch_size=2, seq_len=16, lr=1e-2, warmup_steps=0,
                   grad_accum_steps=2, max_grad_norm=0.05, swap_dir=str(tmp_path))  # fmt: skip
     plain = finetune(FinetuneConfig(**common, save_to=str(tmp_path / "plain")), progress=False).losses
     streamed = finetune(

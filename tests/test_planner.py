@@ -140,14 +140,16 @@ def test_profiles_are_checked():
 
 def test_one_rank_plans_as_one_process_did():
     """ranks=1 (the default) is the planner before ranks: step times from the planner of commit b5f5625 (whose
-    checksums ran on one thread of 15 GB/s: the profile's I/O threads are given that rate together)."""
+    checksums ran on one thread of 15 GB/s: the profile's I/O threads are given that rate together), with streamed
+    micro-batches one after the other as then (``vertical=False``)."""
     profile = BUILTIN_PROFILES["h100-sxm-512g-4xgen4"]
     profile = dataclasses.replace(profile, crc32c_gbps=15.0 / min(IOConfig().num_threads, profile.cpu_cores))
     shape = ModelShape.from_preset("gpt2-1.3b")
     before = {(False, True, 1): 2.4694224254925596, (False, False, 1): 2.3738789805471048, (True, False, 4): 4.555919818508421}
     for (stream, clip, accum), step_s in before.items():
         request = PlanRequest(shape, 4, 1024, grad_accum_steps=accum, dtype="bfloat16", cpu_memory_bytes=64 << 30,
-                              device_memory_bytes=70 << 30, swap_dirs=4, stream=stream, max_grad_norm=clip)  # fmt: skip
+                              device_memory_bytes=70 << 30, swap_dirs=4, stream=stream, max_grad_norm=clip,
+                              vertical=False)  # fmt: skip
         p = plan(request, profile)
         assert request.ranks == 1 and p.step_s == pytest.approx(step_s, rel=1e-12)
         assert p.engine_s["interconnect"] == 0 and p.communication_bytes == {}
@@ -549,3 +551,34 @@ def test_the_checksums_are_the_io_threads_and_no_longer_bound_a_70b_step():
     assert p.bottleneck == "nvme"
     one_thread = plan(big, dataclasses.replace(profile, crc32c_gbps=profile.crc32c_gbps / threads))
     assert one_thread.bottleneck == "checksums" and one_thread.step_s > 1.5 * p.step_s
+
+
+def test_the_vertical_schedule_moves_each_blocks_weights_once_a_step():
+    """Streamed, four micro-batches by the vertical schedule read and write what one does (the weights once, no
+    gradient kept between micro-batches), compute four micro-batches with their blocks recomputed, and keep every
+    micro-batch's block inputs; micro-batch after micro-batch, every block moves four times and the fp32 sums are
+    kept in the store."""
+    profile = BUILTIN_PROFILES["h100-sxm-512g-4xgen4"]
+    shape = ModelShape.from_preset("gpt2-1.3b")
+    common = dict(batch_size=1, seq_len=1024, dtype="bfloat16", cpu_memory_bytes=1 << 30, device_memory_bytes=8 << 30,
+                  stream=True, activations="keep")  # fmt: skip
+    one, four = (plan(PlanRequest(shape, grad_accum_steps=g, **common), profile) for g in (1, 4))
+    each = plan(PlanRequest(shape, grad_accum_steps=4, vertical=False, **common), profile)
+    assert one.cached_blocks < shape.n_layer  # blocks evicted: the weights are read from NVMe
+    assert (four.nvme_read_bytes, four.nvme_written_bytes) == (one.nvme_read_bytes, one.nvme_written_bytes)
+    assert four.memory_bytes["nvme"] == one.memory_bytes["nvme"]
+    block = shape.block_params * 2
+    evicted = shape.n_layer - one.cached_blocks
+    kept = shape.params * 4
+    assert each.nvme_read_bytes == one.nvme_read_bytes + 3 * 2 * evicted * block + 3 * kept
+    assert four.engine_s["compute"] == pytest.approx(4 * 4 / 3 * one.engine_s["compute"])
+    assert four.engine_s["copies"] < 1.5 * one.engine_s["copies"] < each.engine_s["copies"]
+    inputs, activations = 4 * shape.n_layer * 1024 * shape.d_model * 2, shape.activation_bytes(1, 1024, 2)
+    assert four.memory_bytes["device"] - one.memory_bytes["device"] == inputs + activations // shape.n_layer - activations
+    assert "vertical schedule" in four.placement["activations"] and "vertical" not in each.placement["activations"]
+    assert four.tokens_per_s > 1.5 * each.tokens_per_s
+    clipped = plan(PlanRequest(shape, grad_accum_steps=4, max_grad_norm=True, **common), profile)
+    assert clipped.nvme_written_bytes == four.nvme_written_bytes + kept and clipped.nvme_read_bytes == four.nvme_read_bytes
+    # several ranks, or LoRA, keep the ordinary loop (as finetune does)
+    ranks = PlanRequest(shape, grad_accum_steps=4, ranks=2, **{**common, "batch_size": 2})
+    assert not ranks.by_vertical_schedule(True) and four.request.by_vertical_schedule(True)

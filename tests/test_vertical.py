@@ -370,3 +370,22 @@ def test_sixteen_bit_steps_are_torchs_loop_with_its_loss_scaling(tmp_path, dtype
         assert distance(master, torch_loop.master) <= 2 * torchs_own
     finally:
         opt.close()
+
+
+def test_a_model_that_transforms_its_logits_after_the_output_embeddings_needs_its_own_loss():
+    """The default head is the output embeddings: Gemma 2's soft-capped logits are refused, naming the field; without
+    it, the hidden states and the head give the model's own logits."""
+    transformers = pytest.importorskip("transformers")
+    from nvoffload.sft import causal_lm_hidden, causal_lm_logits
+
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                       final_logit_softcapping=30.0)  # fmt: skip
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (2, 5))
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM transforms its logits .*final_logit_softcapping.*own loss"):
+        causal_lm_logits(model, causal_lm_hidden(model, ids))
+    model.config.final_logit_softcapping = None
+    with torch.no_grad():
+        torch.testing.assert_close(causal_lm_logits(model, causal_lm_hidden(model, ids)), model(input_ids=ids).logits)

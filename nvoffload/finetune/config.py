@@ -50,6 +50,12 @@ class FinetuneConfig:
         cpu_memory_bytes: host memory for the optimizer's staging buffers (with
             ``stream``, also the cache of parameter blocks).
         stream: stream the parameters from NVMe too (see the module docstring).
+        vertical: with ``stream`` and ``grad_accum_steps`` > 1 on one process
+            without LoRA, the vertical schedule (:func:`nvoffload.vertical_step`):
+            each block runs over every micro-batch of the step while it is on
+            the device, so its weights move once a step, not once a micro-batch,
+            and no gradient is written to be accumulated; False: micro-batch after
+            micro-batch, as a ``torch.optim`` loop runs.
         device_memory_bytes: with ``stream``, device memory for streamed blocks,
             the other parameters and gradients in flight.
         offload_activations: send the activations saved for backward to NVMe.
@@ -108,6 +114,7 @@ class FinetuneConfig:
     swap_dir: str | None = None
     cpu_memory_bytes: int = 64 << 20
     stream: bool = False
+    vertical: bool = True
     device_memory_bytes: int = 1 << 30
     offload_activations: bool = False
     activation_memory_bytes: int | None = None

@@ -56,7 +56,7 @@ from nvoffload.pretrained import (
     import_transformers,
     save_pretrained,
 )
-from nvoffload.sft import causal_lm_loss, evaluate
+from nvoffload.sft import causal_lm_loss, causal_lm_vertical_step, evaluate
 from nvoffload.training import OffloadConfig, initialize
 from nvoffload.training_checkpoint import (
     check_checkpoint_directory,
@@ -385,6 +385,7 @@ def _finetune(
                 scaler = torch.amp.GradScaler(dev.type)
             state = {"model": model, "optimizer": opt, "scheduler": sched, "grad_scaler": scaler}
             staging = session.config.activation_bytes if session is not None else offloaded.config.host_bytes() if offloaded else 0
+            vertical = uses_vertical_schedule(config, world)
             for line in header(config, result.num_parameters, seq_len, swap_dir, world, activation_staging_bytes=staging):
                 say(line)
             first = 1
@@ -433,24 +434,28 @@ def _finetune(
                         f" + 1 = {batches[0].input_ids.shape[1] + 1} tokens are cut there: raise seq_len, or train on every"
                         " token (loss_on all)"
                     )
-                for b in batches:
-                    with activations:
-                        loss = causal_lm_loss(model, b.select(rows).to(dev), per_rank_items)
-                    total += loss.detach().float()
-                    if scaler is not None:
-                        loss = scaler.scale(loss)
-                    elif session is not None:
-                        loss = opt.scale_loss(loss)  # the loss itself without loss_scaling
-                    loss.backward()
                 norm = None
-                if session is None and log is not None:  # from the gradients, there until zero_grad(): a host wait
-                    norm = opt.grad_norm()
-                    norm = norm / scaler.get_scale() if scaler is not None and norm is not None else norm
-                if scaler is not None:
-                    scaler.step(opt)
-                    scaler.update()
+                if vertical:  # every block over all the micro-batches while it is on the device; steps the optimizer
+                    parts = [b.select(rows).to(dev) for b in batches]
+                    total += causal_lm_vertical_step(opt, parts, per_rank_items).float().sum()
                 else:
-                    opt.step()
+                    for b in batches:
+                        with activations:
+                            loss = causal_lm_loss(model, b.select(rows).to(dev), per_rank_items)
+                        total += loss.detach().float()
+                        if scaler is not None:
+                            loss = scaler.scale(loss)
+                        elif session is not None:
+                            loss = opt.scale_loss(loss)  # the loss itself without loss_scaling
+                        loss.backward()
+                    if session is None and log is not None:  # from the gradients, there until zero_grad(): a host wait
+                        norm = opt.grad_norm()
+                        norm = norm / scaler.get_scale() if scaler is not None and norm is not None else norm
+                    if scaler is not None:
+                        scaler.step(opt)
+                        scaler.update()
+                    else:
+                        opt.step()
                 if session is not None:
                     norm = opt.grad_norm()  # measured as backward consumed them: the norm the step clipped against
                 sched.step()
@@ -511,6 +516,12 @@ def _finetune(
     return result
 
 
+def uses_vertical_schedule(config: FinetuneConfig, world: int = 1) -> bool:
+    """Whether a run of ``config`` on ``world`` ranks takes each step by the vertical schedule (``config.vertical``'s
+    conditions)."""
+    return config.vertical and config.stream and config.grad_accum_steps > 1 and world == 1 and config.lora_rank is None
+
+
 def header(
     config: FinetuneConfig, num_parameters: int, seq_len: int, swap_dir: str, world: int = 1, *,
     activation_staging_bytes: int = 0,
@@ -531,10 +542,17 @@ def header(
     if config.offload_activations:
         budgets.append(f"activation_memory_bytes {human_size(activation_staging_bytes)}")
     activations = "offloaded to NVMe" if config.offload_activations else f"on {dev}"
+    if uses_vertical_schedule(config, world):
+        steps = (f"; each block runs over the {config.grad_accum_steps} micro-batches while on {dev} (vertical schedule:"
+                 " its weights move once a step, its inputs are kept and the rest recomputed)")  # fmt: skip
+    elif config.grad_accum_steps > 1:
+        steps = "; micro-batch after micro-batch"
+    else:
+        steps = ""
     each = " (each rank its rank<r> subdirectory)" if world > 1 else ""
     return [
         f"model: {what}, {human_count(num_parameters)} parameters, {config.dtype}; {config.batch_size} x {seq_len}"
-        f" tokens x {config.grad_accum_steps} micro-batches a step{ranks}",
+        f" tokens x {config.grad_accum_steps} micro-batches a step{ranks}{steps}",
         f"placement: {placed}; optimizer state (fp32 master and moments) on NVMe where the host budget cannot keep it,"
         f" updated by the CPU; activations"
         f" {activations}",

@@ -287,7 +287,12 @@ class PlanRequest:
 
     ``lora_rank``: train LoRA adapters of that rank on ``lora_targets`` (names or suffixes of a block's linear
     layers, as PEFT's ``target_modules``; None: PEFT's default for the family) over the frozen model, as
-    ``finetune --lora-rank`` does: the adapters alone get gradients and optimizer state."""
+    ``finetune --lora-rank`` does: the adapters alone get gradients and optimizer state.
+
+    ``vertical``: a streamed step of several micro-batches on one rank without LoRA runs by the vertical schedule
+    (:func:`nvoffload.vertical_step`, as ``finetune`` does): each block over every micro-batch while it is on the
+    device, its weights moved once a step, each block's input kept per micro-batch (on the device, or offloaded)
+    and its activations recomputed in backward."""
 
     model: ModelShape
     batch_size: int
@@ -305,6 +310,7 @@ class PlanRequest:
     ranks: int = 1  # data-parallel processes, one GPU each
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] | None = None
+    vertical: bool = True
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "grad_accum_steps", "cpu_memory_bytes", "device_memory_bytes", "swap_dirs", "ranks"):
@@ -323,6 +329,10 @@ class PlanRequest:
             if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 1:
                 raise ValueError(f"lora_rank must be a positive int, got {self.lora_rank!r}")
             self.model.lora_block_params(self.lora_rank, self.lora_targets)  # targets the model has
+
+    def by_vertical_schedule(self, stream: bool) -> bool:
+        """Whether a step (streamed or not: ``stream``) runs by the vertical schedule (see the class docstring)."""
+        return self.vertical and stream and self.grad_accum_steps > 1 and self.ranks == 1 and self.lora_rank is None
 
     @property
     def trainable_tensors(self) -> int:
@@ -424,6 +434,9 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     resident_trainable = 0 if lora else m.resident_params
     device_needs = (resident + resident_trainable * dtype_bytes + 3 * block_bytes) if stream else weights + trainable * dtype_bytes
     offload = kind == "offload"
+    vertical = r.by_vertical_schedule(stream)  # kind: "keep" or "offload" the blocks' inputs, the rest recomputed
+    g = r.grad_accum_steps
+    passes = 1 if vertical else g  # how often a step moves each block's weights and gradients
     # Activation offload's host memory, which also bounds what it keeps on the device (up to half of it in
     # writes in flight, half in reads ahead, a third in the latest tensors): what the device has left, at
     # most an eighth of the host budget, at least twice the largest saved tensor.
@@ -432,8 +445,12 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     if offload:
         room = int(0.75 * max(0, r.device_memory_bytes - device_needs))
         activation_host = max(2 * largest_saved, min(r.cpu_memory_bytes // 8, room))
-    if kind == "recompute":  # each block's input, and one block's activations while it is recomputed
-        kept_activations = m.n_layer * rows * r.seq_len * m.d_model * dtype_bytes + activations // m.n_layer
+    block_inputs = m.n_layer * rows * r.seq_len * m.d_model * dtype_bytes  # a micro-batch's
+    if vertical:  # every micro-batch's block inputs (offloaded: what the staging keeps), one block's activations
+        inputs = g * block_inputs
+        kept_activations = (min(inputs, activation_host * 4 // 3) if offload else inputs) + activations // m.n_layer
+    elif kind == "recompute":  # each block's input, and one block's activations while it is recomputed
+        kept_activations = block_inputs + activations // m.n_layer
     else:
         kept_activations = min(activations, activation_host * 4 // 3) if offload else activations
 
@@ -469,7 +486,9 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
         )
     # one generation of the optimizer state on NVMe: what resident state (two generations in host memory) leaves
     state = max(0, shard - resident_host // (2 * _OPTIMIZER_BYTES)) * _OPTIMIZER_BYTES
-    kept_grads = shard * 4 if (stream and r.grad_accum_steps > 1) else 0
+    # fp32 gradient sums kept between micro-batches; by the vertical schedule none, but with clipping each gradient
+    # once, for the redo of a step whose norm clips (read back only then: not counted)
+    kept_grads = shard * 4 if stream and g > 1 and (not vertical or r.max_grad_norm) else 0
     nvme_used = (weights if stream else 0) + 2 * state + kept_grads + (activations if offload else 0)
     drives = profile.nvme(r.swap_dirs)
     host_used = r.cpu_memory_bytes + _HOST_OVERHEAD_BYTES + (0 if profile.device == "cuda" else device_used)
@@ -478,18 +497,19 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
         reasons.append(f"host memory{each}: {human_size(host_used)} needed, {human_size(profile.host_memory_bytes)} free: lower cpu_memory_bytes")
 
     # -- bytes moved per step
-    g = r.grad_accum_steps
     evicted = m.n_layer - cached
-    weight_reads = 2 * evicted * block_bytes * g if stream else 0
+    weight_reads = 2 * evicted * block_bytes * passes if stream else 0
     weight_writes = m.n_layer * changed_block_bytes if (stream and evicted > 0) else 0
     # activation offload moves the blocks' activations and the tensors saved outside them (the loss's log-probabilities)
     block_saved, outside_saved = m.saved_tensor_bytes(rows, r.seq_len, dtype_bytes) if offload else ([], [])
-    act_io = g * (activations + sum(outside_saved)) if offload else 0
-    kept_io = (g - 1) * kept_grads
-    read = state + weight_reads + act_io + kept_io
+    if vertical and offload:  # what a checkpointed block saves: its input
+        block_saved = [block_inputs // m.n_layer]
+    act_io = g * ((block_inputs if vertical else activations) + sum(outside_saved)) if offload else 0
+    kept_io = kept_grads if vertical else (g - 1) * kept_grads
+    read = state + weight_reads + act_io + (0 if vertical else kept_io)
     written = state + weight_writes + act_io + kept_io
-    h2d = (g * 2 * m.n_layer * block_bytes if stream else shard * dtype_bytes) + act_io  # a rank's updated weights
-    d2h = g * shard * dtype_bytes + act_io  # the gradients of a rank's parameters
+    h2d = (passes * 2 * m.n_layer * block_bytes if stream else shard * dtype_bytes) + act_io  # a rank's updated weights
+    d2h = passes * shard * dtype_bytes + act_io  # the gradients of a rank's parameters
     wire = (n - 1) / n * trainable * dtype_bytes  # one rank's bytes in a ring collective over all the trained parameters
     communication: dict[str, float] = {}
     if n > 1:  # the gradients to their owners (streaming: each backward's), then the owners' new weights to all
@@ -506,7 +526,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     matrix_rate, attention_rate, overhead = profile.block_rates(m.d_model)
     per_micro_batch = matrices / matrix_rate + attention / attention_rate + m.n_layer * overhead
     fwd_share = (forward_matrices / matrix_rate + (attention / attention_rate + m.n_layer * overhead) / 3) / per_micro_batch
-    compute = g * per_micro_batch * (4 / 3 if kind == "recompute" else 1)
+    compute = g * per_micro_batch * (4 / 3 if kind == "recompute" or vertical else 1)
     # the updates' work, and each of a rank's tensors' fixed time (its requests to the store, the worker's hand-offs)
     adam = shard / profile.adam_params_per_s["float32" if r.dtype == "float32" else "bfloat16"]
     adam += -(-r.trainable_tensors // n) * profile.optimizer_tensor_s
@@ -532,7 +552,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
 
     # forward reads the blocks the cache lacks and writes the offloaded activations; backward does the rest
     act_write_s, act_read_s = act_io / (drives.write_gbps * 1e9), act_io / (drives.read_gbps * 1e9)
-    fwd_io = (evicted * block_bytes * g if stream else 0) / (drives.read_gbps * 1e9) + act_write_s
+    fwd_io = (evicted * block_bytes * passes if stream else 0) / (drives.read_gbps * 1e9) + act_write_s
 
     def with_thread(device_s: float, thread_s: float) -> float:  # the training thread's own work beside the device's
         return device_s + thread_s if on_cpu else max(device_s, thread_s)  # a GPU's thread runs ahead of it
@@ -573,7 +593,10 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
         + (f"; {human_size(resident_host // 2)} of it resident in host memory" if resident_host else ""),
         **({"trainable": f"LoRA adapters of rank {r.lora_rank}, {human_count(trainable)} parameters; the model frozen:"
                          " no gradients, no optimizer state, never written back"} if lora else {}),
-        "activations": {"keep": "device", "offload": "NVMe (offloaded)", "recompute": "recomputed in backward (each block's input kept)"}[kind],
+        "activations": (f"each block's input kept for the {g} micro-batches ({'offloaded' if offload else 'on the device'}), the rest"
+                        " recomputed in backward (vertical schedule: each block over every micro-batch while on the device)"
+                        if vertical else {"keep": "device", "offload": "NVMe (offloaded)",
+                                          "recompute": "recomputed in backward (each block's input kept)"}[kind]),
         "gradients": grads,
     }
     tokens = g * r.batch_size * r.seq_len
