@@ -106,7 +106,11 @@ def _run_options(p: argparse.ArgumentParser, *, plan: bool) -> None:
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch (default %(default)s)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's context; 128 for --model)")
-    p.add_argument("--grad-accum", dest="grad_accum_steps", type=int, default=d.grad_accum_steps, help="micro-batches per optimizer step (default %(default)s)")
+    if plan:
+        p.add_argument("--grad-accum", dest="grad_accum_steps", type=_accum, default=d.grad_accum_steps, help="micro-batches per optimizer step, or 'auto': the planner chooses them and the micro-batch (at most --batch-size sequences, at most --max-tokens-per-step tokens a step) that make the step bound by compute, with the fewest tokens a step (default %(default)s)")
+        p.add_argument("--max-tokens-per-step", type=int, default=1 << 20, metavar="N", help="with --grad-accum auto: tokens a step at most (default %(default)s)")
+    else:
+        p.add_argument("--grad-accum", dest="grad_accum_steps", type=int, default=d.grad_accum_steps, help="micro-batches per optimizer step (default %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="steps of linear warm-up to --lr (default %(default)s)")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's decoupled weight decay, on matrices and embeddings, not on biases and norms (default %(default)s)")
@@ -225,6 +229,16 @@ def _as_flags(message: str, flags: dict[str, str]) -> str:
     return message
 
 
+def _accum(text: str) -> int | str:
+    """``--grad-accum`` of ``plan``: a count, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count of micro-batches or 'auto', got {text!r}") from None
+
+
 def _plan_request(args):
     """The :class:`~nvoffload.planner.PlanRequest` of ``nvoffload plan``'s (or ``finetune``'s) options; ``finetune``
     plans for the ranks its launcher sets (``WORLD_SIZE``)."""
@@ -246,7 +260,8 @@ def _plan_request(args):
         shape = ModelShape.from_preset(args.preset)
     seq = args.seq_len if args.seq_len is not None else min(128, shape.max_seq_len) if args.model_dir else shape.max_seq_len
     return PlanRequest(
-        shape, batch_size=args.batch_size, seq_len=seq, grad_accum_steps=args.grad_accum_steps, dtype=args.dtype,
+        shape, batch_size=args.batch_size, seq_len=seq, dtype=args.dtype,
+        grad_accum_steps=1 if args.grad_accum_steps == "auto" else args.grad_accum_steps,
         cpu_memory_bytes=args.cpu_memory_bytes, device_memory_bytes=args.device_memory_bytes,
         swap_dirs=getattr(args, "swap_dirs_count", 1), stream=args.stream, max_grad_norm=args.max_grad_norm is not None,
         checksum=getattr(args, "checksum", True), ranks=args.ranks if "ranks" in args else int(os.environ.get("WORLD_SIZE", "1")),
@@ -323,12 +338,15 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "plan":
         import json
 
-        from nvoffload.planner import plan
+        from nvoffload.planner import plan, plan_batch
 
         args.swap_dirs_count = args.swap_dirs if args.swap_dirs is not None else len(args.swap_dir or ()) or 1
         flags = _flags(parser, "plan")
         try:
-            result = plan(_plan_request(args), _profile(args.profile))
+            if args.grad_accum_steps == "auto":
+                result = plan_batch(_plan_request(args), _profile(args.profile), max_tokens_per_step=args.max_tokens_per_step)
+            else:
+                result = plan(_plan_request(args), _profile(args.profile))
         except (ValueError, OSError) as exc:
             return _error("plan", exc, flags)
         if args.json:

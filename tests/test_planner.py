@@ -20,6 +20,7 @@ from nvoffload.planner import (
     cost,
     load_profile,
     plan,
+    plan_batch,
 )
 from nvoffload.planner.calibrate import calibrate
 from nvoffload.planner.contention import overlapped_s
@@ -582,3 +583,34 @@ def test_the_vertical_schedule_moves_each_blocks_weights_once_a_step():
     # several ranks, or LoRA, keep the ordinary loop (as finetune does)
     ranks = PlanRequest(shape, grad_accum_steps=4, ranks=2, **{**common, "batch_size": 2})
     assert not ranks.by_vertical_schedule(True) and four.request.by_vertical_schedule(True)
+
+
+def test_the_planner_chooses_the_fewest_tokens_a_step_that_make_it_bound_by_compute(capsys):
+    """--grad-accum auto: of the micro-batches and counts of them that fit, the fewest tokens a step whose busiest
+    engine is compute (by the vertical schedule, the state's traffic is the same whatever the tokens); where the
+    device cannot keep enough micro-batches' block inputs, the most tokens/s."""
+    profile = BUILTIN_PROFILES["h100-sxm-512g-4xgen4"]
+    request = PlanRequest(ModelShape.from_preset("gpt2-1.3b"), 4, 1024, dtype="bfloat16", cpu_memory_bytes=8 << 30,
+                          device_memory_bytes=70 << 30, stream=True)  # fmt: skip
+    chosen = plan_batch(request, profile)
+    assert chosen.fits and chosen.bottleneck == "compute" and chosen.request.by_vertical_schedule(True)
+    tokens = chosen.request.batch_size * chosen.request.grad_accum_steps * 1024
+    tried = [dataclasses.replace(request, batch_size=b, grad_accum_steps=1 << i) for b in (1, 2, 4) for i in range(9)]
+    fewer = [plan(r, profile) for r in tried if r.batch_size * r.grad_accum_steps * 1024 < tokens]
+    assert fewer and all(not p.fits or p.bottleneck != "compute" for p in fewer)
+    short = dataclasses.replace(request, device_memory_bytes=16 << 30)
+    best = plan_batch(short, profile)
+    assert best.bottleneck == "nvme" and best.tokens_per_s == max(
+        p.tokens_per_s for p in (plan(dataclasses.replace(r, device_memory_bytes=16 << 30), profile) for r in tried) if p.fits
+    )
+    with pytest.raises(ValueError, match="max_tokens_per_step 512 is less than one sequence of 1024"):
+        plan_batch(request, profile, max_tokens_per_step=512)
+    line = ["plan", "--preset", "gpt2-1.3b", "--profile", "h100-sxm-512g-4xgen4", "--batch-size", "4", "--seq-len", "1024",
+            "--dtype", "bfloat16", "--cpu-memory", "8G", "--device-memory", "70G", "--stream"]  # fmt: skip
+    assert main([*line, "--grad-accum", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"gpt2-1.3b: 1.31B parameters, {chosen.request.batch_size} x 1024 tokens x"
+                          f" {chosen.request.grad_accum_steps} micro-batches") and "bottleneck: compute" in out  # fmt: skip
+    with pytest.raises(SystemExit):
+        main([*line, "--grad-accum", "many"])
+    assert "expected a count of micro-batches or 'auto', got 'many'" in capsys.readouterr().err

@@ -52,7 +52,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from nvoffload.activations.config import ActivationOffloadConfig
 from nvoffload.io.config import IOConfig
@@ -416,6 +416,41 @@ def plan(request: PlanRequest, profile: MachineProfile, *, recompute: bool = Tru
     return plans[-1] if streams[-1] else plans[len(kinds) - 1]
 
 
+def plan_batch(request: PlanRequest, profile: MachineProfile, *, max_tokens_per_step: int = 1 << 20,
+               recompute: bool = True) -> Plan:  # fmt: skip
+    """The plan of the micro-batch and number of micro-batches a step that make it bound by compute, if any does.
+
+    Tries micro-batches of 1, 2, 4, ... sequences up to ``request.batch_size`` (each
+    a multiple of its ranks) and 1, 2, 4, ... micro-batches a step, at most
+    ``max_tokens_per_step`` tokens a step in all, every other field as
+    ``request`` gives it, each planned by :func:`plan`. Of those that fit, returns
+    the one with the fewest tokens a step whose busiest engine is compute (more
+    tokens a step only cost convergence), else the one with the most tokens/s;
+    when none fits, ``plan(request)``, whose reasons say why.
+    """
+    if max_tokens_per_step < request.seq_len:
+        raise ValueError(f"max_tokens_per_step {max_tokens_per_step} is less than one sequence of {request.seq_len}")
+    sizes = sorted({1 << i for i in range(request.batch_size.bit_length()) if 1 << i <= request.batch_size} | {request.batch_size})
+    fitting = []
+    for rows in (b for b in sizes if b % request.ranks == 0):
+        accum = 1
+        while rows * accum * request.seq_len <= max_tokens_per_step:
+            chosen = plan(replace(request, batch_size=rows, grad_accum_steps=accum), profile, recompute=recompute)
+            if chosen.fits:
+                fitting.append(chosen)
+            accum *= 2
+    if not fitting:
+        return plan(request, profile, recompute=recompute)
+    bound = [p for p in fitting if p.bottleneck == "compute"]
+    if bound:
+        return min(bound, key=lambda p: (_tokens_per_step(p.request), -p.tokens_per_s))
+    return max(fitting, key=lambda p: p.tokens_per_s)
+
+
+def _tokens_per_step(r: PlanRequest) -> int:
+    return r.batch_size * r.grad_accum_steps * r.seq_len
+
+
 def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> Plan:
     """One choice: ``stream`` or not, activations ``kind`` ("keep", "offload" or "recompute")."""
     m = r.model
@@ -599,7 +634,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
                                           "recompute": "recomputed in backward (each block's input kept)"}[kind]),
         "gradients": grads,
     }
-    tokens = g * r.batch_size * r.seq_len
+    tokens = _tokens_per_step(r)
     return Plan(
         request=r, stream=stream, activations=kind, fits=not reasons, reasons=reasons, placement=placement,
         cached_blocks=cached, resident_state_bytes=resident_host, activation_memory_bytes=activation_host or None, step_s=step, tokens_per_s=tokens / step, tflops=flops / step / 1e12, bottleneck=busiest,
