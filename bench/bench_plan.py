@@ -4,10 +4,12 @@ their ratio, and the worst ratio.
 
 Configurations (a GPT on ``--device``: CUDA when present, else the CPU standing in for it): the optimizer
 alone (the model on the device, its AdamW state on NVMe) and streaming (all three tiers), two host budgets,
-activation offload on and off, two batch sizes. Then ``nvoffload finetune`` commands as a user runs them (each
+activation offload on and off, two batch sizes, four micro-batches a step by the vertical schedule
+(:func:`nvoffload.vertical_step`). Then ``nvoffload finetune`` commands as a user runs them (each
 in a process of its own; with --quick through its entry point in this process; some with ``--plan auto`` and the
 profile just measured), each beside ``nvoffload plan`` given the same flags verbatim: the ``small`` preset
-(3.3M parameters) optimizer only and streamed with activation offload, and GPT-2 124M (with --quick: the
+(3.3M parameters) optimizer only, streamed with activation offload, and streamed with four micro-batches a
+step, and GPT-2 124M (with --quick: the
 ``tiny`` preset with ``--plan auto``, optimizer only, and streamed with activation offload).
 
 Each case runs ``--repeats`` times, in turns (every case once, then again: a load that comes and goes on the
@@ -58,11 +60,13 @@ class Case:
     batch: int
     cpu_memory_bytes: int
     offload_activations: bool = False
+    grad_accum: int = 1  # micro-batches a step (streamed: by the vertical schedule)
 
 
 def cases(quick: bool) -> list[Case]:
     if quick:
-        return [Case("optimizer only", False, 2, 16 * MiB), Case("streaming", True, 2, 24 * MiB)]
+        return [Case("optimizer only", False, 2, 16 * MiB), Case("streaming", True, 2, 24 * MiB),
+                Case("streaming, 4 micro-batches", True, 1, 24 * MiB, grad_accum=4)]  # fmt: skip
     return [
         Case("optimizer only, batch 8", False, 8, 64 * MiB),
         Case("optimizer only, batch 16", False, 16, 64 * MiB),
@@ -70,6 +74,7 @@ def cases(quick: bool) -> list[Case]:
         Case("streaming, 96 MiB host (3 of 8 blocks)", True, 8, 96 * MiB),
         Case("streaming, 96 MiB host, batch 16", True, 16, 96 * MiB),
         Case("streaming + activation offload", True, 8, 320 * MiB, offload_activations=True),
+        Case("streaming, 96 MiB host, 4 micro-batches of 2", True, 2, 96 * MiB, grad_accum=4),
     ]
 
 
@@ -86,6 +91,8 @@ def finetune_commands(quick: bool) -> dict[str, list[str]]:
         "finetune small, optimizer only": ["--preset", "small", "--batch-size", "8"],
         "finetune small, streamed, activations offloaded": ["--preset", "small", "--batch-size", "8", "--stream",
                                                             "--offload-activations", "--cpu-memory", "64M"],
+        "finetune small, streamed, 4 micro-batches": ["--preset", "small", "--batch-size", "2", "--grad-accum", "4",
+                                                      "--stream", "--cpu-memory", "64M"],
     }  # fmt: skip
     gpt2 = ["--preset", "gpt2-124m", "--seq-len", "128", "--batch-size", "4", "--plan", "auto"]
     return {
@@ -157,12 +164,16 @@ def measure(case: Case, cfg: GPTConfig, swap: str, steps: int, device_memory_byt
         model = GPT(cfg).to(device)
         opt = NVMeAdamW(model.parameters(), lr=1e-4, swap_dir=swap, cpu_memory_bytes=case.cpu_memory_bytes)
     x = torch.randint(0, cfg.vocab_size, (case.batch, cfg.seq_len), device=device)
+    micro_batches = [(x.roll(i, dims=1), x.roll(i - 1, dims=1)) for i in range(case.grad_accum)]
     times = []
     try:
         for step in range(steps + 1):
             start = time.perf_counter()
-            model(x, x.roll(-1, dims=1)).backward()
-            opt.step()
+            if case.grad_accum > 1:  # streamed: forward, backward and step() by the vertical schedule
+                nvoffload.vertical_step(opt, micro_batches)
+            else:
+                model(*micro_batches[0]).backward()
+                opt.step()
             opt.zero_grad()
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -203,6 +214,7 @@ def main(argv=None) -> Path:
                 shape, batch_size=case.batch, seq_len=cfg.seq_len, dtype="float32",
                 cpu_memory_bytes=case.cpu_memory_bytes, device_memory_bytes=device_memory_bytes,
                 stream=case.stream, activations="offload" if case.offload_activations else "keep",
+                grad_accum_steps=case.grad_accum,
             )  # fmt: skip
             runs[case.name] = (plan(request, profile).to_dict(),
                                lambda case=case: measure(case, cfg, swap, steps, device_memory_bytes, args.device))  # fmt: skip

@@ -16,7 +16,8 @@ def test_bench_plan_quick(tmp_path, monkeypatch):
     path = bench.main(["--quick", "--swap-dir", str(tmp_path), "--results-dir", str(tmp_path / "results")])
     record = json.loads(Path(path).read_text())
     cases = [r["case"] for r in record["rows"]]
-    assert cases[:2] == ["optimizer only", "streaming"] and cases[2].startswith("finetune tiny: stream False")
+    assert cases[:3] == ["optimizer only", "streaming", "streaming, 4 micro-batches"]
+    assert cases[3].startswith("finetune tiny: stream False")
     for row in record["rows"]:
         assert row["predicted_s"] > 0 and row["measured_s"] > 0
         assert row["ratio"] == row["predicted_s"] / row["measured_s"]
