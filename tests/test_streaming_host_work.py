@@ -64,6 +64,24 @@ def test_a_block_call_adds_no_autograd_function_around_its_inputs_and_outputs(tm
         store.close()
 
 
+def test_the_block_inputs_are_freed_by_backward_while_the_loss_is_still_held(tmp_path):
+    """A loop keeps its ``loss`` (and so the graph's nodes, with the hooks the streamer set on them) until the next
+    step: the hooks must not keep the blocks' inputs (activations on the device) alive that long."""
+    model, store, _, streamer, x = streamed_gpt(tmp_path, n_layer=3)
+    inputs = []
+    handles = [b.register_forward_pre_hook(lambda _, args: inputs.append(weakref.ref(args[0]))) for b in model.blocks]
+    try:
+        loss = model(x, x)
+        loss.backward()
+        assert len(inputs) == 3 and loss.grad_fn is not None
+        assert [ref() is None for ref in inputs] == [True] * 3
+    finally:
+        for h in handles:
+            h.remove()
+        streamer.close()
+        store.close()
+
+
 def test_gradients_are_counted_without_a_finalizer_each(tmp_path):
     """Each gradient is counted in the device budget until it is freed through a record of its own (a weak
     reference with a callback), not a ``weakref.finalize`` per gradient (a global registry entry each)."""

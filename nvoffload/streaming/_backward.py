@@ -159,13 +159,16 @@ class CallHooks:
         if not needing or not torch.is_grad_enabled():
             return
         fired: set[int] = set()  # the passes that reached the call
+        # Not the inputs themselves: the hook lives as long as the graph, which the caller's loss keeps after
+        # backward, and the inputs (activations on the device) would live with it.
+        no_inputs = not inputs
 
         def output_ready(*_) -> None:
             task = _current_pass()
             if task not in fired:
                 fired.add(task)
                 self._before(module)
-                if not inputs:
+                if no_inputs:
                     self._inputs_done(module)
 
         for t in needing:
