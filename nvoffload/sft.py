@@ -22,16 +22,16 @@ Example (gradient accumulation over ``G`` micro-batches)::
     optimizer.step(); optimizer.zero_grad()
     print(evaluate(model, eval_data.batches(8), device))   # EvalResult(loss=..., perplexity=..., tokens=...)
 
-With a streamed model, :func:`causal_lm_vertical_step` takes the ``G``
-micro-batches of the step at once and runs each block over all of them while it
-is on the device (:func:`nvoffload.vertical_step`): the same gradients, without
-streaming every block ``G`` times.
+With a streamed model, :func:`nvoffload.vertical.causal_lm_vertical_step` takes
+the ``G`` micro-batches of the step at once and runs each block over all of them
+while it is on the device: the same gradients, without streaming every block
+``G`` times.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +43,7 @@ from nvoffload.models import GPT
 from nvoffload.models.gpt import lm_head_loss
 
 __all__ = [
-    "EvalResult", "causal_lm_hidden", "causal_lm_logits", "causal_lm_loss", "causal_lm_vertical_step", "evaluate",
+    "EvalResult", "causal_lm_head_loss", "causal_lm_hidden", "causal_lm_logits", "causal_lm_loss", "evaluate",
 ]
 
 # Config fields of Hugging Face causal LMs whose forward changes the logits after the output embeddings (Gemma 2's
@@ -101,31 +101,14 @@ def causal_lm_logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return model.get_output_embeddings()(h)
 
 
-def causal_lm_vertical_step(optimizer, batches: Sequence[SFTBatch], num_items: int | float) -> torch.Tensor:
-    """One optimizer step of a streamed model over the micro-batches ``batches`` by the vertical schedule; returns
-    each micro-batch's loss (its targets' sum over ``num_items``: their sum is the step's loss).
-
-    The same step as ``causal_lm_loss(model, b, num_items).backward()`` for each
-    ``b`` then ``optimizer.step()`` (up to float rounding), through
-    :func:`nvoffload.vertical_step`: ``optimizer`` is the one
-    :func:`nvoffload.initialize` returned, its session streaming the model.
-    """
-    from nvoffload.vertical import vertical_step  # the streamer and optimizer, imported only for a streamed step
-
-    def hidden(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return causal_lm_hidden(model, batch["input_ids"], position_ids=batch.get("position_ids"))
-
-    def loss(model: nn.Module, h: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        if isinstance(model, GPT):
-            return lm_head_loss(h, model.tok_emb.weight, batch["labels"], num_items=_at_least_one(num_items))
-        return _summed_over(causal_lm_logits(model, h), batch["labels"], num_items)
-
-    micro_batches = [
-        {"input_ids": b.input_ids, "labels": b.labels}
-        | ({} if b.position_ids is None else {"position_ids": b.position_ids})
-        for b in batches
-    ]
-    return vertical_step(optimizer, micro_batches, hidden=hidden, loss=loss, mean=False)
+def causal_lm_head_loss(
+    model: nn.Module, h: torch.Tensor, labels: torch.Tensor, num_items: int | float | torch.Tensor
+) -> torch.Tensor:  # fmt: skip
+    """:func:`causal_lm_loss` from the hidden states ``h`` (:func:`causal_lm_hidden`): the head's cross-entropy
+    against ``labels``, summed over the targets and divided by ``num_items`` (at least 1)."""
+    if isinstance(model, GPT):
+        return lm_head_loss(h, model.tok_emb.weight, labels, num_items=_at_least_one(num_items))
+    return _summed_over(causal_lm_logits(model, h), labels, num_items)
 
 
 def _at_least_one(num_items: int | float | torch.Tensor) -> int | float | torch.Tensor:

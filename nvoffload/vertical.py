@@ -41,11 +41,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from nvoffload.data.sft import SFTBatch
 from nvoffload.optim import OffloadOptimizer
-from nvoffload.sft import causal_lm_hidden, causal_lm_logits
+from nvoffload.sft import causal_lm_head_loss, causal_lm_hidden, causal_lm_logits
 from nvoffload.streaming import ParameterStreamer
 
-__all__ = ["vertical_step"]
+__all__ = ["causal_lm_vertical_step", "vertical_step"]
 
 Batch = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
@@ -139,6 +140,29 @@ def vertical_step(
         torch.autograd.backward(roots, [grad_h, *head.values()])
         optimizer.step()
     return torch.stack(losses)
+
+
+def causal_lm_vertical_step(optimizer: OffloadOptimizer, batches: Sequence[SFTBatch], num_items: float) -> torch.Tensor:
+    """One optimizer step of a streamed model over the micro-batches ``batches`` by the vertical schedule; returns
+    each micro-batch's loss (its targets' sum over ``num_items``: their sum is the step's loss).
+
+    The same step as ``nvoffload.sft.causal_lm_loss(model, b, num_items).backward()``
+    for each ``b`` then ``optimizer.step()`` (up to float rounding), as
+    ``nvoffload finetune --stream --grad-accum G`` takes it.
+    """
+
+    def hidden(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return causal_lm_hidden(model, batch["input_ids"], position_ids=batch.get("position_ids"))
+
+    def loss(model: nn.Module, h: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return causal_lm_head_loss(model, h, batch["labels"], num_items)
+
+    micro_batches = [
+        {"input_ids": b.input_ids, "labels": b.labels}
+        | ({} if b.position_ids is None else {"position_ids": b.position_ids})
+        for b in batches
+    ]
+    return vertical_step(optimizer, micro_batches, hidden=hidden, loss=loss, mean=False)
 
 
 def _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss, divisor, scale):

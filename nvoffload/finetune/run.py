@@ -56,7 +56,7 @@ from nvoffload.pretrained import (
     import_transformers,
     save_pretrained,
 )
-from nvoffload.sft import causal_lm_loss, causal_lm_vertical_step, evaluate
+from nvoffload.sft import causal_lm_loss, evaluate
 from nvoffload.training import OffloadConfig, initialize
 from nvoffload.training_checkpoint import (
     check_checkpoint_directory,
@@ -65,6 +65,7 @@ from nvoffload.training_checkpoint import (
     load_training_checkpoint,
     save_training_checkpoint,
 )
+from nvoffload.vertical import causal_lm_vertical_step
 
 __all__ = ["FinetuneResult", "StepStats", "finetune", "header"]
 
