@@ -25,13 +25,10 @@ all those steps; the table also shows the fastest and the slowest repetition's m
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,10 +38,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS_DIR, save_report  # noqa: E402
+from report import RESULTS_DIR, nvoffload_command, save_report  # noqa: E402
 
 import nvoffload  # noqa: E402
-from nvoffload.cli import main as cli_main  # noqa: E402
 from nvoffload.models import GPT, GPTConfig  # noqa: E402
 from nvoffload.optim import NVMeAdamW  # noqa: E402
 from nvoffload.planner import ModelShape, PlanRequest, plan  # noqa: E402
@@ -100,19 +96,6 @@ def finetune_commands(quick: bool) -> dict[str, list[str]]:
         "finetune gpt2-124m, 4G device": [*gpt2, "--cpu-memory", "256M", "--device-memory", "4G"],
         "finetune gpt2-124m, 512M device": [*gpt2, "--cpu-memory", "512M", "--device-memory", "512M"],
     }
-
-
-def nvoffload_command(argv: list[str], fresh_process: bool = False) -> tuple[int, str, str]:
-    """``nvoffload`` with ``argv``: its exit status, stdout and stderr. Through its own entry point in this
-    process (torch imported once for all of them), or with ``fresh_process`` as a user runs it: in a process of
-    its own, with nothing of the cases before it (threads, allocator, memory) in it."""
-    if fresh_process:
-        ran = subprocess.run([sys.executable, "-m", "nvoffload", *argv], capture_output=True, text=True, check=False)
-        return ran.returncode, ran.stdout, ran.stderr
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = cli_main(argv)
-    return status, out.getvalue(), err.getvalue()
 
 
 def finetune_flags(flags: list[str], swap: str, steps: int, device: str) -> list[str]:

@@ -20,19 +20,14 @@ run's metrics) and tokens/s over ``G = 1``'s. The plot shows each step's tokens/
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS_DIR, save_report  # noqa: E402
-
-from nvoffload.cli import main as cli_main  # noqa: E402
+from report import RESULTS_DIR, nvoffload_command, save_report  # noqa: E402
 
 
 def parse_args(argv):
@@ -54,21 +49,6 @@ def parse_args(argv):
     return args
 
 
-def finetune(flags: list[str], fresh_process: bool) -> None:
-    """``nvoffload finetune`` with ``flags``: in a process of its own as a user runs it, or (``fresh_process``
-    False) through its entry point in this one."""
-    if fresh_process:
-        ran = subprocess.run([sys.executable, "-m", "nvoffload", "finetune", *flags], capture_output=True, text=True)
-        status, err = ran.returncode, ran.stderr
-    else:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            status = cli_main(["finetune", *flags])
-        err = out.getvalue()
-    if status != 0:
-        raise RuntimeError(f"nvoffload finetune {' '.join(flags)} failed:\n{err[-3000:]}")
-
-
 def main(argv=None) -> Path:
     args = parse_args(argv)
     common = ["--preset", args.preset, "--stream", "--cpu-memory", args.cpu_memory, "--device-memory", args.device_memory,
@@ -84,7 +64,10 @@ def main(argv=None) -> Path:
     with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap:
         for i, (name, extra) in enumerate(cases.items()):
             log = Path(swap) / f"log{i}"
-            finetune([*common, *extra, "--swap-dir", swap, "--log-dir", str(log)], fresh_process=not args.quick)
+            flags = [*common, *extra, "--swap-dir", swap, "--log-dir", str(log)]
+            status, out, err = nvoffload_command(["finetune", *flags], fresh_process=not args.quick)
+            if status != 0:
+                raise RuntimeError(f"nvoffload finetune {' '.join(flags)} failed:\n{out[-1500:]}{err[-1500:]}")
             steps[name] = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
             rates = ", ".join(f"{s['tokens_per_s']:.1f}" for s in steps[name])
             print(f"{name}: {rates} tokens/s", flush=True)

@@ -7,9 +7,13 @@ Every benchmark ends with :func:`save_report`, which writes
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -131,3 +135,18 @@ def plot_trace(plt, spans, title: str):
     ax.set_title(title)
     fig.tight_layout()
     return fig
+
+
+def nvoffload_command(argv: list[str], fresh_process: bool = False) -> tuple[int, str, str]:
+    """``nvoffload`` with ``argv``: its exit status, stdout and stderr. Through its own entry point in this
+    process (torch imported once for all of them), or with ``fresh_process`` as a user runs it: in a process of
+    its own, with nothing of the cases before it (threads, allocator, memory) in it."""
+    if fresh_process:
+        ran = subprocess.run([sys.executable, "-m", "nvoffload", *argv], capture_output=True, text=True, check=False)
+        return ran.returncode, ran.stdout, ran.stderr
+    from nvoffload.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    return status, out.getvalue(), err.getvalue()

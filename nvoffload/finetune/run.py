@@ -49,7 +49,7 @@ from nvoffload.metrics import MetricsLog
 from nvoffload.models import GPT
 from nvoffload.optim import LossScaling
 from nvoffload.optim.offload import NVMeAdamW, OffloadOptimizer
-from nvoffload.planner.cost import human_count, human_size
+from nvoffload.planner.cost import human_count, human_size, vertical_schedule_applies
 from nvoffload.pretrained import (
     _dtype_kwargs,
     build_meta_model,
@@ -520,7 +520,10 @@ def _finetune(
 def uses_vertical_schedule(config: FinetuneConfig, world: int = 1) -> bool:
     """Whether a run of ``config`` on ``world`` ranks takes each step by the vertical schedule (``config.vertical``'s
     conditions)."""
-    return config.vertical and config.stream and config.grad_accum_steps > 1 and world == 1 and config.lora_rank is None
+    return vertical_schedule_applies(
+        vertical=config.vertical, stream=config.stream, grad_accum_steps=config.grad_accum_steps, ranks=world,
+        lora=config.lora_rank is not None,
+    )  # fmt: skip
 
 
 def header(

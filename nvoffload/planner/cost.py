@@ -276,6 +276,12 @@ NAMED_SHAPES = {
 }  # fmt: skip
 
 
+def vertical_schedule_applies(*, vertical: bool, stream: bool, grad_accum_steps: int, ranks: int, lora: bool) -> bool:
+    """Whether a step runs by the vertical schedule, as ``finetune`` runs it and the planner plans it: asked for
+    (``vertical``), streamed, several micro-batches, one rank and no LoRA."""
+    return vertical and stream and grad_accum_steps > 1 and ranks == 1 and not lora
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     """What ``nvoffload finetune`` would be asked for (None for ``stream`` and ``activations``: the planner
@@ -332,7 +338,10 @@ class PlanRequest:
 
     def by_vertical_schedule(self, stream: bool) -> bool:
         """Whether a step (streamed or not: ``stream``) runs by the vertical schedule (see the class docstring)."""
-        return self.vertical and stream and self.grad_accum_steps > 1 and self.ranks == 1 and self.lora_rank is None
+        return vertical_schedule_applies(
+            vertical=self.vertical, stream=stream, grad_accum_steps=self.grad_accum_steps, ranks=self.ranks,
+            lora=self.lora_rank is not None,
+        )  # fmt: skip
 
     @property
     def trainable_tensors(self) -> int:
