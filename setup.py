@@ -21,6 +21,7 @@ def native_extension(name: str, source_dir: str) -> Pybind11Extension:
     return Pybind11Extension(
         name,
         sorted(glob(f"{source_dir}/*.cpp")),
+        depends=sorted(glob(f"{source_dir}/*.h") + glob("native/common/*.h")),  # a changed header rebuilds it too
         include_dirs=[source_dir],
         cxx_std=17,
         extra_compile_args=COMPILE_ARGS,

@@ -90,6 +90,7 @@ def _run_options(p: argparse.ArgumentParser, *, plan: bool) -> None:
     and ``--swap-dir`` repeated counts the drives."""
     from nvoffload.finetune import FinetuneConfig, default_swap_root
     from nvoffload.models.gpt import PRESETS
+    from nvoffload.optim import STATE_PRECISIONS
     from nvoffload.planner.cost import NAMED_SHAPES, human_size
 
     d = FinetuneConfig()
@@ -115,6 +116,7 @@ def _run_options(p: argparse.ArgumentParser, *, plan: bool) -> None:
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="steps of linear warm-up to --lr (default %(default)s)")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's decoupled weight decay, on matrices and embeddings, not on biases and norms (default %(default)s)")
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to this (default: no clipping)")
+    p.add_argument("--optimizer-state", dest="state_precision", default=d.state_precision, choices=STATE_PRECISIONS, help="how AdamW's state is kept: fp32 (exact, 12 bytes a parameter), bf16-moments (bf16 moments beside the fp32 master, 8 bytes), bf16 (with --dtype bfloat16 also no fp32 master: weights updated by stochastic rounding, 4 bytes); the compact forms are not exact AdamW (default %(default)s)")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="parameter dtype on the device (fp32 master weights on NVMe; float16 with dynamic loss scaling; default %(default)s)")
     p.add_argument("--device", default=d.device, help="cpu or cuda (default %(default)s)" + ("; plan: the profile's device counts" if plan else ""))
     if plan:
@@ -268,6 +270,7 @@ def _plan_request(args):
         activations="recompute" if getattr(args, "recompute", False) else
         None if args.offload_activations is None else ("offload" if args.offload_activations else "keep"),
         lora_rank=args.lora_rank, lora_targets=args.lora_targets, vertical=args.vertical,
+        state_precision=args.state_precision,
     )  # fmt: skip
 
 
@@ -312,6 +315,16 @@ def _print_plan(result, flags: dict[str, str]) -> None:
             print(f"  - {_as_flags(reason, flags)}")
 
 
+def _print_options(result, options: dict) -> None:
+    """What each other optimizer state precision would make of the step (predictions, like the plan)."""
+    print("optimizer state options (predicted; the compact ones are not exact AdamW):")
+    for precision, o in options.items():
+        change = "lifts the bottleneck" if o.bottleneck != result.bottleneck else "same bottleneck"
+        fits = "" if o.fits else ", does not fit"
+        print(f"  --optimizer-state {precision:12} step {o.step_s:.3g} s ({result.step_s / o.step_s:.2f}x the tokens/s),"
+              f" {o.tflops:.3g} TFLOP/s, bottleneck {o.bottleneck} ({change}){fits}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nvoffload`` command; returns the exit status (2 for a bad configuration, file or
     swap directory, with a one-line message on stderr; ``plan`` also for a request that cannot fit)."""
@@ -338,7 +351,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "plan":
         import json
 
-        from nvoffload.planner import plan, plan_batch
+        from nvoffload.planner import plan, plan_batch, state_precision_options
 
         args.swap_dirs_count = args.swap_dirs if args.swap_dirs is not None else len(args.swap_dir or ()) or 1
         flags = _flags(parser, "plan")
@@ -347,12 +360,16 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 result = plan_batch(_plan_request(args), _profile(args.profile), max_tokens_per_step=args.max_tokens_per_step)
             else:
                 result = plan(_plan_request(args), _profile(args.profile))
+            options = state_precision_options(result, _profile(args.profile))
         except (ValueError, OSError) as exc:
             return _error("plan", exc, flags)
         if args.json:
-            print(json.dumps(result.to_dict(), indent=1))
+            summary = {p: {k: getattr(o, k) for k in ("step_s", "tflops", "bottleneck", "nvme_read_bytes", "nvme_written_bytes", "fits")}
+                       for p, o in options.items()}  # fmt: skip
+            print(json.dumps({**result.to_dict(), "state_precision_options": summary}, indent=1))
         else:
             _print_plan(result, flags)
+            _print_options(result, options)
         return 0 if result.fits else 2
     if args.command == "finetune":
         from nvoffload.finetune import FinetuneConfig, finetune

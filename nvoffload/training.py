@@ -117,6 +117,9 @@ class OffloadConfig:
             to the operating system at once (``bench/results/bench_memory.md``).
         bucket_bytes, collective_timeout_s: over several ranks, the gradients' and weights' bucket size
             and the longest wait for one collective (see :class:`~nvoffload.optim.OffloadOptimizerConfig`).
+        state_precision: how the optimizer keeps Adam's state: ``"fp32"`` (exact AdamW, the default),
+            ``"bf16-moments"`` or ``"bf16"`` (compact, not exact; see
+            :class:`~nvoffload.optim.OffloadOptimizerConfig`).
     """
 
     swap_dirs: Sequence[str | os.PathLike] = field(default_factory=list)
@@ -135,6 +138,7 @@ class OffloadConfig:
     retain_host_memory: bool = False
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     collective_timeout_s: float = DEFAULT_TIMEOUT_S
+    state_precision: str = "fp32"
 
     def __post_init__(self):
         object.__setattr__(self, "swap_dirs", tuple(swap_directories(self.swap_dirs)))
@@ -159,6 +163,7 @@ class OffloadConfig:
             retain_host_memory=self.retain_host_memory, max_grad_norm=self.max_grad_norm,
             gradient_accumulation_steps=self.gradient_accumulation_steps, loss_scaling=self.loss_scaling,
             bucket_bytes=self.bucket_bytes, collective_timeout_s=self.collective_timeout_s,
+            state_precision=self.state_precision,
         )  # fmt: skip
 
     @property

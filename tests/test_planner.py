@@ -21,6 +21,7 @@ from nvoffload.planner import (
     load_profile,
     plan,
     plan_batch,
+    state_precision_options,
 )
 from nvoffload.planner.calibrate import calibrate
 from nvoffload.planner.contention import overlapped_s
@@ -319,14 +320,20 @@ def test_plan_takes_a_finetune_command_line_as_it_is(tmp_path, capsys):
                 "--weight-decay", "0", "--seed", "3", "--text", str(tmp_path / "t.txt"), "--swap-dir", str(tmp_path / "a"),
                 "--swap-dir", str(tmp_path / "b"), "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "2",
                 "--keep-last", "1", "--resume", "--save-to", str(tmp_path / "out.safetensors"), "--device", "cpu",
-                "--no-progress", "--data", "chat", "--eval-every", "2", "--trace", str(tmp_path / "t.json")]  # fmt: skip
+                "--no-progress", "--data", "chat", "--eval-every", "2", "--trace", str(tmp_path / "t.json"),
+                "--optimizer-state", "bf16"]  # fmt: skip
     profile = "h100-sxm-512g-4xgen4"
     assert main(["plan", *finetune, "--profile", profile, "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     request = PlanRequest(ModelShape.from_preset("small"), batch_size=4, seq_len=64, grad_accum_steps=2, dtype="bfloat16",
                           cpu_memory_bytes=96 << 20, device_memory_bytes=512 << 20, swap_dirs=2, stream=True,
-                          activations="offload", max_grad_norm=True)  # fmt: skip
-    assert got == plan(request, BUILTIN_PROFILES[profile]).to_dict()
+                          activations="offload", max_grad_norm=True, state_precision="bf16")  # fmt: skip
+    want = plan(request, BUILTIN_PROFILES[profile])
+    options = got.pop("state_precision_options")
+    assert got == want.to_dict()
+    assert options.keys() == {"fp32", "bf16-moments"}
+    for precision, other in state_precision_options(want, BUILTIN_PROFILES[profile]).items():
+        assert options[precision]["step_s"] == other.step_s and options[precision]["bottleneck"] == other.bottleneck
     assert os.listdir(tmp_path) == []  # nothing read or created
     assert main(["plan", "--preset", "small", "--swap-dir", str(tmp_path), "--swap-dirs", "3", "--profile", profile, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["request"]["swap_dirs"] == 3  # --swap-dirs N says it outright
@@ -614,3 +621,25 @@ def test_the_planner_chooses_the_fewest_tokens_a_step_that_make_it_bound_by_comp
     with pytest.raises(SystemExit):
         main([*line, "--grad-accum", "many"])
     assert "expected a count of micro-batches or 'auto', got 'many'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "precision,dtype,read,written",
+    [("bf16-moments", "bfloat16", 8, 8), ("bf16", "bfloat16", 4, 6), ("bf16", "float32", 8, 8)],
+)
+def test_compact_state_moves_its_bytes_and_lifts_a_drive_bound_step(precision, dtype, read, written):
+    """The optimizer state's NVMe bytes a step are the compact state's (tests/test_compact_state.py counts the
+    optimizer's: the same per parameter), and a step bound by the drives gets faster with them."""
+    profile = BUILTIN_PROFILES["h100-sxm-512g-4xgen4"]
+    shape = ModelShape.named("llama2-70b")
+    request = PlanRequest(shape, batch_size=8, seq_len=2048, dtype=dtype, cpu_memory_bytes=64 << 30,
+                          device_memory_bytes=78 << 30, swap_dirs=4, stream=True, activations="recompute")  # fmt: skip
+    exact = plan(request, profile)
+    # the host budget here caches no state: all of it moves through the drives
+    assert exact.resident_state_bytes == 0
+    compact = state_precision_options(exact, profile)[precision]
+    assert compact.request.state_precision == precision and compact.stream and compact.activations == "recompute"
+    assert exact.nvme_read_bytes - compact.nvme_read_bytes == (12 - read) * shape.params
+    assert exact.nvme_written_bytes - compact.nvme_written_bytes == (12 - written) * shape.params
+    assert exact.bottleneck == "nvme" and compact.step_s < exact.step_s
+    assert state_precision_options(compact, profile)["fp32"].step_s == exact.step_s

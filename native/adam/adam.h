@@ -18,6 +18,15 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kNone = 3 };
 
 enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
 
+// How the state is kept. kFp32 is exact AdamW (the default). The compact forms
+// trade exactness for bytes, each rounding the result of the same fp32
+// arithmetic: kBf16Moments stores exp_avg and exp_avg_sq as bf16 (round to
+// nearest even) beside the fp32 master; kBf16 also has no fp32 master: the
+// weights are bf16, updated in place and rounded stochastically (the bits of
+// a hash of sr_seed and the element's index in its tensor), so that updates
+// smaller than half a bf16 ulp still move the weights on average.
+enum class State : int { kFp32 = 0, kBf16Moments = 1, kBf16 = 2 };
+
 // Per-call constants, already rounded to fp32 exactly where torch rounds them,
 // so every variant reproduces the arithmetic of torch's fused CPU Adam(W)
 // (torch.optim.AdamW(fused=True)) bit for bit:
@@ -31,17 +40,22 @@ enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
 //   d  = sqrt(v or vm) / bias_correction2_sqrt + eps
 //   p  = p + (-step_size * m) / d
 //   out = round_nearest_even(p)      (optional bf16/fp16 copy)
+// (the compact State forms round m and v to bf16, and with kBf16 p
+// stochastically, when they are stored).
 // Every multiply-add the compiler could fuse would change a rounding: the
 // kernel is built with -ffp-contract=off, and its FMAs are the explicit ones.
 struct AdamArgs {
-  float* param;
+  void* param;            // fp32, or bf16 with State::kBf16
   const void* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
-  float* max_exp_avg_sq;  // nullptr unless amsgrad
-  void* param_out;        // nullptr unless out_dtype != kNone
+  void* exp_avg;          // fp32, or bf16 with a compact State
+  void* exp_avg_sq;       // as exp_avg
+  float* max_exp_avg_sq;  // nullptr unless amsgrad (State::kFp32 only)
+  void* param_out;        // nullptr unless out_dtype != kNone (never with State::kBf16)
   DType grad_dtype;
   DType out_dtype;
+  State state;
+  uint64_t sr_seed;       // State::kBf16: the stochastic rounding's seed (one per tensor and step)
+  uint64_t first_index;   // State::kBf16: the index in its tensor of element 0 (the rounding hashes it)
   float grad_scale;
   bool maximize;
   int weight_decay_mode;  // 0: none, 1: decoupled (param *= decay), 2: L2 (g += l2 * p)

@@ -147,9 +147,9 @@ T* pointer(uintptr_t address, const char* name, size_t numel) {
 }
 
 void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t max_exp_avg_sq,
-               uintptr_t param_out, size_t numel, size_t tail_from, int grad_dtype, int out_dtype, int64_t step,
-               double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled_weight_decay,
-               double grad_scale, bool maximize) {
+               uintptr_t param_out, size_t numel, size_t tail_from, int grad_dtype, int out_dtype, int state,
+               uint64_t sr_seed, uint64_t first_index, int64_t step, double lr, double beta1, double beta2, double eps,
+               double weight_decay, bool decoupled_weight_decay, double grad_scale, bool maximize) {
   if (step < 1) throw std::invalid_argument("step must be >= 1 (1-based, as in torch), got " + std::to_string(step));
   if (tail_from > numel) {
     throw std::invalid_argument("tail_from " + std::to_string(tail_from) + " is past numel " + std::to_string(numel));
@@ -160,16 +160,28 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
   require_finite(eps, "eps");
   require_finite(weight_decay, "weight_decay");
   require_finite(grad_scale, "grad_scale");
+  if (state < static_cast<int>(State::kFp32) || state > static_cast<int>(State::kBf16)) {
+    throw std::invalid_argument("invalid state code " + std::to_string(state));
+  }
   AdamArgs a{};
-  a.param = pointer<float>(param, "param", numel);
+  a.state = static_cast<State>(state);
+  a.param = pointer<void>(param, "param", numel);
   a.grad = pointer<const void>(grad, "grad", numel);
-  a.exp_avg = pointer<float>(exp_avg, "exp_avg", numel);
-  a.exp_avg_sq = pointer<float>(exp_avg_sq, "exp_avg_sq", numel);
+  a.exp_avg = pointer<void>(exp_avg, "exp_avg", numel);
+  a.exp_avg_sq = pointer<void>(exp_avg_sq, "exp_avg_sq", numel);
   a.max_exp_avg_sq = reinterpret_cast<float*>(max_exp_avg_sq);
+  if (a.max_exp_avg_sq != nullptr && a.state != State::kFp32) {
+    throw std::invalid_argument("amsgrad (max_exp_avg_sq) needs the fp32 state");
+  }
   a.grad_dtype = dtype_from(grad_dtype, "grad", false);
   a.out_dtype = dtype_from(out_dtype, "param_out", true);
   if (a.out_dtype == DType::kFloat32) throw std::invalid_argument("param_out must be bfloat16 or float16");
+  if (a.out_dtype != DType::kNone && a.state == State::kBf16) {
+    throw std::invalid_argument("param_out with bf16 weights: the weights are their own copy");
+  }
   a.param_out = a.out_dtype == DType::kNone ? nullptr : pointer<void>(param_out, "param_out", numel);
+  a.sr_seed = sr_seed;
+  a.first_index = first_index;
   // Scalars exactly as torch computes them (in doubles: its fused kernel's, or
   // _single_tensor_adam's Python floats), rounded to fp32 where torch rounds them.
   const double s = static_cast<double>(step);
@@ -253,9 +265,13 @@ PYBIND11_MODULE(_adam, m) {
   m.attr("BFLOAT16") = static_cast<int>(DType::kBFloat16);
   m.attr("FLOAT16") = static_cast<int>(DType::kFloat16);
   m.attr("NONE") = static_cast<int>(DType::kNone);
+  m.attr("STATE_FP32") = static_cast<int>(State::kFp32);
+  m.attr("STATE_BF16_MOMENTS") = static_cast<int>(State::kBf16Moments);
+  m.attr("STATE_BF16") = static_cast<int>(State::kBf16);
   m.def("adam_step", &adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("max_exp_avg_sq"), py::arg("param_out"), py::arg("numel"), py::arg("tail_from"), py::arg("grad_dtype"),
-        py::arg("out_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("out_dtype"), py::arg("state"), py::arg("sr_seed"), py::arg("first_index"), py::arg("step"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("decoupled_weight_decay"), py::arg("grad_scale"), py::arg("maximize"),
         "One fused Adam/AdamW step over numel elements at the given addresses, those from tail_from on with the"
         " arithmetic of torch's scalar tail (GIL released).");

@@ -13,6 +13,7 @@ from nvoffload.data.sft import LOSS_ON, resolve_data_path
 from nvoffload.device import cuda_available
 from nvoffload.io.config import default_swap_root
 from nvoffload.models import GPTConfig
+from nvoffload.optim import STATE_PRECISIONS
 from nvoffload.planner.cost import human_size
 
 __all__ = ["FinetuneConfig", "default_swap_root", "max_text_bytes"]
@@ -44,6 +45,10 @@ class FinetuneConfig:
             ``torch.amp.GradScaler``, or with ``stream`` the optimizer's).
         grad_accum_steps: micro-batches per optimizer step.
         max_grad_norm: clip the global gradient norm (the updates then run in ``step()``).
+        state_precision: how the optimizer keeps AdamW's state: ``"fp32"`` (exact, the default),
+            ``"bf16-moments"`` (bf16 moments beside the fp32 master: 8 bytes a parameter) or ``"bf16"``
+            (with ``dtype`` bfloat16 also no fp32 master: the weights are updated by stochastic rounding,
+            4 bytes a parameter); see :class:`~nvoffload.optim.OffloadOptimizerConfig`.
         swap_dir: directory on NVMe; None: :func:`default_swap_root`, reused run
             after run so that what a killed run left there is cleaned up (a fresh
             subdirectory, removed at the end, while another run holds it).
@@ -109,6 +114,7 @@ class FinetuneConfig:
     warmup_steps: int = 10
     weight_decay: float = 0.1
     max_grad_norm: float | None = None
+    state_precision: str = "fp32"
     dtype: str = "float32"
     device: str = "cpu"
     swap_dir: str | None = None
@@ -180,6 +186,10 @@ class FinetuneConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
             raise ValueError(f"max_grad_norm must be positive and finite, got {self.max_grad_norm}")
+        if self.state_precision not in STATE_PRECISIONS:
+            raise ValueError(f"state_precision must be one of {', '.join(STATE_PRECISIONS)}; got {self.state_precision!r}")
+        if self.state_precision == "bf16" and self.dtype == "float16":
+            raise ValueError("state_precision bf16 updates bfloat16 weights; float16 needs an fp32 master (bf16-moments)")
         if self.model_dir is not None:
             if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
                 raise ValueError(f"model_dir: {self.model_dir} is not a Hugging Face model directory (no config.json)")

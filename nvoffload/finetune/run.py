@@ -234,7 +234,7 @@ def _build(config: FinetuneConfig, swap_dir: str, hf: _HFModel | None) -> tuple[
         staging = int(config.cpu_memory_bytes * OffloadConfig.optimizer_memory_fraction)
         opt = NVMeAdamW(
             _param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95), swap_dir=swap_dir,
-            cpu_memory_bytes=staging, max_grad_norm=config.max_grad_norm,
+            cpu_memory_bytes=staging, max_grad_norm=config.max_grad_norm, state_precision=config.state_precision,
             resident_state_bytes=resident_state_share(config.cpu_memory_bytes - staging, [], 0),
         )  # fmt: skip
         return model, opt
@@ -249,7 +249,7 @@ def _build(config: FinetuneConfig, swap_dir: str, hf: _HFModel | None) -> tuple[
         swap_dirs=[swap_dir], cpu_memory_bytes=config.cpu_memory_bytes, device_memory_bytes=config.device_memory_bytes,
         device=config.device, offload_activations=config.offload_activations,
         activation_memory_bytes=config.activation_memory_bytes, max_grad_norm=config.max_grad_norm,
-        gradient_accumulation_steps=config.grad_accum_steps,
+        gradient_accumulation_steps=config.grad_accum_steps, state_precision=config.state_precision,
         loss_scaling=LossScaling() if dtype == torch.float16 else None,
     )  # fmt: skip
     start = config.model_dir if hf is not None else config.init_from
@@ -557,12 +557,20 @@ def header(
     return [
         f"model: {what}, {human_count(num_parameters)} parameters, {config.dtype}; {config.batch_size} x {seq_len}"
         f" tokens x {config.grad_accum_steps} micro-batches a step{ranks}{steps}",
-        f"placement: {placed}; optimizer state (fp32 master and moments) on NVMe where the host budget cannot keep it,"
+        f"placement: {placed}; optimizer state ({_STATE_WORDS[config.state_precision]}) on NVMe where the host budget"
+        " cannot keep it,"
         f" updated by the CPU; activations"
         f" {activations}",
         "budgets: " + ", ".join(budgets),
         f"swap directory: {swap_dir}{each}",
     ]
+
+
+_STATE_WORDS = {
+    "fp32": "fp32 master and moments",
+    "bf16-moments": "fp32 master, bf16 moments: not exact AdamW",
+    "bf16": "bf16 moments, no fp32 master for bfloat16 weights (stochastic rounding): not exact AdamW",
+}
 
 
 def _claim_checkpoint_directory(directory: str, rank: int, world: int) -> Callable[[], None] | None:

@@ -7,8 +7,10 @@
 - :class:`OffloadOptimizer` / :class:`NVMeAdamW` (in :mod:`nvoffload.optim.offload`):
   a torch optimizer with its state on NVMe, updated during backward.
 - :class:`LossScaling`: fp16 dynamic loss scaling for released gradients.
+- :data:`STATE_PRECISIONS`: how the offloaded Adam(W) can keep its state (exact fp32, or compact).
 """
 
+from nvoffload.optim._layout import STATE_PRECISIONS
 from nvoffload.optim.cpu_adam import CPUAdam, CPUAdamW
 from nvoffload.optim.kernels import adam_step
 from nvoffload.optim.loss_scale import LossScaling
@@ -31,5 +33,6 @@ __all__ = [
     "OffloadOptimizerConfig",
     "OffloadIOError",
     "OffloadOptimizer",
+    "STATE_PRECISIONS",
     "WeightHome",
 ]

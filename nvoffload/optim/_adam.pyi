@@ -4,6 +4,9 @@ FLOAT32: int
 BFLOAT16: int
 FLOAT16: int
 NONE: int
+STATE_FP32: int
+STATE_BF16_MOMENTS: int
+STATE_BF16: int
 
 def adam_step(
     param: int,
@@ -16,6 +19,9 @@ def adam_step(
     tail_from: int,
     grad_dtype: int,
     out_dtype: int,
+    state: int,
+    sr_seed: int,
+    first_index: int,
     step: int,
     lr: float,
     beta1: float,

@@ -100,7 +100,7 @@ class ResidentState:
     chunks offered, in order, while their two generations fit (``2 * rows * 4`` bytes an element, 4 KiB-aligned).
 
     The homes stay allocated until the slab is closed; ``used_bytes`` is what they hold, ``state_bytes`` one
-    generation of their fp32 state (what the store would read and write per update without them)."""
+    generation of their state in the store (what the store would read and write per update without them)."""
 
     def __init__(self, slab, capacity_bytes: int, rows: int):
         self._slab = slab
@@ -109,8 +109,9 @@ class ResidentState:
         self.used_bytes = 0
         self.state_bytes = 0
 
-    def offer(self, chunk: Chunk, nrows: int) -> bool:
-        """Give ``chunk`` (``nrows`` rows of state) a home if its two generations fit what is left; True if so."""
+    def offer(self, chunk: Chunk, state_bytes: int) -> bool:
+        """Give ``chunk`` (``state_bytes`` of state a generation in the store) a home if its two generations fit
+        what is left; True if so."""
         rows_bytes = self._rows * chunk.numel * 4
         gen_bytes = -(-rows_bytes // 4096) * 4096
         if self.used_bytes + 2 * gen_bytes > self.capacity_bytes:
@@ -118,7 +119,7 @@ class ResidentState:
         memory = self._slab.allocate(2 * gen_bytes, "the resident optimizer state")
         chunk.home = tuple(memory[at : at + rows_bytes].view(torch.float32) for at in (0, gen_bytes))
         self.used_bytes += 2 * gen_bytes
-        self.state_bytes += nrows * chunk.numel * 4
+        self.state_bytes += state_bytes
         return True
 
 
@@ -176,7 +177,7 @@ class ChunkIO:
         futures, nbytes = [], 0
         for name, out in self.layout.entries(chunk, gen, rows, state=state, master=master):
             futures.append(self.store.get(name, out=out))
-            nbytes += out.numel() * 4
+            nbytes += out.numel() * out.element_size()
         return Future.all_of(futures), nbytes
 
     def count_read(self, nbytes: int) -> None:
@@ -193,7 +194,7 @@ class ChunkIO:
         for name, part in self.layout.entries(chunk, gen, rows):
             futures.append(self.store.put(name, part))
             with self._count_lock:
-                self.written_bytes += part.numel() * 4
+                self.written_bytes += part.numel() * part.element_size()
         return Future.all_of(futures)
 
     def read_kept(self, chunk: Chunk, out: torch.Tensor) -> Future:
@@ -231,7 +232,7 @@ class ChunkIO:
         saved as generation 0."""
         rows = self.layout.chunk_rows(chunk, slot)
         with self.model_weights(chunk.record, modify=False) as weights:
-            weights.read(chunk.elements, rows[0], slot, after=after)
+            weights.read(chunk.elements, self.layout.chunk_state(chunk, rows).weights, slot, after=after)
         rows[1:].zero_()
         self.write_first(chunk, rows, {})
 

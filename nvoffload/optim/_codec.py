@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from nvoffload.optim._chunk_io import ChunkIO
-from nvoffload.optim._layout import LOW_PRECISION, Record, Slot
+from nvoffload.optim._layout import Record, Slot
 from nvoffload.optim._pipeline import Pipeline
 from nvoffload.optim._updates import Update
 
@@ -86,16 +86,16 @@ class StateCodec:
                 keys = self._row_keys(rec)
                 for c in rec.chunks:
                     self._io.read(c, c.gen, slot).result()
-                    rows = self._io.layout.chunk_rows(c, slot)
-                    for i, key in enumerate(keys):
+                    views = self._io.layout.chunk_state(c, self._io.layout.chunk_rows(c, slot)).views
+                    for key, view in zip(keys, views):
                         if key is not None:
-                            sink(st[key], c.elements, rows[i])
+                            sink(st[key], c.elements, view.float())  # a compact state's bf16 moments, widened
 
     def _row_keys(self, rec: Record) -> list[str | None]:
-        """The state dict key of each row of ``rec``'s chunks (None: the master row of an fp32 parameter, whose
-        weights are the model's)."""
+        """The state dict key of each of ``rec``'s chunks' :attr:`ChunkState.views` (None: the weights of a
+        parameter whose master is its own weights: fp32, or bf16 without an fp32 master)."""
         nrows = self._io.layout.rows(rec)
-        master = "master_param" if rec.param.dtype in LOW_PRECISION else None
+        master = None if self._io.layout.split(rec) else "master_param"
         return [master, *self._update.row_keys(rec, nrows)]
 
     def load_state_dict(self, state_dict: dict, param_groups: list[dict], source: Source | None = None) -> None:
@@ -142,14 +142,26 @@ class StateCodec:
         for c in rec.chunks:
             rows = self._io.layout.chunk_rows(c, slot)
             rows.zero_()
-            for i, t in enumerate(tensors, start=1):
-                source(t, c.elements, rows[i])
+            state = self._io.layout.chunk_state(c, rows)
+            for t, view in zip(tensors, state.moments):
+                _fill(source, t, c.elements, view)
             if master is not None:
-                source(master, c.elements, rows[0])
+                _fill(source, master, c.elements, state.weights)
             else:  # the model's current weights are the master
                 with self._io.model_weights(rec, modify=False) as weights:
-                    weights.read(c.elements, rows[0], slot)
+                    weights.read(c.elements, state.weights, slot)
             self._io.write_first(c, rows, dict(scalars))
+
+
+def _fill(source: Source, tensor: torch.Tensor, elements: slice, view: torch.Tensor) -> None:
+    """``source`` into ``view``: directly when it is fp32, else through fp32 values rounded to nearest (a compact
+    state's bf16 moments)."""
+    if view.dtype == torch.float32:
+        source(tensor, elements, view)
+    else:
+        values = torch.empty(view.shape, dtype=torch.float32)
+        source(tensor, elements, values)
+        view.copy_(values)
 
 
 def _copy_elements(tensor: torch.Tensor, elements: slice, out: torch.Tensor) -> None:

@@ -4,6 +4,10 @@ Each parameter has one :class:`Record`; its elements are cut into
 :class:`Chunk` ranges of at most ``Layout.chunk_numel`` elements. A chunk's
 state is a block of fp32 *rows* of ``numel`` elements each: row 0 is the
 master weights, the others the optimizer's per-element state (Adam's moments).
+Compact Adam state (see :data:`STATE_PRECISIONS`) keeps both moments as bf16 in
+row 1 (``exp_avg`` in its first half of bytes, ``exp_avg_sq`` in its second),
+and without an fp32 master the bf16 weights in the first half of row 0;
+:class:`ChunkState` gives the typed views.
 Every update writes a new *generation* of a chunk (at most two coexist: the
 committed one and the step's); its store entries are named
 ``opt<N>.p<param>.c<chunk>.g<generation>`` (plus ``.w`` for the master row of
@@ -16,6 +20,7 @@ step's micro-batches is kept as ``opt<N>.p<param>.c<chunk>.grad`` (see
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -24,6 +29,24 @@ ALIGN_NUMEL = 1024  # chunk boundaries on 4 KiB of fp32, for O_DIRECT
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 MAX_GENERIC_ROWS = 5  # master + up to four param-shaped state tensors of a generic optimizer
 _MAX_CHUNK_NUMEL = 16 * _MIB // 4  # fp32 elements: 16 MiB of master weights
+# How Adam's state is kept: "fp32" is exact AdamW; "bf16-moments" keeps an fp32 master and bf16 moments;
+# "bf16" also drops the fp32 master of bf16 parameters (their bf16 weights are updated by stochastic rounding).
+STATE_PRECISIONS = ("fp32", "bf16-moments", "bf16")
+
+
+class ChunkState(NamedTuple):
+    """Typed views of one chunk's rows: ``weights`` (the fp32 master, or the bf16 weights of a chunk without
+    one) and the per-element state (Adam's ``exp_avg``, ``exp_avg_sq`` and with amsgrad ``max_exp_avg_sq``;
+    a generic optimizer's fp32 rows), each ``numel`` elements."""
+
+    rows: torch.Tensor
+    weights: torch.Tensor
+    moments: tuple[torch.Tensor, ...]
+
+    @property
+    def views(self) -> tuple[torch.Tensor, ...]:
+        """``weights`` then ``moments``: in the order of the state dict keys of the codec."""
+        return (self.weights, *self.moments)
 
 
 class Chunk:
@@ -144,11 +167,17 @@ class Layout:
             redone update (one more fp32 row per slot, and per element in the store).
         owned: ``owned(index, numel)`` gives the elements ``(lo, hi)`` of parameter ``index`` whose state this
             optimizer keeps (its rank's share, see :mod:`nvoffload.distributed`); default: all.
+        state_precision: one of :data:`STATE_PRECISIONS` (Adam only; compact forms have no amsgrad).
     """
 
     def __init__(self, *, adam: bool, elementwise: bool, param_groups: list[dict], prefix: str, kept_grads: bool,
-                 owned: Callable[[int, int], tuple[int, int]] | None = None):  # fmt: skip
+                 owned: Callable[[int, int], tuple[int, int]] | None = None, state_precision: str = "fp32"):  # fmt: skip
+        if state_precision not in STATE_PRECISIONS:
+            raise ValueError(f"state_precision must be one of {', '.join(STATE_PRECISIONS)}; got {state_precision!r}")
+        if state_precision != "fp32" and not adam:
+            raise ValueError(f"state_precision={state_precision!r} is for Adam and AdamW; other optimizers keep fp32 state")
         self.adam = adam
+        self.state_precision = state_precision
         self.owned = owned if owned is not None else _all_elements
         self.kept_grads = kept_grads
         self.elementwise = elementwise
@@ -161,6 +190,8 @@ class Layout:
         """fp32 rows of state per element, of ``record`` or (None) of the most any group needs."""
         if not self.adam:
             return MAX_GENERIC_ROWS
+        if self.state_precision != "fp32":
+            return 2  # the master (or the bf16 weights), both bf16 moments
         if record is None:
             amsgrad = any(g.get("amsgrad", False) for g in self._groups)
         else:
@@ -202,20 +233,34 @@ class Layout:
         self.chunk_numel = numel
         return numel
 
-    def _owned_numels(self) -> list[int]:
-        """The owned elements of each parameter that requires grad (a frozen one gets no state)."""
-        params = [p for g in self._groups for p in g["params"]]
-        return [hi - lo for i, p in enumerate(params) if p.requires_grad for lo, hi in [self.owned(i, p.numel())]]
-
     def state_bytes(self) -> int:
         """Store bytes of one generation of the state of every trained parameter's owned elements (frozen ones,
         a LoRA model's base weights, have none)."""
-        per_elem = self.rows() * 4
-        return sum(_aligned(n) * per_elem for n in self._owned_numels())
+        params = [p for g in self._groups for p in g["params"]]
+        return sum(
+            _aligned(hi - lo) * self.bytes_per_element(p)
+            for i, p in enumerate(params) if p.requires_grad for lo, hi in [self.owned(i, p.numel())]
+        )  # fmt: skip
+
+    def bytes_per_element(self, param: torch.Tensor, record: Record | None = None) -> int:
+        """Store bytes of one generation of one element's state of ``param`` (of ``record``'s group, or the
+        most any group needs)."""
+        if self.state_precision == "fp32" or not self.adam:
+            return self.rows(record) * 4
+        return 4 + (2 if self.masterless(param) else 4)
+
+    def masterless(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s state has no fp32 master: its own bf16 weights are updated (``"bf16"`` state)."""
+        return self.state_precision == "bf16" and param.dtype == torch.bfloat16
 
     def kept_grad_bytes(self) -> int:
         """Store bytes of the kept gradients (0 without ``kept_grads``)."""
-        return sum(_aligned(n) * 4 for n in self._owned_numels()) if self.kept_grads else 0
+        if not self.kept_grads:
+            return 0
+        params = [p for g in self._groups for p in g["params"]]
+        return sum(
+            _aligned(hi - lo) * 4 for i, p in enumerate(params) if p.requires_grad for lo, hi in [self.owned(i, p.numel())]
+        )
 
     def new_slot(self, slab) -> Slot:
         """A slot allocated from ``slab`` (a :class:`~nvoffload.transfer.HostSlab`)."""
@@ -233,11 +278,20 @@ class Layout:
         """The ``(rows, numel)`` view of ``slot`` that holds ``chunk``'s state."""
         return slot.rows(self.rows(chunk.record), chunk.numel)
 
-    @staticmethod
-    def split(rec: Record) -> bool:
+    def chunk_state(self, chunk: Chunk, rows: torch.Tensor) -> ChunkState:
+        """The typed views of ``rows`` (``chunk``'s, from :meth:`chunk_rows`)."""
+        n = chunk.numel
+        if not self.adam or self.state_precision == "fp32":
+            return ChunkState(rows, rows[0], tuple(rows[1:]))
+        moments = rows[1].view(torch.bfloat16)
+        weights = rows[0].view(torch.bfloat16)[:n] if self.masterless(chunk.record.param) else rows[0]
+        return ChunkState(rows, weights, (moments[:n], moments[n:]))
+
+    def split(self, rec: Record) -> bool:
         """fp32 parameters keep their master row in its own store entry: it equals the model's weights
-        at the start of a step, so an update reads only the moments (8 of 12 bytes per element)."""
-        return rec.param.dtype == torch.float32
+        at the start of a step, so an update reads only the moments (8 of 12 bytes per element); so do the
+        bf16 weights of a chunk without an fp32 master (see :meth:`masterless`)."""
+        return rec.param.dtype == torch.float32 or self.masterless(rec.param)
 
     def needs_master(self, chunk: Chunk) -> bool:
         """Whether an update must read the master weights (the model's are not the committed ones)."""
@@ -251,7 +305,7 @@ class Layout:
         if state:
             entries.append((chunk.name(gen), rows[1:]))
         if master:
-            entries.append((chunk.name(gen) + ".w", rows[0]))
+            entries.append((chunk.name(gen) + ".w", self.chunk_state(chunk, rows).weights))
         return entries
 
     @staticmethod

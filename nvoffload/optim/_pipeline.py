@@ -33,7 +33,7 @@ import torch
 
 from nvoffload import trace
 from nvoffload.optim._chunk_io import ChunkIO
-from nvoffload.optim._layout import LOW_PRECISION, Chunk, Slot
+from nvoffload.optim._layout import Chunk, Slot
 from nvoffload.optim._updates import Request, Update
 from nvoffload.transfer import WAIT_LIMIT_S, Future, ReadAhead, WriteBehind
 
@@ -344,19 +344,20 @@ class Pipeline:
                 io.read(chunk, chunk.gen, slot, state=False).result()
             gen = (chunk.gen or 0) + 1
             rows = io.layout.chunk_rows(chunk, slot)
+            state = io.layout.chunk_state(chunk, rows)
             dtype = chunk.record.param.dtype
             with io.model_weights(chunk.record, modify=True) as weights:
-                if dtype == torch.float32 and fresh:
-                    # the model's fp32 weights are the master (as in torch), as they were when the request was queued
-                    weights.read(chunk.elements, rows[0], slot, after=req.ready)
+                if io.layout.split(chunk.record) and fresh:
+                    # the model's weights are the master (as in torch), as they were when the request was queued
+                    weights.read(chunk.elements, state.weights, slot, after=req.ready)
                 grad, kept = self._gradient(req, slot)
                 out = None
-                if dtype in LOW_PRECISION:
+                if state.weights.dtype != dtype:  # a 16-bit parameter with an fp32 master
                     out = weights.host_view(chunk.elements)
                     out = slot.out(dtype, chunk.numel) if out is None else out
                 chunk.applied = True  # from here on the model may hold new values
                 started_ns = time.monotonic_ns()
-                updated = self._update(req, rows, grad, out)
+                updated = self._update(req, state, grad, out)
                 recording = trace.active()
                 if recording is not None:
                     name = f"parameter {chunk.record.index} chunk {chunk.index}"

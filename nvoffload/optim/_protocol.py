@@ -486,8 +486,9 @@ class StepProtocol:
                 rec = chunk.record
                 try:
                     self._io.read(chunk, chunk.gen, slot, state=False).result()
+                    committed = self._io.layout.chunk_state(chunk, self._io.layout.chunk_rows(chunk, slot)).weights
                     with self._io.model_weights(rec, modify=True) as weights:
-                        weights.write(chunk.elements, self._io.layout.chunk_rows(chunk, slot)[0], slot).result()
+                        weights.write(chunk.elements, committed, slot).result()
                 except Exception as exc:  # noqa: BLE001 - every chunk is tried; a Ctrl-C is not an I/O failure
                     failures.append(f"{rec.name} elements [{chunk.start}, {chunk.start + chunk.numel}): {exc}")
         if failures:

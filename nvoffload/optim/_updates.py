@@ -1,10 +1,11 @@
 """The two ways a chunk is updated: the fused Adam kernel, or the wrapped optimizer's own ``step``.
 
 Both take an update request (chunk, gradient slice, hyperparameters, step
-number, gradient scale), the chunk's state rows and its gradient in host
-memory, update the rows in place and return the new weights in the
-parameter's dtype (the master row for fp32; a 16-bit buffer otherwise), which
-the caller moves to the model. They also say how their state maps to a torch state dict (the codec).
+number, gradient scale), the chunk's state (its rows' typed views) and its
+gradient in host memory, update the state in place and return the new weights
+in the parameter's dtype (the master row for fp32, the weights themselves
+without an fp32 master; a 16-bit buffer otherwise), which the caller moves to
+the model. They also say how their state maps to a torch state dict (the codec).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections import defaultdict
 import torch
 
 from nvoffload.device import Event
-from nvoffload.optim._layout import LOW_PRECISION, MAX_GENERIC_ROWS, Chunk, Record
+from nvoffload.optim._layout import LOW_PRECISION, MAX_GENERIC_ROWS, STATE_PRECISIONS, Chunk, ChunkState, Record
 from nvoffload.optim.kernels import adam_step
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -48,8 +49,10 @@ class Request:
         self.comm = comm
 
 
-def for_optimizer(optimizer: torch.optim.Optimizer) -> Update:
-    """The update strategy for ``optimizer``; raises ValueError for one whose state is not per element."""
+def for_optimizer(optimizer: torch.optim.Optimizer, state_precision: str = "fp32") -> Update:
+    """The update strategy for ``optimizer`` keeping Adam's state in ``state_precision`` (see
+    :data:`~nvoffload.optim._layout.STATE_PRECISIONS`); raises ValueError for an optimizer whose state is not
+    per element."""
     cls_names = {c.__name__ for c in type(optimizer).__mro__}
     if cls_names & {"LBFGS", "SparseAdam"}:
         raise ValueError(
@@ -57,7 +60,9 @@ def for_optimizer(optimizer: torch.optim.Optimizer) -> Update:
             " (LBFGS keeps a global history; SparseAdam needs sparse gradients)"
         )
     if cls_names & {"Adam", "AdamW"} and not cls_names & {"NAdam", "RAdam", "Adamax"}:
-        return AdamUpdate(optimizer)
+        return AdamUpdate(optimizer, state_precision)
+    if state_precision != "fp32":
+        raise ValueError(f"state_precision={state_precision!r} is for Adam and AdamW, not {type(optimizer).__name__}")
     return GenericUpdate(optimizer, elementwise=bool(cls_names & set(_ELEMENTWISE)))
 
 
@@ -70,18 +75,18 @@ class Update:
     def __init__(self, inner: torch.optim.Optimizer):
         self.inner = inner
 
-    def __call__(self, req: Request, rows: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Update ``rows`` (master first) from ``req`` and the host gradient ``grad``; return the new
-        weights: ``rows[0]`` for an fp32 parameter, else ``out`` (the chunk's size, the parameter's 16-bit
-        dtype) filled."""
-        self._step(req, rows, grad, out)
-        if req.chunk.record.param.dtype not in LOW_PRECISION:
-            return rows[0]
+    def __call__(self, req: Request, state: ChunkState, grad: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Update ``state`` from ``req`` and the host gradient ``grad``; return the new weights:
+        ``state.weights`` when they have the parameter's dtype (fp32, or bf16 without an fp32 master), else
+        ``out`` (the chunk's size, the parameter's 16-bit dtype) filled."""
+        self._step(req, state, grad, out)
+        if state.weights.dtype == req.chunk.record.param.dtype:
+            return state.weights
         return out
 
-    def _step(self, req: Request, rows: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
-        """Update ``rows``; a 16-bit parameter's new weights may be written to ``out`` (else the caller
-        converts ``rows[0]`` into it)."""
+    def _step(self, req: Request, state: ChunkState, grad: torch.Tensor, out: torch.Tensor | None) -> None:
+        """Update ``state``; a 16-bit parameter's new weights are written to ``out`` when they are not
+        ``state.weights``."""
         raise NotImplementedError
 
     def check_group(self, group: dict) -> None:
@@ -101,39 +106,66 @@ class Update:
 
 
 class AdamUpdate(Update):
-    """Adam/AdamW on the fused native kernel: rows are master, ``exp_avg``, ``exp_avg_sq`` (, ``max_exp_avg_sq``)."""
+    """Adam/AdamW on the fused native kernel: the master (or bf16 weights), ``exp_avg``, ``exp_avg_sq``
+    (, ``max_exp_avg_sq``), fp32 or compact (``state_precision``).
+
+    A compact state's entries in a state dict carry ``"state_precision"`` (its moments as fp32 tensors, as
+    torch's); loading a state dict into an optimizer of another precision is refused."""
 
     adam = True
+
+    def __init__(self, inner: torch.optim.Optimizer, state_precision: str = "fp32"):
+        super().__init__(inner)
+        if state_precision not in STATE_PRECISIONS:
+            raise ValueError(f"state_precision must be one of {', '.join(STATE_PRECISIONS)}; got {state_precision!r}")
+        self.state_precision = state_precision
 
     def check_group(self, group: dict) -> None:
         if group.get("differentiable", False):
             raise ValueError("differentiable=True cannot be offloaded")
+        if self.state_precision != "fp32" and group.get("amsgrad", False):
+            raise ValueError(f"amsgrad needs the fp32 state; state_precision={self.state_precision!r} keeps no fp32 maximum")
+        if self.state_precision == "bf16" and any(p.dtype == torch.float16 for p in group["params"]):
+            raise ValueError(
+                "state_precision='bf16' updates bf16 weights by stochastic rounding; fp16 parameters need an fp32"
+                " master: use state_precision='bf16-moments'"
+            )
 
-    def _step(self, req: Request, rows: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
+    def _step(self, req: Request, state: ChunkState, grad: torch.Tensor, out: torch.Tensor | None) -> None:
         hp = req.hparams
-        low = req.chunk.record.param.dtype in LOW_PRECISION
+        rec = req.chunk.record
         b1, b2 = hp["betas"]
         adam_step(
-            rows[0], grad, rows[1], rows[2],
+            state.weights, grad, state.moments[0], state.moments[1],
             step=req.step, lr=hp["lr"], beta1=b1, beta2=b2, eps=hp["eps"],
             weight_decay=hp["weight_decay"],
             decoupled_weight_decay=bool(hp.get("decoupled_weight_decay", isinstance(self.inner, torch.optim.AdamW))),
             grad_scale=req.grad_scale, maximize=hp.get("maximize", False),
-            param_out=out if low else None,
-            max_exp_avg_sq=rows[3] if hp.get("amsgrad", False) else None,
-            offset=req.chunk.start, tensor_numel=req.chunk.record.param.numel(),
+            param_out=out if state.weights.dtype != rec.param.dtype else None,
+            max_exp_avg_sq=state.moments[2] if hp.get("amsgrad", False) else None,
+            offset=req.chunk.start, tensor_numel=rec.param.numel(),
+            sr_seed=rec.index << 32 | req.step,  # one per parameter and step: a redone update draws the same bits
         )  # fmt: skip
 
     def row_keys(self, rec: Record, nrows: int) -> tuple[str, ...]:
-        return ADAM_KEYS[: nrows - 1]
+        return ADAM_KEYS[: 3 if rec.group.get("amsgrad", False) else 2]
 
     def scalar_state(self, rec: Record) -> dict:
-        return {"step": torch.tensor(float(rec.step))}
+        st = {"step": torch.tensor(float(rec.step))}
+        if self.state_precision != "fp32":
+            st["state_precision"] = self.state_precision
+        return st
 
     def parse(self, rec: Record, st: dict, nrows: int) -> tuple[list[torch.Tensor], dict, int]:
-        keys = ADAM_KEYS[: nrows - 1]
+        saved = st.get("state_precision", "fp32")
+        if saved != self.state_precision:
+            raise ValueError(
+                f"the state of {rec.name} was saved with state_precision={saved!r}; this optimizer keeps"
+                f" {self.state_precision!r}: load it into an optimizer made with state_precision={saved!r}"
+            )
+        keys = self.row_keys(rec, nrows)
         tensors = [st[k] for k in keys if k in st]
-        if len(tensors) != nrows - 1:
+        if len(tensors) != len(keys):
             raise ValueError(f"state of {rec.name} lacks {keys}: has {sorted(st)}")
         return tensors, {}, int(float(st["step"]))
 
@@ -146,7 +178,8 @@ class GenericUpdate(Update):
         super().__init__(inner)
         self.elementwise = elementwise
 
-    def _step(self, req: Request, rows: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
+    def _step(self, req: Request, state: ChunkState, grad: torch.Tensor, out: torch.Tensor | None) -> None:
+        rows = state.rows
         chunk, rec = req.chunk, req.chunk.record
         shape = rec.param.shape if chunk.numel == rec.param.numel() else (chunk.numel,)
         cp = rows[0].view(shape)

@@ -16,6 +16,15 @@ default CPU path (``foreach=False``) the weights and moments agree to within a
 few fp32 ulps: that path rounds the tail like the rest, and its ``sqrt`` on
 large tensors goes through MKL, sometimes an ulp off.
 
+Compact state (opt-in, not exact AdamW): with bf16 ``exp_avg``/``exp_avg_sq`` the
+same fp32 arithmetic runs and the moments are rounded to nearest even when
+stored (an fp32 master: 8 bytes a parameter instead of 12); with bf16 weights
+too (no fp32 master: 4 bytes a parameter beside the weights) the weights are
+updated in place and rounded *stochastically*: up with probability the
+fraction of a bf16 ulp dropped, from a hash of ``sr_seed`` and the element's
+index in its tensor, so that updates smaller than half an ulp still move the
+weights on average, and a step is reproducible whatever the threads or chunks.
+
 The instruction set (AVX-512, AVX2+FMA+F16C, NEON or scalar) is chosen at run
 time from the CPU's features; the work runs on a persistent native thread pool
 with the GIL released.
@@ -57,6 +66,13 @@ _GRAD_DTYPES = {torch.float32: _adam.FLOAT32, torch.bfloat16: _adam.BFLOAT16, to
 # Floats per vector of torch's fused CPU Adam: its last numel % 8 elements of a tensor take the scalar loop.
 _TORCH_VECTOR_FLOATS = 8
 _OUT_DTYPES = {torch.bfloat16: _adam.BFLOAT16, torch.float16: _adam.FLOAT16}
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+# (weights, moments) -> the kernel's state form
+_STATE_FORMS = {
+    (torch.float32, torch.float32): _adam.STATE_FP32,
+    (torch.float32, torch.bfloat16): _adam.STATE_BF16_MOMENTS,
+    (torch.bfloat16, torch.bfloat16): _adam.STATE_BF16,
+}
 
 
 def _check_buffer(name: str, t: object, dtypes: dict | tuple, numel: int | None) -> torch.Tensor:
@@ -85,19 +101,25 @@ def _check_buffers(
     param_out: torch.Tensor | None,
     max_exp_avg_sq: torch.Tensor | None,
 ) -> dict[str, torch.Tensor]:
-    """Validate the buffers of one update; returns them by name."""
+    """Validate the buffers of one update (fp32 everywhere, or a compact state form); returns them by name."""
     fp32 = (torch.float32,)
-    _check_buffer("param", param, fp32, None)
+    _check_buffer("param", param, _STATE_DTYPES, None)
     n = param.numel()
     buffers = {
         "param": param,
         "grad": _check_buffer("grad", grad, _GRAD_DTYPES, n),
-        "exp_avg": _check_buffer("exp_avg", exp_avg, fp32, n),
-        "exp_avg_sq": _check_buffer("exp_avg_sq", exp_avg_sq, fp32, n),
+        "exp_avg": _check_buffer("exp_avg", exp_avg, _STATE_DTYPES, n),
+        "exp_avg_sq": _check_buffer("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n),
     }
+    if (param.dtype, exp_avg.dtype) not in _STATE_FORMS:
+        raise TypeError("bf16 weights need bf16 exp_avg and exp_avg_sq (the compact state without an fp32 master)")
     if param_out is not None:
+        if param.dtype != torch.float32:
+            raise ValueError("param_out is for fp32 weights (bf16 weights are updated in place)")
         buffers["param_out"] = _check_buffer("param_out", param_out, _OUT_DTYPES, n)
     if max_exp_avg_sq is not None:
+        if exp_avg.dtype != torch.float32:
+            raise ValueError("max_exp_avg_sq (amsgrad) needs fp32 moments")
         buffers["max_exp_avg_sq"] = _check_buffer("max_exp_avg_sq", max_exp_avg_sq, fp32, n)
     _check_disjoint(buffers)
     return buffers
@@ -142,11 +164,13 @@ def adam_step(
     max_exp_avg_sq: torch.Tensor | None = None,
     offset: int = 0,
     tensor_numel: int | None = None,
+    sr_seed: int = 0,
 ) -> None:
     """One fused Adam/AdamW update of ``param``, ``exp_avg`` and ``exp_avg_sq`` in place.
 
     Args:
-        param, exp_avg, exp_avg_sq: contiguous fp32 CPU tensors of equal numel.
+        param, exp_avg, exp_avg_sq: contiguous CPU tensors of equal numel: all fp32 (exact AdamW), fp32
+            weights with bf16 moments, or all bf16 (the weights rounded stochastically; see the module docs).
         grad: contiguous CPU fp32, bf16 or fp16 tensor of the same numel; the
             gradient used is ``grad * grad_scale`` (negated if ``maximize``).
         step: the 1-based step count used for bias correction (torch's
@@ -163,7 +187,10 @@ def adam_step(
             given, the update is AMSGrad's, as ``torch.optim.AdamW(amsgrad=True)``.
         offset, tensor_numel: the buffers are the flat elements ``[offset, offset + numel)`` of a tensor
             of ``tensor_numel`` elements (default: the whole tensor), so that the tensor's last
-            ``tensor_numel % 8`` elements get the arithmetic torch gives them.
+            ``tensor_numel % 8`` elements get the arithmetic torch gives them (and bf16 weights the random
+            bits of their index in the tensor).
+        sr_seed: bf16 weights: the stochastic rounding's seed (an unsigned 64-bit int; one per tensor and
+            step, so that no two updates of an element draw the same bits).
 
     Raises:
         TypeError: a buffer is not a tensor or has the wrong dtype.
@@ -187,6 +214,9 @@ def adam_step(
     offset, total = operator.index(offset), n if tensor_numel is None else operator.index(tensor_numel)
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
+    sr_seed = operator.index(sr_seed)
+    if not 0 <= sr_seed < 1 << 64:
+        raise ValueError(f"sr_seed must be an unsigned 64-bit int, got {sr_seed}")
     if offset + n > total:
         raise ValueError(f"offset {offset} + {n} elements exceeds tensor_numel {total}")
     if n == 0:
@@ -203,6 +233,9 @@ def adam_step(
         tail_from,
         _GRAD_DTYPES[grad.dtype],
         _adam.NONE if param_out is None else _OUT_DTYPES[param_out.dtype],
+        _STATE_FORMS[param.dtype, exp_avg.dtype],
+        sr_seed,
+        offset,
         step,
         lr,
         beta1,
@@ -233,6 +266,8 @@ def bandwidth_probe(
     Overwrites the contents of every buffer (benchmark use only).
     """
     _check_buffers(param, grad, exp_avg, exp_avg_sq, param_out, None)
+    if param.dtype != torch.float32 or exp_avg.dtype != torch.float32:
+        raise TypeError("bandwidth_probe moves the fp32 state's bytes: param, exp_avg and exp_avg_sq must be fp32")
     n = param.numel()
     _adam.stream_probe(
         param.data_ptr(),

@@ -107,7 +107,7 @@ from nvoffload.memory import retain_freed_host_memory
 from nvoffload.optim._chunk_io import ChunkIO, ResidentState, WeightHome
 from nvoffload.optim._codec import StateCodec
 from nvoffload.optim._hf_trainer import check_trainer_recipe, log_optimizer_grad_norm
-from nvoffload.optim._layout import ALIGN_NUMEL, Layout, Record
+from nvoffload.optim._layout import ALIGN_NUMEL, STATE_PRECISIONS, Layout, Record
 from nvoffload.optim._pipeline import Pipeline
 from nvoffload.optim._protocol import OffloadIOError, StepProtocol
 from nvoffload.optim._updates import for_optimizer
@@ -174,6 +174,13 @@ class OffloadOptimizerConfig:
             (``2 * rows * 4`` bytes an element: 24 for AdamW); parameters that do not require grad when added
             take none. The results, ``state_dict()`` and checkpoints are the same as with everything in the
             store. 0: all of the state is in the store.
+        state_precision: how Adam/AdamW keep their state (opt-in trades; the default is exact):
+            ``"fp32"``: exact AdamW, 12 bytes a parameter (fp32 master, ``exp_avg``, ``exp_avg_sq``);
+            ``"bf16-moments"``: the same fp32 arithmetic with both moments stored as bf16 (8 bytes);
+            ``"bf16"``: also no fp32 master for bf16 parameters, whose own weights are updated in place with
+            stochastic rounding (4 bytes of state, plus a 2-byte copy of the weights each generation; fp32
+            parameters keep their weights as the master, fp16 ones are refused). A state dict or checkpoint
+            records the precision and loads only into an optimizer of the same one; amsgrad needs ``"fp32"``.
     """
 
     cpu_memory_bytes: int = 256 << 20
@@ -189,6 +196,7 @@ class OffloadOptimizerConfig:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     collective_timeout_s: float = DEFAULT_TIMEOUT_S
     resident_state_bytes: int = 0
+    state_precision: str = "fp32"
 
     def __post_init__(self):
         if not _is_int(self.cpu_memory_bytes) or self.cpu_memory_bytes <= 0:
@@ -199,6 +207,8 @@ class OffloadOptimizerConfig:
             raise ValueError(f"chunk_bytes must be a positive multiple of {4 * ALIGN_NUMEL}, got {self.chunk_bytes!r}")
         if not _is_int(self.resident_state_bytes) or self.resident_state_bytes < 0:
             raise ValueError(f"resident_state_bytes must be an int >= 0, got {self.resident_state_bytes!r}")
+        if self.state_precision not in STATE_PRECISIONS:
+            raise ValueError(f"state_precision must be one of {', '.join(STATE_PRECISIONS)}; got {self.state_precision!r}")
         if not _is_int(self.prefetch_chunks) or self.prefetch_chunks < 0:
             raise ValueError(f"prefetch_chunks must be an int >= 0, got {self.prefetch_chunks!r}")
         if self.max_grad_norm is not None and not (
@@ -307,7 +317,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.inner = optimizer
         if config.retain_host_memory:
             retain_freed_host_memory()
-        self._update = for_optimizer(optimizer)
+        self._update = for_optimizer(optimizer, config.state_precision)
         inner_state = optimizer.state_dict() if optimizer.state else None
         self._closed = False
         self._pipeline: Pipeline | None = None  # until then, add_param_group is torch's (its __init__ calls it)
@@ -320,7 +330,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._layout = Layout(
             adam=self._update.adam, elementwise=self._update.elementwise, param_groups=self.param_groups,
             prefix=f"opt{next(_INSTANCES)}.", kept_grads=config.keeps_grads,
-            owned=self._sharding.owned if self._sharding is not None else None,
+            owned=self._sharding.owned if self._sharding is not None else None, state_precision=config.state_precision,
         )  # fmt: skip
         self._layout.plan(chunk_bytes=config.chunk_bytes, cpu_memory_bytes=config.cpu_memory_bytes, num_slots=config.num_slots)
         # slots and resident state, allocated once, freed when closed or collected
@@ -468,7 +478,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         rec = self._layout.new_record(len(self._records), p, group)
         if p.requires_grad:
             for c in rec.chunks:
-                self._resident.offer(c, self._layout.rows(rec))
+                self._resident.offer(c, c.numel * self._layout.bytes_per_element(p, rec))
         self._records.append(rec)
         self._hook_if_trained(rec)
 

@@ -8,7 +8,7 @@
   the budgets and a profile.
 """
 
-from nvoffload.planner.cost import ModelShape, Plan, PlanRequest, plan, plan_batch
+from nvoffload.planner.cost import ModelShape, Plan, PlanRequest, plan, plan_batch, state_precision_options
 from nvoffload.planner.profile import (
     BUILTIN_PROFILES,
     Drive,
@@ -16,4 +16,4 @@ from nvoffload.planner.profile import (
     load_profile,
 )
 
-__all__ = ["BUILTIN_PROFILES", "Drive", "MachineProfile", "ModelShape", "Plan", "PlanRequest", "load_profile", "plan", "plan_batch"]
+__all__ = ["BUILTIN_PROFILES", "Drive", "MachineProfile", "ModelShape", "Plan", "PlanRequest", "load_profile", "plan", "plan_batch", "state_precision_options"]

@@ -5,8 +5,9 @@ A step of ``G`` micro-batches of ``B`` sequences of ``S`` tokens does, per engin
 - **compute** (the device): ``6 * P * B * S`` FLOPs for the matrices (forward and backward) plus
   ``12 * L * B * S**2 * d`` for attention, per micro-batch, at the profile's block throughput for the width;
 - **CPU Adam**: every parameter once, at the kernel's rate for the gradients' dtype;
-- **NVMe**: the optimizer state (fp32 master and two moments: 12 bytes a parameter) read and written once a
-  step; with accumulation and released gradients, the fp32 gradient kept between micro-batches; with
+- **NVMe**: the optimizer state (fp32 master and two moments: 12 bytes a parameter; compact state, as
+  ``state_precision`` asks: 8 with bf16 moments, and without an fp32 master 4 read and 6 written, the moments
+  and a bf16 copy of the weights) read and written once a step; with accumulation and released gradients, the fp32 gradient kept between micro-batches; with
   streaming, every block the host cache cannot hold read in forward and again in backward and every block
   written back once it changed; with activation offload, every saved activation written and read once;
 - **copies** (PCIe): streamed blocks to the device, gradients from it, activations both ways.
@@ -57,12 +58,31 @@ from dataclasses import asdict, dataclass, field, replace
 from nvoffload.activations.config import ActivationOffloadConfig
 from nvoffload.io.config import IOConfig
 from nvoffload.memory import resident_state_share
+from nvoffload.optim import STATE_PRECISIONS
 from nvoffload.planner.contention import overlapped_s
 from nvoffload.planner.profile import MachineProfile
 
 __all__ = ["ModelShape", "Plan", "PlanRequest", "block_flops", "human_count", "human_size", "plan"]
 
-_OPTIMIZER_BYTES = 12  # fp32 master weights and two moments, per parameter, per generation
+# Store bytes of the optimizer state a parameter, (read, written) per step, by state precision: exact (fp32 master and two
+# moments), bf16 moments beside the fp32 master, and for bf16 weights no master (the moments read; the moments and a
+# bf16 copy of the weights written). An fp32 model's master is its weights, so it reads 4 bytes less (not modelled).
+_STATE_BYTES = {"fp32": (12, 12), "bf16-moments": (8, 8), "bf16": (4, 6)}
+
+
+_STATE_WORDS = {
+    "fp32": "fp32 master and moments",
+    "bf16-moments": "fp32 master, bf16 moments: not exact AdamW",
+    "bf16": "bf16 moments, bf16 weights by stochastic rounding: not exact AdamW",
+}
+
+
+def state_bytes_per_param(state_precision: str, dtype: str) -> tuple[int, int]:
+    """Store bytes of one parameter's optimizer state (read, written) a step."""
+    if state_precision == "bf16" and dtype != "bfloat16":  # other weights keep a master (fp32: the weights)
+        return _STATE_BYTES["bf16-moments"]
+    return _STATE_BYTES[state_precision]
+
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _HOST_OVERHEAD_BYTES = 1 << 30  # the interpreter, torch and the I/O threads' buffers, besides the budgets
 # bench/bench_plan.py finds the plan within 15% of finetune from a 25M-parameter GPT (d_model 512, 8 layers) up to
@@ -317,6 +337,7 @@ class PlanRequest:
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] | None = None
     vertical: bool = True
+    state_precision: str = "fp32"  # the optimizer's (see nvoffload.optim.OffloadOptimizerConfig)
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "grad_accum_steps", "cpu_memory_bytes", "device_memory_bytes", "swap_dirs", "ranks"):
@@ -325,6 +346,8 @@ class PlanRequest:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.dtype not in _DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.state_precision not in STATE_PRECISIONS:
+            raise ValueError(f"state_precision must be one of {', '.join(STATE_PRECISIONS)}; got {self.state_precision!r}")
         if self.activations not in (None, "keep", "offload", "recompute"):
             raise ValueError(f"activations must be keep, offload, recompute or None, got {self.activations!r}")
         if self.lora_targets is not None:
@@ -423,6 +446,17 @@ def plan(request: PlanRequest, profile: MachineProfile, *, recompute: bool = Tru
     if fitting:
         return min(fitting, key=lambda p: p.step_s)
     return plans[-1] if streams[-1] else plans[len(kinds) - 1]
+
+
+def state_precision_options(chosen: Plan, profile: MachineProfile) -> dict[str, Plan]:
+    """``chosen``'s step with each other optimizer state precision (same placement, batch and micro-batches):
+    what a compact state would gain (or, from a compact plan, what exact AdamW costs)."""
+    r = chosen.request
+    return {
+        p: _plan(replace(r, stream=chosen.stream, activations=chosen.activations, state_precision=p), profile,
+                 chosen.stream, chosen.activations)
+        for p in STATE_PRECISIONS if p != r.state_precision
+    }  # fmt: skip
 
 
 def plan_batch(request: PlanRequest, profile: MachineProfile, *, max_tokens_per_step: int = 1 << 20,
@@ -529,7 +563,9 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
             f" {human_size(r.device_memory_bytes)}: {', or '.join(ways)}"
         )
     # one generation of the optimizer state on NVMe: what resident state (two generations in host memory) leaves
-    state = max(0, shard - resident_host // (2 * _OPTIMIZER_BYTES)) * _OPTIMIZER_BYTES
+    state_read, state_written = state_bytes_per_param(r.state_precision, r.dtype)
+    on_nvme = max(0, shard - resident_host // (2 * state_written))  # parameters whose state is in the store
+    state, state_in = on_nvme * state_written, on_nvme * state_read
     # fp32 gradient sums kept between micro-batches; by the vertical schedule none, but with clipping each gradient
     # once, for the redo of a step whose norm clips (read back only then: not counted)
     kept_grads = shard * 4 if stream and g > 1 and (not vertical or r.max_grad_norm) else 0
@@ -550,7 +586,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
         block_saved = [block_inputs // m.n_layer]
     act_io = g * ((block_inputs if vertical else activations) + sum(outside_saved)) if offload else 0
     kept_io = kept_grads if vertical else (g - 1) * kept_grads
-    read = state + weight_reads + act_io + (0 if vertical else kept_io)
+    read = state_in + weight_reads + act_io + (0 if vertical else kept_io)
     written = state + weight_writes + act_io + kept_io
     h2d = (passes * 2 * m.n_layer * block_bytes if stream else shard * dtype_bytes) + act_io  # a rank's updated weights
     d2h = passes * shard * dtype_bytes + act_io  # the gradients of a rank's parameters
@@ -607,8 +643,8 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     # The parameters outside the blocks (embeddings, a tied LM head) have their last gradient only as backward
     # ends: their updates and their optimizer state's traffic run after it, a tail the step waits for.
     last = 0.0 if held else resident_trainable / trainable
-    state_io = state / (drives.read_gbps * 1e9) + state / (drives.write_gbps * 1e9)
-    state_checksums = 2 * state / crc_rate if r.checksum else 0.0
+    state_io = state_in / (drives.read_gbps * 1e9) + state / (drives.write_gbps * 1e9)
+    state_checksums = (state_in + state) / crc_rate if r.checksum else 0.0
     tail = beside_io(last * (adam + state_checksums), last * state_io)
     nvme_rest = nvme_read_s + nvme_write_s - fwd_io - last * state_io - serial * act_read_s
     cpu_backward = (compute * (1 - fwd_share) if on_cpu else 0) + (0 if held else adam + checksums - last * (adam + state_checksums)) + (copies / 2 if on_cpu else 0)
@@ -633,7 +669,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
             "device, all-reduced during the last backward" + (", until step()" if held else ", then consumed"))
     placement = {
         "parameters": ("NVMe, streamed block by block through host memory" if stream else "device") + ("; every rank its copy" if n > 1 else ""),
-        "optimizer state": "NVMe (fp32 master and moments), updated by the CPU" + (f"; each rank 1/{n} of it" if n > 1 else "")
+        "optimizer state": f"NVMe ({_STATE_WORDS[r.state_precision]}), updated by the CPU" + (f"; each rank 1/{n} of it" if n > 1 else "")
         + (f"; {human_size(resident_host // 2)} of it resident in host memory" if resident_host else ""),
         **({"trainable": f"LoRA adapters of rank {r.lora_rank}, {human_count(trainable)} parameters; the model frozen:"
                          " no gradients, no optimizer state, never written back"} if lora else {}),

@@ -1,0 +1,218 @@
+"""Compact optimizer state (issue 34): bf16 moments, and bf16 weights without an fp32 master.
+
+The offloaded optimizer, its state cut into chunks and moved through the store,
+must give exactly what the fused kernel gives on whole tensors in memory (the
+kernel's compact forms are checked element by element in test_adam_compact.py),
+while the store's counters show the bytes each form saves.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from nvoffload.optim.kernels import adam_step
+from nvoffload.optim.offload import NVMeAdamW, OffloadOptimizer
+from nvoffload.training_checkpoint import load_training_checkpoint, save_training_checkpoint
+
+CHUNK = 4096 * 4  # fp32 bytes of master per chunk: several chunks per weight
+LR, WD = 1e-2, 0.1
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 256)
+        self.fc2 = nn.Linear(256, 64)
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def batches(n, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 32, generator=g).to(dtype), torch.randn(16, 8, generator=g)) for _ in range(n)]
+
+
+def loss_of(model, x, y):
+    return (model(x).float() - y).square().mean()
+
+
+class Reference:
+    """AdamW with compact state on whole tensors in memory: the fused kernel, one call per parameter."""
+
+    def __init__(self, model, precision):
+        self.params = list(model.parameters())
+        self.precision = precision
+        self.step_count = 0
+        self.state = []
+        for p in self.params:
+            masterless = precision == "bf16" and p.dtype == torch.bfloat16
+            master = None if masterless or p.dtype == torch.float32 else p.detach().float().reshape(-1).clone()
+            moments = torch.float32 if precision == "fp32" else torch.bfloat16
+            self.state.append((master, torch.zeros(p.numel(), dtype=moments), torch.zeros(p.numel(), dtype=moments)))
+
+    def step(self, grad_scale=1.0):
+        self.step_count += 1
+        for i, (p, (master, m, v)) in enumerate(zip(self.params, self.state)):
+            weights = p.data.view(-1) if master is None else master
+            adam_step(weights, p.grad.reshape(-1).contiguous(), m, v, step=self.step_count, lr=LR, beta1=0.9,
+                      beta2=0.999, eps=1e-8, weight_decay=WD, grad_scale=grad_scale, sr_seed=i << 32 | self.step_count,
+                      param_out=None if master is None else p.data.view(-1))  # fmt: skip
+            p.grad = None
+
+
+def run(model, opt, data):
+    losses = []
+    for x, y in data:
+        loss = loss_of(model, x, y)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        if not isinstance(opt, Reference):
+            opt.zero_grad()
+    return losses
+
+
+def offloaded(model, tmp_path, precision, **kw):
+    tmp_path.mkdir(exist_ok=True)
+    return NVMeAdamW(model.parameters(), lr=LR, weight_decay=WD, swap_dir=tmp_path, chunk_bytes=CHUNK,
+                     state_precision=precision, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("precision", ["bf16-moments", "bf16"])
+def test_offloaded_compact_state_equals_the_kernel_on_whole_tensors(tmp_path, dtype, precision):
+    torch.manual_seed(0)
+    base = Net().to(dtype)
+    ref_model, off_model = copy.deepcopy(base), copy.deepcopy(base)
+    ref, opt = Reference(ref_model, precision), offloaded(off_model, tmp_path / "swap", precision)
+    data = batches(4, dtype)
+    assert run(off_model, opt, data) == run(ref_model, ref, data)
+    for a, b in zip(off_model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+    sd = opt.state_dict()["state"]
+    for i, (master, m, v) in enumerate(ref.state):
+        assert sd[i]["state_precision"] == precision
+        assert torch.equal(sd[i]["exp_avg"].view(-1), m.float()) and torch.equal(sd[i]["exp_avg_sq"].view(-1), v.float())
+        assert sd[i]["exp_avg"].dtype == torch.float32  # as torch's state dict has it
+        if master is None:
+            assert "master_param" not in sd[i]
+        else:
+            assert torch.equal(sd[i]["master_param"].view(-1), master)
+    opt.close()
+
+
+def test_compact_state_follows_exact_adamw_closely(tmp_path):
+    torch.manual_seed(0)
+    base = Net()
+    exact, compact = copy.deepcopy(base), copy.deepcopy(base)
+    opt_exact = torch.optim.AdamW(exact.parameters(), lr=LR, weight_decay=WD, fused=True)
+    opt_compact = offloaded(compact, tmp_path / "swap", "bf16-moments")
+    data = batches(10, torch.float32)
+    losses_exact, losses_compact = run(exact, opt_exact, data), run(compact, opt_compact, data)
+    assert losses_exact != losses_compact  # not exact ...
+    torch.testing.assert_close(losses_compact, losses_exact, rtol=2e-2, atol=0)  # ... but close
+    opt_compact.close()
+
+
+@pytest.mark.parametrize(
+    "dtype,precision,read,written",
+    [
+        # fp32 parameters keep their master as the model's weights: an update reads the moments only
+        (torch.float32, "fp32", 8, 12),
+        (torch.float32, "bf16-moments", 4, 8),
+        (torch.float32, "bf16", 4, 8),
+        # bf16 parameters: master and moments, or moments and a bf16 copy of the weights
+        (torch.bfloat16, "fp32", 12, 12),
+        (torch.bfloat16, "bf16-moments", 8, 8),
+        (torch.bfloat16, "bf16", 4, 6),
+    ],
+)
+def test_store_bytes_per_step_are_the_state_bytes_per_parameter(tmp_path, dtype, precision, read, written):
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    opt = offloaded(model, tmp_path / "swap", precision)
+    data = batches(3, dtype)
+    run(model, opt, data[:1])  # the first step initializes the state
+    numel = sum(p.numel() for p in model.parameters())
+    for x, y in data[1:]:
+        opt.reset_io_stats()
+        run(model, opt, [(x, y)])
+        stats = opt.memory_stats()
+        assert (stats.read_bytes, stats.written_bytes) == (read * numel, written * numel)
+    opt.close()
+
+
+@pytest.mark.parametrize("precision", ["bf16-moments", "bf16"])
+def test_clipped_redo_with_released_grads_equals_the_reference(tmp_path, precision):
+    # release_grads applies each update during backward and redoes it in step() once the norm says clip:
+    # the committed weights come back from the store (the bf16 copy without an fp32 master).
+    torch.manual_seed(0)
+    base = Net().to(torch.bfloat16)
+    ref_model, off_model = copy.deepcopy(base), copy.deepcopy(base)
+    ref = Reference(ref_model, precision)
+    opt = offloaded(off_model, tmp_path / "swap", precision, release_grads=True, max_grad_norm=0.05)
+    for x, y in batches(3, torch.bfloat16):
+        losses = []
+        for model in (off_model, ref_model):
+            loss = loss_of(model, x, y)
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        norm = torch.tensor(opt.grad_norm(), dtype=torch.float32)  # the norm measured as the gradients passed
+        coef = float(torch.clamp(0.05 / (norm + 1e-6), max=1.0))  # as clip_grad_norm_
+        assert coef < 1.0
+        ref.step(grad_scale=coef)
+        assert losses[0] == losses[1]
+    for a, b in zip(off_model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+    opt.close()
+
+
+@pytest.mark.parametrize("precision", ["bf16-moments", "bf16"])
+def test_a_checkpoint_resumes_exactly_and_loads_only_into_its_precision(tmp_path, precision):
+    torch.manual_seed(0)
+    base = Net().to(torch.bfloat16)
+    data = batches(6, torch.bfloat16)
+    straight = copy.deepcopy(base)
+    opt = offloaded(straight, tmp_path / "a", precision)
+    want = run(straight, opt, data)
+    opt.close()
+
+    first = copy.deepcopy(base)
+    opt = offloaded(first, tmp_path / "b", precision)
+    run(first, opt, data[:3])
+    save_training_checkpoint(tmp_path / "ckpt", step=3, model=first, optimizer=opt)
+    opt.close()
+    resumed = copy.deepcopy(base)
+    opt = offloaded(resumed, tmp_path / "c", precision)
+    load_training_checkpoint(tmp_path / "ckpt", model=resumed, optimizer=opt)
+    assert run(resumed, opt, data[3:]) == want[3:]
+    for a, b in zip(resumed.parameters(), straight.parameters()):
+        assert torch.equal(a, b)
+    sd = opt.state_dict()
+    opt.close()
+
+    plain = copy.deepcopy(base)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR)
+    run(plain, plain_opt, data[:1])
+    for saved, state_dict, into in ((precision, sd, "fp32"), ("fp32", plain_opt.state_dict(), precision)):
+        target = offloaded(copy.deepcopy(base), tmp_path / f"into-{into}", into)
+        with pytest.raises(ValueError, match=f"saved with state_precision='{saved}'"):
+            target.load_state_dict(state_dict)
+        target.close()
+
+
+def test_what_the_compact_state_refuses(tmp_path):
+    model = Net()
+    with pytest.raises(ValueError, match="amsgrad needs the fp32 state"):
+        NVMeAdamW(model.parameters(), amsgrad=True, swap_dir=tmp_path, state_precision="bf16-moments")
+    with pytest.raises(ValueError, match="state_precision='bf16-moments'"):
+        NVMeAdamW(Net().half().parameters(), swap_dir=tmp_path, state_precision="bf16")
+    with pytest.raises(ValueError, match="is for Adam and AdamW, not SGD"):
+        OffloadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), swap_dir=tmp_path, state_precision="bf16")
+    with pytest.raises(ValueError, match="state_precision must be one of fp32, bf16-moments, bf16"):
+        NVMeAdamW(model.parameters(), swap_dir=tmp_path, state_precision="int8")
