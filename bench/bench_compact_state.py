@@ -48,7 +48,7 @@ def parse_args(argv):
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
     if args.quick:
-        args.preset, args.optimizer_steps, args.gpt_steps, args.hf_steps, args.seq_len = "tiny", 3, 25, 25, 16
+        args.preset, args.optimizer_steps, args.gpt_steps, args.hf_steps, args.seq_len = "tiny", 3, 4, 4, 16
         args.cpu_memory = "16M"
     return args
 

@@ -18,7 +18,8 @@ One checkpoint is a directory ``<directory>/checkpoint-<step>/`` holding:
   :class:`~nvoffload.optim.OffloadOptimizer`'s) or taken from its
   ``state_dict()`` (any other torch optimizer);
 - ``trainer_state.pt``: the small rest: the optimizer's hyperparameters and
-  scalar state (and its loss scale), the LR scheduler's and ``GradScaler``'s
+  scalar state (and its loss scale; a compact state's ``state_precision``, so that
+  it loads only into an optimizer of the same precision), the LR scheduler's and ``GradScaler``'s
   state dicts, the RNG states (torch's CPU and CUDA generators, Python's
   ``random``, numpy's when imported) and the caller's ``extra`` (e.g. the
   position in the data);

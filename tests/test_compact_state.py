@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from test_streaming import config as streaming_config
 from torch import nn
 
 from nvoffload.optim.kernels import adam_step
@@ -216,3 +217,59 @@ def test_what_the_compact_state_refuses(tmp_path):
         OffloadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), swap_dir=tmp_path, state_precision="bf16")
     with pytest.raises(ValueError, match="state_precision must be one of fp32, bf16-moments, bf16"):
         NVMeAdamW(model.parameters(), swap_dir=tmp_path, state_precision="int8")
+
+
+@pytest.mark.parametrize("precision", ["bf16-moments", "bf16"])
+def test_streamed_training_with_compact_state_equals_the_optimizer_on_the_whole_model(tmp_path, precision):
+    """initialize() streams the parameters and hands the optimizer the weights in the streamer's host cache (its
+    WeightHome): the compact updates land there as they do in a model held whole."""
+    import nvoffload
+    from nvoffload.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset("tiny")
+    whole = GPT(cfg).to(torch.bfloat16)
+    streamed = copy.deepcopy(whole)
+    opt_whole = offloaded(whole, tmp_path / "whole", precision)
+    (tmp_path / "streamed").mkdir()
+    streamed, opt = nvoffload.initialize(
+        streamed, torch.optim.AdamW(streamed.parameters(), lr=LR, weight_decay=WD),
+        streaming_config(tmp_path / "streamed", streamed, state_precision=precision),
+    )  # fmt: skip
+    try:
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            x = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
+            losses = []
+            for model, o in ((whole, opt_whole), (streamed, opt)):
+                loss = model(x, x.roll(-1, dims=1))
+                loss.backward()
+                o.step()
+                o.zero_grad()
+                losses.append(loss.item())
+            assert losses[0] == losses[1]
+            assert all(p.untyped_storage().nbytes() == 0 for p in streamed.blocks.parameters())  # streamed
+        got = streamed.state_dict()
+        for name, value in whole.state_dict().items():
+            assert torch.equal(got[name], value), name
+        assert opt.state_dict()["state"][0]["state_precision"] == precision
+    finally:
+        opt.session.close()
+        opt_whole.close()
+
+
+def test_finetune_says_the_state_is_not_exact_and_resumes_only_with_its_precision(tmp_path, capsys):
+    from nvoffload.cli import main
+
+    (tmp_path / "swap").mkdir()
+    base = ["finetune", "--preset", "tiny", "--dtype", "bfloat16", "--batch-size", "2", "--seq-len", "16", "--no-progress",
+            "--swap-dir", str(tmp_path / "swap"), "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
+    assert main([*base, "--steps", "2", "--optimizer-state", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer state (bf16 moments, no fp32 master for bfloat16 weights (stochastic rounding): not exact AdamW)" in out
+    assert main([*base, "--steps", "3", "--resume"]) == 2  # the default, exact AdamW
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was saved with --optimizer-state='bf16'; this optimizer keeps 'fp32'" in err[0], err
+    assert main([*base, "--steps", "3", "--resume", "--optimizer-state", "bf16"]) == 0
+    assert main(["finetune", "--preset", "tiny", "--dtype", "float16", "--optimizer-state", "bf16"]) == 2
+    assert "float16 needs an fp32 master" in capsys.readouterr().err
