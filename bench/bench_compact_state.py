@@ -44,6 +44,7 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--cpu-memory", default="4G", help="finetune's host budget (its state resident where it fits: this part measures the loss, the first the bytes)")
+    p.add_argument("--device", default="cpu", help="finetune's --device: cpu (default) or cuda")
     p.add_argument("--swap-dir", default=None, help="default: a temporary directory under /tmp")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
@@ -102,7 +103,7 @@ def tiny_llama(directory: Path, quick: bool) -> str:
 def finetune_losses(model_flags: list[str], precision: str, args, swap: str, log: Path) -> list[dict]:
     flags = [*model_flags, "--dtype", "bfloat16", "--optimizer-state", precision, "--batch-size", str(args.batch_size),
              "--seq-len", str(args.seq_len), "--cpu-memory", args.cpu_memory, "--swap-dir", swap, "--log-dir", str(log),
-             "--no-progress"]  # fmt: skip
+             "--device", args.device, "--no-progress"]  # fmt: skip
     status, out, err = nvoffload_command(["finetune", *flags], fresh_process=not args.quick)
     if status != 0:
         raise RuntimeError(f"nvoffload finetune {' '.join(flags)} failed:\n{out[-1500:]}{err[-1500:]}")
