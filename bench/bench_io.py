@@ -31,6 +31,7 @@ share the machine's noise; the median is reported with the ratio to fio.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -183,6 +184,9 @@ def parse_args(argv):
         "Cases run with the first one alone and with all of them",
     )
     p.add_argument("--threads", type=int, default=None, help="IOConfig.num_threads (default: IOConfig's)")
+    p.add_argument("--thread-sweep", default=None, metavar="N,N,...",
+                   help="also the store with and without checksums at each of these IOConfig.num_threads, on the"
+                   " first directory: how the checksums' cost scales with the I/O threads")  # fmt: skip
     p.add_argument("--block-kib", type=int, default=None, help="IOConfig.block_size_bytes in KiB")
     p.add_argument("--queue-depth", type=int, default=None, help="IOConfig.queue_depth")
     p.add_argument("--no-fio", action="store_true", help="leave out the fio peer")
@@ -246,6 +250,12 @@ def main(argv=None) -> Path:
     cases.append(("TensorStore", True, lambda d: store_bandwidth(d, aligned, config, checksum=False)))
     cases.append(("TensorStore crc32c", True, lambda d: store_bandwidth(d, aligned, config, checksum=True)))
     cases.append(("TensorStore unaligned", True, lambda d: store_bandwidth(d, unaligned, config, checksum=False)))
+    sweep = [int(n) for n in args.thread_sweep.split(",")] if args.thread_sweep else []
+    for threads in sweep:
+        swept = dataclasses.replace(config, num_threads=threads)
+        for checksum in (False, True):
+            name = f"TensorStore{' crc32c' if checksum else ''} {threads} threads"
+            cases.append((name, False, lambda d, c=swept, k=checksum: store_bandwidth(d, aligned, c, checksum=k)))
     cases.append(("torch.save/load", False, lambda d: file_bandwidth(d, aligned, torch_save, torch_load)))
     cases.append(("numpy tofile/fromfile", False, lambda d: file_bandwidth(d, aligned, numpy_save, numpy_load)))
 
@@ -273,6 +283,19 @@ def main(argv=None) -> Path:
         row["write_vs_fio"] = row["write_GBps"] / fio["write_GBps"] if fio else float("nan")
         row["read_vs_fio"] = row["read_GBps"] / fio["read_GBps"] if fio else float("nan")
 
+    scaling = []
+    for threads in sweep:
+        plain = next(r for r in rows if r["case"] == f"TensorStore {threads} threads x1")
+        checked = next(r for r in rows if r["case"] == f"TensorStore crc32c {threads} threads x1")
+        scaling.append({
+            "threads": threads,
+            "write_GBps": plain["write_GBps"], "write_crc_GBps": checked["write_GBps"],
+            "write_crc_ratio": checked["write_GBps"] / plain["write_GBps"],
+            "read_GBps": plain["read_GBps"], "read_crc_GBps": checked["read_GBps"],
+            "read_crc_ratio": checked["read_GBps"] / plain["read_GBps"],
+        })  # fmt: skip
+    if scaling:
+        print(markdown_table(scaling))
     notes = (
         f"{count} tensors of {args.tensor_mib} MiB ({total / (1 << 30):.2f} GiB) per case, median of "
         f"{args.repeats} interleaved runs. Buffered peers: fsync counted in writes; page cache emptied before "
@@ -294,7 +317,7 @@ def main(argv=None) -> Path:
     print(markdown_table(hashes))
     return save_report(
         "bench_io", rows, settings=settings, plot_column="read_GBps", notes=notes, results_dir=args.results_dir,
-        extra={"checksums": hashes},
+        extra={"checksums": hashes, "thread_scaling": scaling},
     )  # fmt: skip
 
 

@@ -14,11 +14,13 @@ def test_bench_io_quick(tmp_path, monkeypatch, capsys):
     dirs = [tmp_path / "a", tmp_path / "b"]
     for d in dirs:
         d.mkdir()
-    path = bench.main(["--quick", "--dirs", ",".join(map(str, dirs)), "--results-dir", str(tmp_path / "results")])
+    path = bench.main(["--quick", "--dirs", ",".join(map(str, dirs)), "--thread-sweep", "1",
+                       "--results-dir", str(tmp_path / "results")])  # fmt: skip
     record = json.loads(Path(path).read_text())
     rows = {row["case"]: row for row in record["rows"]}
     expected = {"TensorStore x1", "TensorStore unaligned x1", "torch.save/load x1", "numpy tofile/fromfile x1"}
     expected |= {"TensorStore x2", "TensorStore unaligned x2", "TensorStore crc32c x1", "TensorStore crc32c x2"}
+    expected |= {f"TensorStore{crc} {n} threads x1" for crc in ("", " crc32c") for n in (1,)}  # first directory only
     have_fio = shutil.which("fio") is not None
     if have_fio:
         expected |= {"fio x1", "fio x2"}
@@ -35,5 +37,10 @@ def test_bench_io_quick(tmp_path, monkeypatch, capsys):
     hashes = {row["case"]: row for row in record["checksums"]}
     assert set(hashes) == {"crc32c native (SSE4.2)", "crc32c native (table)", "zlib.crc32", "memory read (limit)"}
     assert all(row["GBps"] > 0.01 for row in hashes.values()) and hashes["zlib.crc32"]["vs_zlib"] == 1.0
+    scaling = {row["threads"]: row for row in record["thread_scaling"]}
+    assert set(scaling) == {1}
+    for n, row in scaling.items():
+        assert row["write_crc_ratio"] == rows[f"TensorStore crc32c {n} threads x1"]["write_GBps"] / row["write_GBps"]
+        assert row["read_crc_ratio"] == rows[f"TensorStore crc32c {n} threads x1"]["read_GBps"] / row["read_GBps"]
     assert (tmp_path / "results" / "bench_io.md").exists()
     assert sorted(p.name for d in dirs for p in d.iterdir()) == []  # every scratch file removed
