@@ -273,3 +273,34 @@ def test_finetune_says_the_state_is_not_exact_and_resumes_only_with_its_precisio
     assert main([*base, "--steps", "3", "--resume", "--optimizer-state", "bf16"]) == 0
     assert main(["finetune", "--preset", "tiny", "--dtype", "float16", "--optimizer-state", "bf16"]) == 2
     assert "float16 needs an fp32 master" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision,state_bytes,home_bytes", [("bf16-moments", 8, 8), ("bf16", 6, 8)])
+def test_resident_compact_state_moves_nothing_and_changes_nothing(tmp_path, precision, state_bytes, home_bytes):
+    """Resident chunks keep both generations of their rows in host memory (an fp32 row's room per row, as the
+    planner counts them: nvoffload.planner.cost.state_bytes_per_param) and never touch the store."""
+    from nvoffload.planner.cost import state_bytes_per_param
+
+    assert state_bytes_per_param(precision, "bfloat16")[1:] == (state_bytes, home_bytes)
+    torch.manual_seed(0)
+    base = Net().to(torch.bfloat16)
+    in_store, resident = copy.deepcopy(base), copy.deepcopy(base)
+    opt_store = offloaded(in_store, tmp_path / "store", precision)
+    opt_res = offloaded(resident, tmp_path / "resident", precision, resident_state_bytes=64 << 20)
+    data = batches(3, torch.bfloat16)
+    run(in_store, opt_store, data[:1])
+    run(resident, opt_res, data[:1])
+    opt_res.reset_io_stats()
+    assert run(resident, opt_res, data[1:]) == run(in_store, opt_store, data[1:])
+    stats = opt_res.memory_stats()
+    numel = sum(p.numel() for p in resident.parameters())
+    assert (stats.read_bytes, stats.written_bytes) == (0, 0)
+    assert stats.resident_state_bytes == state_bytes * numel
+    chunks = [c for r in opt_res._records for c in r.chunks]
+    assert stats.resident_bytes == sum(2 * -(-home_bytes * c.numel // 4096) * 4096 for c in chunks)
+    for a, b in zip(resident.parameters(), in_store.parameters()):
+        assert torch.equal(a, b)
+    sd_res, sd_store = opt_res.state_dict()["state"], opt_store.state_dict()["state"]
+    assert all(torch.equal(sd_res[i][k], sd_store[i][k]) for i in sd_store for k in ("exp_avg", "exp_avg_sq"))
+    opt_res.close()
+    opt_store.close()

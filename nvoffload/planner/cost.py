@@ -64,10 +64,11 @@ from nvoffload.planner.profile import MachineProfile
 
 __all__ = ["ModelShape", "Plan", "PlanRequest", "block_flops", "human_count", "human_size", "plan"]
 
-# Store bytes of the optimizer state a parameter, (read, written) per step, by state precision: exact (fp32 master and two
-# moments), bf16 moments beside the fp32 master, and for bf16 weights no master (the moments read; the moments and a
-# bf16 copy of the weights written). An fp32 model's master is its weights, so it reads 4 bytes less (not modelled).
-_STATE_BYTES = {"fp32": (12, 12), "bf16-moments": (8, 8), "bf16": (4, 6)}
+# Bytes of the optimizer state a parameter, (store read, store written, host memory a resident generation takes) per
+# step, by state precision: exact (fp32 master and two moments), bf16 moments beside the fp32 master, and for bf16
+# weights no master (the moments read; the moments and a bf16 copy of the weights written; resident, the copy takes
+# an fp32 row's room). An fp32 model's master is its weights, so it reads 4 bytes less (not modelled).
+_STATE_BYTES = {"fp32": (12, 12, 12), "bf16-moments": (8, 8, 8), "bf16": (4, 6, 8)}
 
 
 _STATE_WORDS = {
@@ -77,8 +78,9 @@ _STATE_WORDS = {
 }
 
 
-def state_bytes_per_param(state_precision: str, dtype: str) -> tuple[int, int]:
-    """Store bytes of one parameter's optimizer state (read, written) a step."""
+def state_bytes_per_param(state_precision: str, dtype: str) -> tuple[int, int, int]:
+    """Bytes of one parameter's optimizer state a step: (store read, store written, host bytes of one resident
+    generation)."""
     if state_precision == "bf16" and dtype != "bfloat16":  # other weights keep a master (fp32: the weights)
         return _STATE_BYTES["bf16-moments"]
     return _STATE_BYTES[state_precision]
@@ -563,8 +565,8 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
             f" {human_size(r.device_memory_bytes)}: {', or '.join(ways)}"
         )
     # one generation of the optimizer state on NVMe: what resident state (two generations in host memory) leaves
-    state_read, state_written = state_bytes_per_param(r.state_precision, r.dtype)
-    on_nvme = max(0, shard - resident_host // (2 * state_written))  # parameters whose state is in the store
+    state_read, state_written, state_home = state_bytes_per_param(r.state_precision, r.dtype)
+    on_nvme = max(0, shard - resident_host // (2 * state_home))  # parameters whose state is in the store
     state, state_in = on_nvme * state_written, on_nvme * state_read
     # fp32 gradient sums kept between micro-batches; by the vertical schedule none, but with clipping each gradient
     # once, for the redo of a step whose norm clips (read back only then: not counted)
