@@ -167,15 +167,12 @@ class Layout:
             redone update (one more fp32 row per slot, and per element in the store).
         owned: ``owned(index, numel)`` gives the elements ``(lo, hi)`` of parameter ``index`` whose state this
             optimizer keeps (its rank's share, see :mod:`nvoffload.distributed`); default: all.
-        state_precision: one of :data:`STATE_PRECISIONS` (Adam only; compact forms have no amsgrad).
+        state_precision: one of :data:`STATE_PRECISIONS` (validated by the optimizer's configuration; compact
+            forms are Adam's, without amsgrad).
     """
 
     def __init__(self, *, adam: bool, elementwise: bool, param_groups: list[dict], prefix: str, kept_grads: bool,
                  owned: Callable[[int, int], tuple[int, int]] | None = None, state_precision: str = "fp32"):  # fmt: skip
-        if state_precision not in STATE_PRECISIONS:
-            raise ValueError(f"state_precision must be one of {', '.join(STATE_PRECISIONS)}; got {state_precision!r}")
-        if state_precision != "fp32" and not adam:
-            raise ValueError(f"state_precision={state_precision!r} is for Adam and AdamW; other optimizers keep fp32 state")
         self.adam = adam
         self.state_precision = state_precision
         self.owned = owned if owned is not None else _all_elements
@@ -236,11 +233,7 @@ class Layout:
     def state_bytes(self) -> int:
         """Store bytes of one generation of the state of every trained parameter's owned elements (frozen ones,
         a LoRA model's base weights, have none)."""
-        params = [p for g in self._groups for p in g["params"]]
-        return sum(
-            _aligned(hi - lo) * self.bytes_per_element(p)
-            for i, p in enumerate(params) if p.requires_grad for lo, hi in [self.owned(i, p.numel())]
-        )  # fmt: skip
+        return sum(_aligned(n) * self.bytes_per_element(p) for p, n in self._owned())
 
     def bytes_per_element(self, param: torch.Tensor, record: Record | None = None) -> int:
         """Store bytes of one generation of one element's state of ``param`` (of ``record``'s group, or the
@@ -255,12 +248,12 @@ class Layout:
 
     def kept_grad_bytes(self) -> int:
         """Store bytes of the kept gradients (0 without ``kept_grads``)."""
-        if not self.kept_grads:
-            return 0
+        return sum(_aligned(n) * 4 for _, n in self._owned()) if self.kept_grads else 0
+
+    def _owned(self) -> list[tuple[torch.Tensor, int]]:
+        """Each parameter that requires grad (a frozen one gets no state) and the elements of it owned here."""
         params = [p for g in self._groups for p in g["params"]]
-        return sum(
-            _aligned(hi - lo) * 4 for i, p in enumerate(params) if p.requires_grad for lo, hi in [self.owned(i, p.numel())]
-        )
+        return [(p, hi - lo) for i, p in enumerate(params) if p.requires_grad for lo, hi in [self.owned(i, p.numel())]]
 
     def new_slot(self, slab) -> Slot:
         """A slot allocated from ``slab`` (a :class:`~nvoffload.transfer.HostSlab`)."""
