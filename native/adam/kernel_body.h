@@ -58,7 +58,7 @@ inline void store_out_pair(unsigned char* out, typename V::R x0, typename V::R x
 
 // The stochastic rounding's random bits: the high 16 bits of the element's
 // index (its low 32 bits) xor a key, times 2^32 / golden ratio (Fibonacci
-// hashing: one multiply, so that the rounding keeps up with memory). The key
+// hashing: one multiply a lane; bench/README.md gives what the rounding costs). The key
 // is Chris Wellons' lowbias32 hash of the seed and the index's high 32 bits, so
 // across steps (seeds) an element's bits are uniform: each rounding is
 // unbiased. tests/test_adam_compact.py computes the same in numpy.
