@@ -49,7 +49,7 @@ from nvoffload.metrics import MetricsLog
 from nvoffload.models import GPT
 from nvoffload.optim import LossScaling
 from nvoffload.optim.offload import NVMeAdamW, OffloadOptimizer
-from nvoffload.planner.cost import human_count, human_size, vertical_schedule_applies
+from nvoffload.planner.cost import STATE_WORDS, human_count, human_size, vertical_schedule_applies
 from nvoffload.pretrained import (
     _dtype_kwargs,
     build_meta_model,
@@ -557,20 +557,13 @@ def header(
     return [
         f"model: {what}, {human_count(num_parameters)} parameters, {config.dtype}; {config.batch_size} x {seq_len}"
         f" tokens x {config.grad_accum_steps} micro-batches a step{ranks}{steps}",
-        f"placement: {placed}; optimizer state ({_STATE_WORDS[config.state_precision]}) on NVMe where the host budget"
+        f"placement: {placed}; optimizer state ({STATE_WORDS[config.state_precision]}) on NVMe where the host budget"
         " cannot keep it,"
         f" updated by the CPU; activations"
         f" {activations}",
         "budgets: " + ", ".join(budgets),
         f"swap directory: {swap_dir}{each}",
     ]
-
-
-_STATE_WORDS = {
-    "fp32": "fp32 master and moments",
-    "bf16-moments": "fp32 master, bf16 moments: not exact AdamW",
-    "bf16": "bf16 moments, no fp32 master for bfloat16 weights (stochastic rounding): not exact AdamW",
-}
 
 
 def _claim_checkpoint_directory(directory: str, rank: int, world: int) -> Callable[[], None] | None:

@@ -71,10 +71,11 @@ __all__ = ["ModelShape", "Plan", "PlanRequest", "block_flops", "human_count", "h
 _STATE_BYTES = {"fp32": (12, 12, 12), "bf16-moments": (8, 8, 8), "bf16": (4, 6, 8)}
 
 
-_STATE_WORDS = {
+# What each state precision keeps, as the plan's placement and finetune's header say it.
+STATE_WORDS = {
     "fp32": "fp32 master and moments",
     "bf16-moments": "fp32 master, bf16 moments: not exact AdamW",
-    "bf16": "bf16 moments, bf16 weights by stochastic rounding: not exact AdamW",
+    "bf16": "bf16 moments, no fp32 master for bfloat16 weights (stochastic rounding): not exact AdamW",
 }
 
 
@@ -671,7 +672,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
             "device, all-reduced during the last backward" + (", until step()" if held else ", then consumed"))
     placement = {
         "parameters": ("NVMe, streamed block by block through host memory" if stream else "device") + ("; every rank its copy" if n > 1 else ""),
-        "optimizer state": f"NVMe ({_STATE_WORDS[r.state_precision]}), updated by the CPU" + (f"; each rank 1/{n} of it" if n > 1 else "")
+        "optimizer state": f"NVMe ({STATE_WORDS[r.state_precision]}), updated by the CPU" + (f"; each rank 1/{n} of it" if n > 1 else "")
         + (f"; {human_size(resident_host // 2)} of it resident in host memory" if resident_host else ""),
         **({"trainable": f"LoRA adapters of rank {r.lora_rank}, {human_count(trainable)} parameters; the model frozen:"
                          " no gradients, no optimizer state, never written back"} if lora else {}),
