@@ -230,6 +230,7 @@ def save_training_checkpoint(
         try:
             with _Together(ranks, "saving the training checkpoint"):
                 tensors: dict[str, dict[str, int]] = {}  # file -> tensor -> CRC-32C
+                _land(optimizer)
                 if lead:
                     model_checksums: dict[str, dict[str, int]] = {}
                     save_pretrained(
@@ -368,6 +369,7 @@ def _damaged(error: Exception, ranks: Ranks | None) -> bool:
 def _load(ckpt_dir: str, objects: dict, ranks: Ranks | None, restore_rng: bool) -> TrainingCheckpoint:
     """Load the checkpoint ``ckpt_dir`` into ``objects`` (see :func:`load_training_checkpoint`)."""
     model, optimizer = objects["model"], objects["optimizer"]
+    _land(optimizer)  # before the model is loaded: landing writes the model's weights
     with _Together(ranks, "loading the training checkpoint"):
         ckpt_dir, manifest, state_path = _open(ckpt_dir)
         state = torch.load(state_path, weights_only=True)
@@ -781,6 +783,13 @@ def _check_between_steps(optimizer: torch.optim.Optimizer, what: str) -> None:
             f"cannot {what} a training checkpoint while a step's updates are queued: call it after optimizer.step()"
             " (not between backward and step(), nor between micro-batches)"
         )
+
+
+def _land(optimizer: torch.optim.Optimizer) -> None:
+    """Land an :class:`OffloadOptimizer`'s delayed update in flight (``delayed_update``): the model and the state
+    saved, or loaded over, are then those of the same step."""
+    if isinstance(optimizer, OffloadOptimizer):
+        optimizer.synchronize()
 
 
 def _rng_state() -> dict:

@@ -16,6 +16,12 @@ queued so far, or not the stream that produced the tensor): every copy it
 queues waits for the event of its request (``Request.ready``), recorded by the
 thread that queued the request when the gradient was final.
 
+Delayed updates (``delayed_update``): the worker writes an update's new weights into a second copy of the
+parameter on its device (:meth:`ChunkIO.staged_weights`, made on the training thread when the update is
+queued) instead of the parameter, which the next forward and backward still read; ``step()`` copies them in
+(:meth:`ChunkIO.install_staged`) once the updates are done. PipeDream-2BW keeps its two weight versions the
+same way.
+
 Resident state: the chunks that :class:`ResidentState` gave a home (host
 memory, two buffers: generation ``g`` in ``Chunk.home[g % 2]``) are read and
 written there, never in the store, and count no store bytes; everything else
@@ -53,12 +59,13 @@ class WeightHome(Protocol):
 
 class ModelWeights:
     """One parameter's flat weights as the optimizer reads and writes them: device memory, reached through
-    the transfer engine's copy streams, or a :class:`WeightHome`'s host tensor, reached directly."""
+    the transfer engine's copy streams, or a :class:`WeightHome`'s host tensor, reached directly. With a
+    ``staged`` copy (delayed updates), reads come from the parameter and writes go to the copy."""
 
-    __slots__ = ("flat", "on_host", "_transfer")
+    __slots__ = ("flat", "on_host", "staged", "_transfer")
 
-    def __init__(self, flat: torch.Tensor, on_host: bool, transfer: TransferEngine):
-        self.flat, self.on_host, self._transfer = flat, on_host, transfer
+    def __init__(self, flat: torch.Tensor, on_host: bool, transfer: TransferEngine, staged: torch.Tensor | None = None):
+        self.flat, self.on_host, self.staged, self._transfer = flat, on_host, staged, transfer
 
     def host_view(self, elements: slice) -> torch.Tensor | None:
         """The weights of ``elements`` as a host tensor an update may write in place, or None (device memory)."""
@@ -85,7 +92,7 @@ class ModelWeights:
         The write does not bump the parameter's autograd version: an update only lands once the parameter's
         gradient is final, and a forward that saw it early (an extra micro-batch) is undone by ``step()``,
         which must not meet autograd's in-place error in that micro-batch's backward first."""
-        dst = untracked(self.flat[elements])
+        dst = untracked((self.flat if self.staged is None else self.staged)[elements])
         if src.dtype != dst.dtype:
             src = slot.out(dst.dtype, dst.numel()).copy_(src)
         if self.on_host:
@@ -131,6 +138,7 @@ class ChunkIO:
         self.layout = layout
         self.transfer = transfer
         self.weight_home: WeightHome | None = None
+        self.staged: dict[int, torch.Tensor] | None = None  # delayed updates: record index -> flat new weights
         self.read_bytes = 0
         self.written_bytes = 0
         self._count_lock = threading.Lock()
@@ -140,17 +148,35 @@ class ChunkIO:
             self.read_bytes = self.written_bytes = 0
 
     @contextlib.contextmanager
-    def model_weights(self, rec: Record, *, modify: bool):
-        """The parameter's :class:`ModelWeights`: on the device, or in its :class:`WeightHome`."""
+    def model_weights(self, rec: Record, *, modify: bool, update: bool = False):
+        """The parameter's :class:`ModelWeights`: on the device, or in its :class:`WeightHome`; for an
+        ``update`` with delayed updates, writing to its staged copy."""
         home = self.weight_home
         if home is None or not home.holds(rec.param):
-            yield ModelWeights(rec.param.detach().view(-1), False, self.transfer)
+            staged = self.staged[rec.index] if update and self.staged is not None else None
+            yield ModelWeights(rec.param.detach().view(-1), False, self.transfer, staged)
             return
         flat = home.acquire(rec.param)
         try:
             yield ModelWeights(flat, True, self.transfer)
         finally:
             home.release(rec.param, modified=modify)
+
+    def stage(self, records: list[Record]) -> None:
+        """Delayed updates: give each of ``records`` the device copy its updates write to (once; on the
+        training thread, so the caching allocator files it under the compute stream)."""
+        if self.staged is None:
+            self.staged = {}
+        for rec in records:
+            if rec.index not in self.staged:
+                self.staged[rec.index] = torch.empty_like(rec.param, memory_format=torch.contiguous_format).detach().view(-1)
+
+    def install_staged(self, records: list[Record]) -> None:
+        """Delayed updates: copy the new weights of ``records`` (their updates done) into the parameters, on
+        the compute stream."""
+        with torch.no_grad():
+            for rec in records:
+                untracked(rec.param.detach().view(-1)).copy_(self.staged[rec.index])
 
     def grad_to_host(self, grad: torch.Tensor, slot: Slot, ready: Event | None) -> torch.Tensor:
         """Copy a chunk's gradient (device memory, final at the event ``ready``) into ``slot``; returns the host copy."""

@@ -346,7 +346,7 @@ class Pipeline:
             rows = io.layout.chunk_rows(chunk, slot)
             state = io.layout.chunk_state(chunk, rows)
             dtype = chunk.record.param.dtype
-            with io.model_weights(chunk.record, modify=True) as weights:
+            with io.model_weights(chunk.record, modify=True, update=True) as weights:
                 if io.layout.split(chunk.record) and fresh:
                     # the model's weights are the master (as in torch), as they were when the request was queued
                     weights.read(chunk.elements, state.weights, slot, after=req.ready)
@@ -355,7 +355,7 @@ class Pipeline:
                 if state.weights.dtype != dtype:  # a 16-bit parameter with an fp32 master
                     out = weights.host_view(chunk.elements)
                     out = slot.out(dtype, chunk.numel) if out is None else out
-                chunk.applied = True  # from here on the model may hold new values
+                chunk.applied = weights.staged is None  # from here on the model may hold new values
                 started_ns = time.monotonic_ns()
                 updated = self._update(req, state, grad, out)
                 recording = trace.active()

@@ -40,6 +40,19 @@ bucket; released gradients are reduced to their owners in buckets during
 backward, and the norm for clipping is summed over the ranks. The ranks agree on every
 error before committing, and after the commit every rank receives the owners'
 new weights.
+
+Delayed updates (``delayed``, held gradients only: PipeDream-2BW's and
+ZeRO-Offload's one-step-late update): nothing is speculative. The hooks only
+observe; ``step()`` first lands the updates the previous ``step()`` queued
+(:meth:`StepProtocol.land`: waits for them, commits them, copies their staged
+weights into the parameters), then clips, unscales or skips this step's
+gradients exactly as without delay (every gradient is final and known there,
+so no update is ever redone) and queues their updates without waiting. They
+run during the next forward and backward, which still see the weights from
+before them, and write the new weights to a staged copy; the next ``step()``
+(or ``synchronize()``, a state dict, a checkpoint, ``close()``) lands them. So
+the weights of step ``t + 1`` are those of torch's AdamW applied with the
+gradients up to step ``t - 1``: each update lands one step late.
 """
 
 from __future__ import annotations
@@ -105,11 +118,13 @@ class StepProtocol:
         accumulation_steps: with ``release_grads``, backward passes per ``step()``.
         loss_scale: with ``release_grads``, the dynamic fp16 loss scale (None: no scaling).
         sharding: this rank's share and the collectives, over several ranks (None: one process).
+        delayed: land each step's updates at the next ``step()`` (see the module docs; held gradients, one process).
     """
 
     def __init__(self, records: list[Record], io: ChunkIO, pipeline: Pipeline, *, overlap: bool,
                  max_grad_norm: float | None, release_grads: bool, accumulation_steps: int = 1,
-                 loss_scale: DynamicLossScale | None = None, sharding: Sharding | None = None):  # fmt: skip
+                 loss_scale: DynamicLossScale | None = None, sharding: Sharding | None = None,
+                 delayed: bool = False):  # fmt: skip
         self._records = records
         self._io = io
         self._pipeline = pipeline
@@ -125,7 +140,9 @@ class StepProtocol:
         self.last_grad_norm: float | None = None  # released gradients: the global norm the last step() used
         self._order: list[Record] = []  # first iteration's gradient order
         self._order_learned = False
-        self._can_speculate = overlap and (max_grad_norm is None or release_grads)
+        self._delayed = delayed
+        self._in_flight: list[Record] = []  # delayed: the records whose updates the last step() queued
+        self._can_speculate = overlap and not delayed and (max_grad_norm is None or release_grads)
         self.speculate = self._can_speculate  # the hooks queue updates (else they only observe)
 
     # ------------------------------------------------------------------ the hook
@@ -225,6 +242,8 @@ class StepProtocol:
     def _submit(self, rec: Record, grad: torch.Tensor, hp: dict, grad_scale: float, **kinds) -> None:
         if kinds.get("update", True):
             self._stepped.add(rec)
+        if self._delayed:
+            self._io.stage([rec])
         flat = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
         ready = self._io.transfer.record()  # the gradient is final here, and backward no longer reads the weights
         for chunk in rec.chunks:
@@ -253,6 +272,7 @@ class StepProtocol:
         pipe.wait_idle()
         records = self._step_order()
         try:
+            self.land()
             self._refuse_unsound(records, found_inf, grad_scale)
             if self._release_grads:
                 self._finish_released(records)
@@ -263,7 +283,8 @@ class StepProtocol:
                 rec.spec = None
                 rec.learned_fires = 1 if self._release_grads else rec.fires
                 rec.fires = 0
-            pipe.take_error()
+            if not self._in_flight:  # else the worker runs them now: their errors are the next land()'s
+                pipe.take_error()
             self._stepped.clear()
             self._averaged = False
             if self._averaging is not None:
@@ -289,13 +310,22 @@ class StepProtocol:
                 unscale = 1.0
             if with_grad:
                 torch.nn.utils.clip_grad_norm_(with_grad, self._max_grad_norm)
+        if self._delayed:  # they run during the next forward and backward; the next step() lands them
+            try:
+                self._redo_changed(records, unscale)
+            except BaseException:  # e.g. a sparse gradient: none of this step's updates lands
+                self._pipeline.wait_idle()
+                self._restore_all(records)
+                raise
+            self._in_flight = [r for r in records if r in self._stepped]
+            return
         clean = self._redo_changed(records, unscale)
         self._pipeline.wait_idle()
         self._raise_error(records)
         # Gradients or hyperparameters edited between backward and step(): update in step() until a step
         # shows that they no longer are (the hooks still observe them).
         self.speculate = self._can_speculate and clean
-        self._commit(records)
+        self._commit(records, self._stepped)
         self._gather_weights()
 
     def average_grads(self) -> None:
@@ -328,8 +358,22 @@ class StepProtocol:
 
         self.sharding.gather_weights([(r.index, r.param) for r in trained], weights)
 
+    def land(self) -> None:
+        """Delayed updates: wait for the updates the last ``step()`` queued, commit them and copy their new
+        weights into the parameters. On an error they are dropped and it is raised: the parameters and the
+        committed state stay those from before them."""
+        flight, self._in_flight = self._in_flight, []
+        if not flight:
+            return
+        self._pipeline.wait_idle()
+        self._raise_error(flight)
+        self._commit(flight, set(flight))
+        self._io.install_staged([r for r in flight if r.chunks])
+
     def abandon(self) -> None:
-        """Undo the updates queued since the last ``step()`` and forget their gradients (a refused step)."""
+        """Undo the updates queued since the last ``step()`` and forget their gradients (a refused step); the
+        delayed updates of the step before land first."""
+        self.land()
         self._pipeline.wait_idle()
         self._restore_all(self._step_order())
         self._pipeline.take_error()
@@ -372,7 +416,7 @@ class StepProtocol:
                 self._raise_error(records)
         if self.loss_scale is not None:
             self.loss_scale.update(found_inf=False)
-        self._commit(records)
+        self._commit(records, self._stepped)
         self._gather_weights()
 
     def _raise_error(self, records: list[Record]) -> None:
@@ -441,7 +485,9 @@ class StepProtocol:
             self._submit(rec, grad, hp, scale)
         return clean
 
-    def _commit(self, records: list[Record]) -> None:
+    def _commit(self, records: list[Record], stepped: set[Record]) -> None:
+        """Make the new generation of ``records``' chunks the committed one; count a step for each updated
+        record (and for those of ``stepped`` without chunks of this rank)."""
         for rec in records:
             updated = False
             for c in rec.chunks:
@@ -452,7 +498,7 @@ class StepProtocol:
                     self._io.delete(c, c.gen)
                 c.gen, c.pending_gen, c.applied = c.pending_gen, None, False
                 c.scalars, c.pending_scalars = c.pending_scalars, {}  # a generic optimizer's (Adam has none)
-            if updated or (not rec.chunks and rec in self._stepped):  # not rec.chunks: other ranks own it
+            if updated or (not rec.chunks and rec in stepped):  # not rec.chunks: other ranks own it
                 rec.step += 1
 
     def _step_order(self) -> list[Record]:

@@ -181,6 +181,16 @@ class OffloadOptimizerConfig:
             stochastic rounding (4 bytes of state, plus a 2-byte copy of the weights each generation; fp32
             parameters keep their weights as the master, fp16 ones are refused). A state dict or checkpoint
             records the precision and loads only into an optimizer of the same one; amsgrad needs ``"fp32"``.
+        delayed_update: run each step's updates during the next forward and backward instead of inside
+            ``step()`` (PipeDream-2BW's and ZeRO-Offload's delayed update; opt-in, not exact AdamW): ``step()``
+            lands the updates the previous ``step()`` queued, then queues this step's and returns, so the
+            optimizer and its NVMe traffic are off the step's critical path. The weights a step trains on are
+            torch's AdamW applied one step late (the gradients up to the step before last). Clipping and loss
+            scaling keep their meaning: the norm and the overflow are those of this step's gradients, known in
+            ``step()`` before any of its updates runs. Costs one more copy of the trained weights in device
+            memory (the staged new weights). ``synchronize()``, ``state_dict()``, a training checkpoint and
+            ``close()`` land the update in flight; call ``synchronize()`` before reading the trained weights.
+            For parameters on the device (not with ``release_grads``), on one process.
     """
 
     cpu_memory_bytes: int = 256 << 20
@@ -197,6 +207,7 @@ class OffloadOptimizerConfig:
     collective_timeout_s: float = DEFAULT_TIMEOUT_S
     resident_state_bytes: int = 0
     state_precision: str = "fp32"
+    delayed_update: bool = False
 
     def __post_init__(self):
         if not _is_int(self.cpu_memory_bytes) or self.cpu_memory_bytes <= 0:
@@ -216,6 +227,13 @@ class OffloadOptimizerConfig:
             and self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)
         ):  # fmt: skip
             raise ValueError(f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm!r}")
+        if not isinstance(self.delayed_update, bool):
+            raise ValueError(f"delayed_update must be a bool, got {self.delayed_update!r}")
+        if self.delayed_update and self.release_grads:
+            raise ValueError(
+                "delayed_update is for parameters that stay on the device; with release_grads (parameter"
+                " streaming) the new weights would need a second copy of every block in the host cache"
+            )
         if self.release_grads and not self.overlap:
             raise ValueError("release_grads needs overlap=True: the gradients are consumed in the hooks")
         steps = self.gradient_accumulation_steps
@@ -327,6 +345,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups  # one list: schedulers see the same groups
         device = self._check_groups(self.param_groups)
         self._sharding = self._shard(process_group, device)
+        if config.delayed_update and self._sharding is not None:
+            raise ValueError("delayed_update trains on one process; over several ranks, leave it off")
         self._layout = Layout(
             adam=self._update.adam, elementwise=self._update.elementwise, param_groups=self.param_groups,
             prefix=f"opt{next(_INSTANCES)}.", kept_grads=config.keeps_grads,
@@ -363,7 +383,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             overlap=config.overlap, max_grad_norm=config.max_grad_norm, release_grads=config.release_grads,
             accumulation_steps=config.gradient_accumulation_steps,
             loss_scale=DynamicLossScale(config.loss_scaling) if config.loss_scaling is not None else None,
-            sharding=self._sharding,
+            sharding=self._sharding, delayed=config.delayed_update,
         )  # fmt: skip
         self._codec = StateCodec(self._records, self._io, self._update, self._pipeline)
         # Closing, collection and interpreter exit all stop the worker and release the state; neither the
@@ -578,15 +598,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return float(torch.linalg.vector_norm(torch.stack(norms)))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As ``torch.optim.Optimizer.zero_grad``; waits for updates still reading gradients."""
+        """As ``torch.optim.Optimizer.zero_grad``; waits for updates still reading gradients (not with
+        ``delayed_update`` and ``set_to_none``: the queued updates hold the gradients they read)."""
         self._check_open()
-        self._pipeline.wait_idle()
+        if not (self.config.delayed_update and set_to_none):
+            self._pipeline.wait_idle()
         super().zero_grad(set_to_none)
 
     def synchronize(self) -> None:
-        """Wait until the updates that backward queued have run and their state is written (``step()`` does too)."""
+        """Wait until the updates that backward queued have run and their state is written (``step()`` does too);
+        with ``delayed_update``, also land those the last ``step()`` queued (commit them, new weights in the model)."""
         self._check_open()
         self._pipeline.wait_idle()
+        self._protocol.land()
 
     def abandon_step(self) -> None:
         """Undo what backward did since the last ``step()``: the weights its queued updates changed are restored
@@ -636,7 +660,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         fp32), plus ``master_param`` (fp32) for bf16/fp16 parameters, and with
         ``loss_scaling`` the scale and growth tracker (``loss_scale``).
         """
-        self._check_open()
+        self.synchronize()
         state = self._codec.state_dict(self.param_groups)
         if self._sharding is not None:  # each rank filled its own elements (zeros elsewhere): sum them
             for idx in sorted(state["state"]):
@@ -651,7 +675,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def state_layout(self) -> dict:
         """:meth:`state_dict` without reading the store: every per-element tensor is a meta tensor (its dtype
         and shape). :meth:`stream_state` then gives their values, one chunk at a time."""
-        self._check_open()
+        self.synchronize()
         state = self._codec.layout(self.param_groups)
         if self._protocol.loss_scale is not None:
             state["loss_scale"] = self._protocol.loss_scale.state_dict()
@@ -678,7 +702,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         tensor, one chunk at a time: ``state_dict`` may then hold meta tensors
         (as :meth:`state_layout` gives) that ``source`` reads from elsewhere.
         """
-        self._check_open()
+        self.synchronize()
         self._codec.load_state_dict(state_dict, self.param_groups, source)
         if self._protocol.loss_scale is not None and "loss_scale" in state_dict:
             self._protocol.loss_scale.load_state_dict(state_dict["loss_scale"])
@@ -720,9 +744,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Stop the worker, remove the hooks, delete the state from the store and close a store it opened
-        (and the :class:`~nvoffload.OffloadSession` that :func:`nvoffload.initialize` built)."""
-        if self._shutdown() and self.session is not None:
-            self.session.close()
+        (and the :class:`~nvoffload.OffloadSession` that :func:`nvoffload.initialize` built). With
+        ``delayed_update`` the update in flight lands first (its error is raised once all that is done)."""
+        try:
+            if not self._closed:
+                self._protocol.land()
+        finally:
+            if self._shutdown() and self.session is not None:
+                self.session.close()
 
     def __enter__(self) -> OffloadOptimizer:
         return self

@@ -1,0 +1,272 @@
+"""The delayed update (issue 34, opt-in): each step's updates run during the next forward and backward.
+
+The weights a delayed run trains on must be exactly torch's AdamW applied one
+step late: at step ``t`` the model holds AdamW's weights after the gradients of
+steps ``1 .. t - 2`` (clipped, unscaled and skipped as in their own step, with
+their own step's hyperparameters). torch's fused CPU AdamW rounds like the
+native kernel, so fp32 runs are compared bit for bit.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from nvoffload.optim.offload import NVMeAdamW, OffloadIOError, OffloadOptimizerConfig
+from nvoffload.training_checkpoint import load_training_checkpoint, save_training_checkpoint
+
+from test_compact_state import CHUNK, LR, WD, Net, loss_of
+from test_compact_state import batches as typed_batches
+
+
+def batches(n):
+    return typed_batches(n, torch.float32)
+
+
+def snapshot(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def delayed(model, tmp_path, **kw):
+    tmp_path.mkdir(exist_ok=True)
+    return NVMeAdamW(model.parameters(), lr=LR, weight_decay=WD, swap_dir=tmp_path, chunk_bytes=CHUNK, delayed_update=True, **kw)
+
+
+class LateAdamW:
+    """torch's fused AdamW, each step's (clipped) gradients applied at the next step, with their own step's lr."""
+
+    def __init__(self, model, max_grad_norm=None):
+        self.params = list(model.parameters())
+        self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WD, fused=True)
+        self.max_grad_norm = max_grad_norm
+        self.pending = None  # (gradients, lr) of the last step, or None: nothing to apply
+
+    def step(self, lr=LR, skip=False):
+        if self.max_grad_norm is not None and not skip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        grads = None if skip else [p.grad.clone() for p in self.params]
+        if self.pending is not None:
+            for p, g in zip(self.params, self.pending[0]):
+                p.grad = g
+            self.opt.param_groups[0]["lr"] = self.pending[1]
+            self.opt.step()
+        self.pending = None if grads is None else (grads, lr)
+        for p in self.params:
+            p.grad = None
+
+    def flush(self):
+        """Apply the pending update now (what synchronize() does)."""
+        if self.pending is not None:
+            for p, g in zip(self.params, self.pending[0]):
+                p.grad = g
+            self.opt.param_groups[0]["lr"] = self.pending[1]
+            self.opt.step()
+            self.pending = None
+            for p in self.params:
+                p.grad = None
+
+
+def test_weights_are_adamw_applied_one_step_late(tmp_path):
+    torch.manual_seed(0)
+    base = Net()
+    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref, opt = LateAdamW(ref_model), delayed(model, tmp_path / "swap")
+    for i, (x, y) in enumerate(batches(6)):
+        assert loss_of(model, x, y).item() == loss_of(ref_model, x, y).item()
+        loss_of(model, x, y).backward()
+        loss_of(ref_model, x, y).backward()
+        before = snapshot(model)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        if i == 0:  # the first step lands nothing: its update runs during the next forward and backward
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(a, b)
+    opt.synchronize()  # lands the last step's update
+    ref.flush()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+    state = opt.state_dict()["state"]
+    for i, p in enumerate(ref_model.parameters()):
+        assert torch.equal(state[i]["exp_avg"], ref.opt.state[p]["exp_avg"])
+        assert torch.equal(state[i]["exp_avg_sq"], ref.opt.state[p]["exp_avg_sq"])
+        assert float(state[i]["step"]) == float(ref.opt.state[p]["step"]) == 6
+    opt.close()
+
+
+def test_delayed_differs_from_exact_adamw(tmp_path):
+    """Not a relabelled exact run: after two steps the exact optimizer has moved the weights twice, the delayed one once."""
+    torch.manual_seed(0)
+    base = Net()
+    exact_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    exact = torch.optim.AdamW(exact_model.parameters(), lr=LR, weight_decay=WD, fused=True)
+    with delayed(model, tmp_path / "swap") as opt:
+        for x, y in batches(2):
+            for m, o in ((exact_model, exact), (model, opt)):
+                loss_of(m, x, y).backward()
+                o.step()
+                o.zero_grad()
+        assert not torch.equal(model.fc1.weight, exact_model.fc1.weight)
+        one_step = copy.deepcopy(base)
+        first = torch.optim.AdamW(one_step.parameters(), lr=LR, weight_decay=WD, fused=True)
+        loss_of(one_step, *batches(1)[0]).backward()
+        first.step()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), one_step.parameters()))
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.05, 100.0])  # clipping that bites, and one that does not
+def test_clipping_and_the_lr_schedule_are_those_of_the_step_that_computed_the_gradients(tmp_path, max_grad_norm):
+    torch.manual_seed(0)
+    base = Net()
+    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref = LateAdamW(ref_model, max_grad_norm=max_grad_norm)
+    with delayed(model, tmp_path / "swap", max_grad_norm=max_grad_norm) as opt:
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        for x, y in batches(6):
+            lr = sched.get_last_lr()[0]
+            loss_of(model, x, y).backward()
+            loss_of(ref_model, x, y).backward()
+            opt.step()
+            ref.step(lr=lr)
+            sched.step()
+            opt.zero_grad()
+            for a, b in zip(model.parameters(), ref_model.parameters()):
+                assert torch.equal(a, b)
+
+
+def test_grad_scaler_overflow_skips_that_steps_update_only(tmp_path):
+    torch.manual_seed(0)
+    base = Net()
+    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref = LateAdamW(ref_model)
+    with delayed(model, tmp_path / "swap") as opt:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        for i, (x, y) in enumerate(batches(6)):
+            scaler.scale(loss_of(model, x, y)).backward()
+            loss_of(ref_model, x, y).backward()
+            if i == 3:
+                model.fc1.weight.grad[0, 0] = float("inf")
+            scaler.step(opt)  # the overflow of step 4 is found here: its update is never queued
+            scaler.update()
+            ref.step(skip=i == 3)
+            opt.zero_grad()
+            for a, b in zip(model.parameters(), ref_model.parameters()):
+                assert torch.equal(a, b)  # the scale is a power of two: scaling and unscaling are exact
+        assert scaler.get_scale() == 2.0**9  # the overflow halved it, as without delay
+
+
+def test_bf16_parameters_with_an_fp32_master(tmp_path):
+    """bf16 weights: the staged weights are the master rounded, landed one step late; the master is the state's."""
+    torch.manual_seed(0)
+    base = Net()
+    model = base.to(torch.bfloat16)
+    master_model = copy.deepcopy(model).float()  # the master starts as the bf16 weights
+    ref = LateAdamW(master_model)  # the fp32 master: AdamW on it, one step late
+    with delayed(model, tmp_path / "swap") as opt:
+        for x, y in batches(4):
+            loss_of(model, x.to(torch.bfloat16), y).backward()
+            for p, q in zip(master_model.parameters(), model.parameters()):
+                p.grad = q.grad.float()
+            opt.step()
+            ref.step()
+            opt.zero_grad()
+            for a, b in zip(model.parameters(), master_model.parameters()):
+                assert torch.equal(a, b.detach().to(torch.bfloat16))  # the master, rounded to nearest
+        state = opt.state_dict()["state"]  # lands step 4's update
+        ref.flush()
+        for i, (p, q) in enumerate(zip(master_model.parameters(), model.parameters())):
+            assert torch.equal(state[i]["master_param"], p.detach())
+            assert torch.equal(q, p.detach().to(torch.bfloat16))
+
+
+def test_a_checkpoint_lands_the_update_in_flight_and_resumes_exactly(tmp_path):
+    torch.manual_seed(0)
+    base = Net()
+    data = batches(6)
+
+    def train(model, opt, part):
+        for x, y in part:
+            loss_of(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    first = copy.deepcopy(base)
+    with delayed(first, tmp_path / "a") as opt:
+        train(first, opt, data[:3])
+        save_training_checkpoint(tmp_path / "ckpt", step=3, model=first, optimizer=opt)  # lands step 3's update
+        saved = snapshot(first)
+        train(first, opt, data[3:])
+        opt.synchronize()
+    resumed = Net()
+    with delayed(resumed, tmp_path / "b") as opt:
+        load_training_checkpoint(tmp_path / "ckpt", model=resumed, optimizer=opt)
+        assert all(torch.equal(a, b) for a, b in zip(saved, resumed.parameters()))
+        train(resumed, opt, data[3:])
+        opt.synchronize()
+    for a, b in zip(first.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_an_io_error_of_the_update_in_flight_is_raised_by_the_next_step(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    data = batches(5)
+    with delayed(model, tmp_path / "swap") as opt:
+        for x, y in data[:2]:
+            loss_of(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        before = snapshot(model)
+        state = opt.state_dict()["state"]
+        opt._store.inject_fault("eio", after_ops=4)  # a real EIO from the native engine, in the update in flight
+        loss_of(model, *data[2]).backward()
+        opt.step()  # queues step 3's update and returns
+        opt.zero_grad()
+        loss_of(model, *data[3]).backward()
+        with pytest.raises(OffloadIOError, match="Input/output error"):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # step 3's update never landed
+        after = opt.state_dict()["state"]
+        assert all(torch.equal(state[i]["exp_avg"], after[i]["exp_avg"]) for i in state)
+        opt.step()  # training goes on: step 4's gradients are still there, queued now
+        opt.synchronize()
+        assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_zero_grad_in_place_waits_and_store_bytes_are_those_of_the_exact_step(tmp_path):
+    torch.manual_seed(0)
+    base = Net()
+    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref = LateAdamW(ref_model)
+    exact_model = copy.deepcopy(base)
+    (tmp_path / "exact").mkdir()
+    exact = NVMeAdamW(exact_model.parameters(), lr=LR, weight_decay=WD, swap_dir=tmp_path / "exact", chunk_bytes=CHUNK)
+    with delayed(model, tmp_path / "swap") as opt:
+        for i, (x, y) in enumerate(batches(4)):
+            loss_of(model, x, y).backward()
+            loss_of(ref_model, x, y).backward()
+            loss_of(exact_model, x, y).backward()
+            opt.step()
+            exact.step()
+            ref.step()
+            opt.zero_grad(set_to_none=False)  # zeroes in place: only once the update in flight copied them
+            exact.zero_grad()
+            if i >= 2:  # both past the step that initializes the state
+                opt.synchronize()
+                ref.flush()
+                assert opt.memory_stats().read_bytes == exact.memory_stats().read_bytes > 0
+                assert opt.memory_stats().written_bytes == exact.memory_stats().written_bytes > 0
+            opt.reset_io_stats()
+            exact.reset_io_stats()
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(a, b)
+    exact.close()
+
+
+def test_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="delayed_update must be a bool"):
+        OffloadOptimizerConfig(delayed_update=1)
+    with pytest.raises(ValueError, match="release_grads"):
+        OffloadOptimizerConfig(delayed_update=True, release_grads=True)
