@@ -11,10 +11,16 @@ memory is its own (with ``--quick``: the first four in one process):
 5. ``full_unretained``: ``full`` with glibc's default of handing freed memory
    back to the OS (every other case runs after
    :func:`nvoffload.memory.retain_freed_host_memory`, as the optimizer does by default).
+6. ``full_delayed``: ``full`` with ``delayed_update=True`` (opt-in, not exact AdamW): each step's updates
+   run during the next step's forward and backward instead of during backward and ``step()``.
 
 Reports the median step time and peak RSS of each case and
-``overlap = full / max(fwd_bwd, optim)`` (target: <= 1.2). Choose ``--batch``
-and ``--seq-len`` so that cases 1 and 2 are within a factor of two.
+``overlap = full / max(fwd_bwd, optim)`` (target: <= 1.2), and the same for
+``full_delayed``. Choose ``--batch`` and ``--seq-len`` so that cases 1 and 2 are
+within a factor of two. After its timed steps, each of ``full`` and
+``full_delayed`` traces two more steps (:mod:`nvoffload.trace`: the training
+thread's forward + backward and ``step()`` calls, the Adam kernel's chunks, the
+store's reads and writes); the plot is those two timelines, one above the other.
 
 Before the cases, a contention probe (:mod:`nvoffload.planner.contention`) measures how much
 compute and I/O slow each other down on this machine; the report gives its
@@ -39,12 +45,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS_DIR, save_report  # noqa: E402
+from report import RESULTS_DIR, plot_trace, save_report  # noqa: E402
 
 from nvoffload.planner.contention import QUICK as CONTENTION_QUICK  # noqa: E402
 from nvoffload.planner.contention import measure_contention  # noqa: E402
 
-CASES = ["fwd_bwd", "optim", "full", "adamw_ram", "full_unretained"]
+CASES = ["fwd_bwd", "optim", "full", "adamw_ram", "full_unretained", "full_delayed"]
+TRACED = ("full", "full_delayed")
 
 
 def parse_args(argv):
@@ -58,6 +65,7 @@ def parse_args(argv):
     p.add_argument("--swap-dir", default=None, help="directory on NVMe (default: a temporary one under /tmp)")
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--results-dir", default=str(RESULTS_DIR))
+    p.add_argument("--name", default="bench_offload_optim", help="the results' file name")
     p.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -69,6 +77,7 @@ def parse_args(argv):
 def run_case(args) -> dict:
     import torch
 
+    from nvoffload import trace
     from nvoffload.memory import retain_freed_host_memory
     from nvoffload.models import GPT, GPTConfig
     from nvoffload.optim.offload import NVMeAdamW
@@ -82,10 +91,10 @@ def run_case(args) -> dict:
     retain = args.case != "full_unretained"
     if retain:
         retain_freed_host_memory()
-    if args.case in ("optim", "full", "full_unretained"):
+    if args.case in ("optim", "full", "full_unretained", "full_delayed"):
         opt = NVMeAdamW(
             model.parameters(), lr=1e-4, swap_dir=args.swap_dir, cpu_memory_bytes=args.cpu_memory_mib << 20,
-            retain_host_memory=retain,
+            retain_host_memory=retain, delayed_update=args.case == "full_delayed",
         )  # fmt: skip
     elif args.case == "adamw_ram":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -93,16 +102,26 @@ def run_case(args) -> dict:
         for p in model.parameters():
             p.grad = torch.randn_like(p) * 1e-3
     times, io_bytes = [], []
-    for i in range(args.steps + 2):  # two warm-up steps: the first learns the gradient order
-        if opt is not None and hasattr(opt, "reset_io_stats"):
-            opt.reset_io_stats()
-        t0 = time.perf_counter()
+
+    def step() -> None:
+        recording = trace.active()
+        t0 = time.monotonic_ns()
         if args.case != "optim":
             model(x, x).backward()
+        t1 = time.monotonic_ns()
         if opt is not None:
             opt.step()
         if args.case != "optim":
             model.zero_grad(set_to_none=True)
+        if recording is not None:
+            recording.add("compute", "forward + backward", t0, t1)
+            recording.add("compute", "step() + zero_grad()", t1, time.monotonic_ns())
+
+    for i in range(args.steps + 2):  # two warm-up steps: the first learns the gradient order
+        if opt is not None and hasattr(opt, "reset_io_stats"):
+            opt.reset_io_stats()
+        t0 = time.perf_counter()
+        step()
         dt = time.perf_counter() - t0
         if i >= 2:
             times.append(dt)
@@ -116,6 +135,12 @@ def run_case(args) -> dict:
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "io_gb_per_s": (statistics.median(io_bytes) / statistics.median(times) / 1e9) if io_bytes else 0.0,
     }
+    if args.case in TRACED:
+        with trace.tracing() as recorded:
+            for _ in range(2):
+                step()
+            opt.synchronize()  # the delayed update of the second step lands inside the trace
+        row["timeline"] = recorded.spans()
     if hasattr(opt, "close"):
         row["host_staging_mib"] = opt.memory_stats().host_peak_bytes / 2**20
         opt.close()
@@ -171,9 +196,28 @@ def main(argv=None) -> Path:
         )
         for r in rows:
             r["overlap"] = ratio if r["case"] == "full" else 0.0
+        if "full_delayed" in by:
+            delayed = by["full_delayed"]["step_s"] / slowest
+            by["full_delayed"]["overlap"] = delayed
+            notes.insert(
+                1,
+                f"delayed update: full_delayed / max(fwd_bwd, optim) = {delayed:.2f}; full_delayed / full ="
+                f" {by['full_delayed']['step_s'] / by['full']['step_s']:.2f} (each step's updates during the next"
+                " forward and backward; not exact AdamW)",
+            )
+    timelines = {r["case"]: r.pop("timeline") for r in rows if "timeline" in r}
     settings = {k: getattr(args, k) for k in ("preset", "batch", "seq_len", "steps", "cpu_memory_mib", "quick")}
-    return save_report("bench_offload_optim", rows, settings=settings, plot_column="step_s", notes="\n\n".join(notes),
-                       results_dir=Path(args.results_dir), extra={"contention": contention})  # fmt: skip
+
+    def plot(plt):
+        fig, axes = plt.subplots(len(timelines), 1, figsize=(12, 3 * len(timelines)), squeeze=False)
+        for ax, (case, spans) in zip(axes[:, 0], timelines.items()):
+            plot_trace(plt, spans, f"{case}: two traced steps ({args.preset}, median step {by[case]['step_s']:.3g} s)", ax=ax)
+        fig.tight_layout()
+        return fig
+
+    return save_report(args.name, rows, settings=settings, plot_column="step_s", notes="\n\n".join(notes),
+                       results_dir=Path(args.results_dir), extra={"contention": contention, "timelines": timelines},
+                       plot=plot if timelines else None)  # fmt: skip
 
 
 if __name__ == "__main__":

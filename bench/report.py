@@ -115,14 +115,18 @@ def save_report(
     return json_path
 
 
-def plot_trace(plt, spans, title: str):
-    """A timeline of a :class:`nvoffload.trace.Trace`'s ``spans()``: one row per track, a bar per span."""
+def plot_trace(plt, spans, title: str, ax=None):
+    """A timeline of a :class:`nvoffload.trace.Trace`'s ``spans()``: one row per track, a bar per span (on ``ax``,
+    one of the caller's axes, or a figure of its own)."""
     from nvoffload.trace import TRACKS
 
     tracks = [t for t in TRACKS if any(s[0] == t for s in spans)] + sorted({s[0] for s in spans} - set(TRACKS))
     colors = {"compute": "tab:blue", "h2d": "tab:green", "d2h": "tab:olive", "nvme read": "tab:orange",
               "nvme write": "tab:red", "adam": "tab:purple"}  # fmt: skip
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(tracks) + 1.5))
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(12, 0.6 * len(tracks) + 1.5))
+    else:
+        fig = ax.figure
     for row, track in enumerate(tracks):
         bars = [(start, max(end - start, 1e-5)) for t, name, start, end, _ in spans if t == track]
         waits = [(start, max(end - start, 1e-5)) for t, name, start, end, _ in spans if t == track and name.startswith("wait")]

@@ -23,3 +23,8 @@ def test_bench_offload_optim_quick(tmp_path, monkeypatch):
     assert rows["optim"]["io_gb_per_s"] > 0 and rows["full"]["io_gb_per_s"] > 0
     assert 0 < rows["optim"]["host_staging_mib"] <= 16
     assert rows["full"]["overlap"] > 0 and "overlap =" in record["notes"]
+    assert rows["full_delayed"]["overlap"] > 0 and "full_delayed / full =" in record["notes"]
+    for case in ("full", "full_delayed"):  # each traced: its compute, its updates and its store traffic
+        tracks = {span[0] for span in record["timelines"][case]}
+        assert {"compute", "adam", "nvme write"} <= tracks, (case, tracks)
+    assert (tmp_path / "bench_offload_optim.png").exists()

@@ -49,6 +49,9 @@ class FinetuneConfig:
             ``"bf16-moments"`` (bf16 moments beside the fp32 master: 8 bytes a parameter) or ``"bf16"``
             (with ``dtype`` bfloat16 also no fp32 master: the weights are updated by stochastic rounding,
             4 bytes a parameter); see :class:`~nvoffload.optim.OffloadOptimizerConfig`.
+        delayed_update: each step's updates run during the next step's forward and backward (the weights one
+            step behind, as PipeDream-2BW's and ZeRO-Offload's delayed update; not exact AdamW; see
+            :class:`~nvoffload.optim.OffloadOptimizerConfig`); not with ``stream``.
         swap_dir: directory on NVMe; None: :func:`default_swap_root`, reused run
             after run so that what a killed run left there is cleaned up (a fresh
             subdirectory, removed at the end, while another run holds it).
@@ -115,6 +118,7 @@ class FinetuneConfig:
     weight_decay: float = 0.1
     max_grad_norm: float | None = None
     state_precision: str = "fp32"
+    delayed_update: bool = False
     dtype: str = "float32"
     device: str = "cpu"
     swap_dir: str | None = None
@@ -190,6 +194,11 @@ class FinetuneConfig:
             raise ValueError(f"state_precision must be one of {', '.join(STATE_PRECISIONS)}; got {self.state_precision!r}")
         if self.state_precision == "bf16" and self.dtype == "float16":
             raise ValueError("state_precision bf16 updates bfloat16 weights; float16 needs an fp32 master (bf16-moments)")
+        if self.delayed_update and self.stream:
+            raise ValueError(
+                "delayed_update keeps the parameters on the device (a second copy holds the new weights): not with"
+                " stream, whose blocks the updates write in the host cache"
+            )
         if self.model_dir is not None:
             if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
                 raise ValueError(f"model_dir: {self.model_dir} is not a Hugging Face model directory (no config.json)")

@@ -235,6 +235,7 @@ def _build(config: FinetuneConfig, swap_dir: str, hf: _HFModel | None) -> tuple[
         opt = NVMeAdamW(
             _param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95), swap_dir=swap_dir,
             cpu_memory_bytes=staging, max_grad_norm=config.max_grad_norm, state_precision=config.state_precision,
+            delayed_update=config.delayed_update,
             resident_state_bytes=resident_state_share(config.cpu_memory_bytes - staging, [], 0),
         )  # fmt: skip
         return model, opt
@@ -461,6 +462,8 @@ def _finetune(
                     norm = opt.grad_norm()  # measured as backward consumed them: the norm the step clipped against
                 sched.step()
                 opt.zero_grad()
+                if step == config.steps:
+                    opt.synchronize()  # a delayed update lands: the run ends with every update applied
                 total = total.item()  # the step's one wait for the device
                 if world > 1:  # the global batch's loss: the sum of the ranks' parts
                     total = opt.ranks.sum(total, "the step's loss") / world
