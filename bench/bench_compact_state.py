@@ -1,4 +1,4 @@
-"""Compact optimizer state beside exact AdamW, in one run: bytes, step time and convergence.
+"""Compact optimizer state and the delayed update beside exact AdamW, in one run: bytes, step time and convergence.
 
 Two parts, every case in the same run:
 
@@ -6,10 +6,12 @@ Two parts, every case in the same run:
   ``NVMeAdamW`` with ``state_precision`` ``fp32`` (exact AdamW), ``bf16-moments`` and ``bf16``. For each: the
   bytes the state takes in the store per parameter, the store bytes read and written a step per parameter (the
   optimizer's counters) and the median step time, with their ratio to exact AdamW's.
-- **Convergence**: ``nvoffload finetune --dtype bfloat16`` with ``--optimizer-state`` each of the three, on
-  ``--preset gpt2-124m`` (the shipped corpus) and on a small Hugging Face Llama built here from its config (random
-  weights, bytes as tokens; nothing downloaded), each case in a process of its own: the last steps' mean loss
-  and the largest gap of the loss curve (averaged over 20 steps) from exact AdamW's. The plot shows the curves.
+- **Convergence**: ``nvoffload finetune --dtype bfloat16`` with ``--optimizer-state`` each of the three, and
+  with ``--delayed-update`` (exact state, each step's updates landing one step late), on ``--preset gpt2-124m``
+  (the shipped corpus) and on a small Hugging Face Llama built here from its config (random weights, bytes as
+  tokens; nothing downloaded), each case in a process of its own: the last steps' mean loss and the largest gap
+  of the loss curve (averaged over 20 steps) from exact AdamW's. The plot shows the curves. (The delayed
+  update moves exact AdamW's bytes; its step time is ``bench_offload_optim.py``'s ``full_delayed``.)
 
     python bench/bench_compact_state.py           # 4 optimizer steps; 300 + 200 finetune steps a case
     python bench/bench_compact_state.py --quick   # tiny sizes, in this process: a smoke run
@@ -31,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import RESULTS_DIR, markdown_table, nvoffload_command, save_report  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16-moments", "bf16")
+# the convergence part's cases: finetune's optimizer flags
+OPTIONS = {p: ["--optimizer-state", p] for p in PRECISIONS} | {"delayed": ["--optimizer-state", "fp32", "--delayed-update"]}
 WINDOW = 20  # steps a loss is averaged over
 
 
@@ -100,8 +104,8 @@ def tiny_llama(directory: Path, quick: bool) -> str:
     return str(directory)
 
 
-def finetune_losses(model_flags: list[str], precision: str, args, swap: str, log: Path) -> list[dict]:
-    flags = [*model_flags, "--dtype", "bfloat16", "--optimizer-state", precision, "--batch-size", str(args.batch_size),
+def finetune_losses(model_flags: list[str], option: list[str], args, swap: str, log: Path) -> list[dict]:
+    flags = [*model_flags, "--dtype", "bfloat16", *option, "--batch-size", str(args.batch_size),
              "--seq-len", str(args.seq_len), "--cpu-memory", args.cpu_memory, "--swap-dir", swap, "--log-dir", str(log),
              "--device", args.device, "--no-progress"]  # fmt: skip
     status, out, err = nvoffload_command(["finetune", *flags], fresh_process=not args.quick)
@@ -135,10 +139,10 @@ def main(argv=None) -> Path:
         }
         for name, model_flags in models.items():
             curves[name] = {}
-            for i, precision in enumerate(PRECISIONS):
-                steps = finetune_losses(model_flags, precision, args, str(tmp), tmp / f"log-{len(curves)}-{i}")
-                curves[name][precision] = [s["loss"] for s in steps]
-                print(f"{name}, {precision}: last loss {steps[-1]['loss']:.4f}", flush=True)
+            for i, (case, option) in enumerate(OPTIONS.items()):
+                steps = finetune_losses(model_flags, option, args, str(tmp), tmp / f"log-{len(curves)}-{i}")
+                curves[name][case] = [s["loss"] for s in steps]
+                print(f"{name}, {case}: last loss {steps[-1]['loss']:.4f}", flush=True)
     convergence = []
     for name, by_precision in curves.items():
         reference = smoothed(by_precision["fp32"])
@@ -159,7 +163,8 @@ def main(argv=None) -> Path:
         f"The optimizer alone on {args.preset}'s {exact['params']:,} parameters (bf16 weights and gradients),"
         f" {args.optimizer_steps} steps a case, the first not timed: bf16 moments move"
         f" {moments['bytes_vs_exact']:.2f}x exact AdamW's store bytes in {moments['step_vs_exact']:.2f}x its step time,"
-        f" bf16 weights without an fp32 master {bf16['bytes_vs_exact']:.2f}x in {bf16['step_vs_exact']:.2f}x."
+        f" bf16 weights without an fp32 master {bf16['bytes_vs_exact']:.2f}x in {bf16['step_vs_exact']:.2f}x"
+        " (the delayed update moves exact AdamW's bytes: its step time is bench_offload_optim's full_delayed)."
         f" Convergence (finetune --dtype bfloat16, --batch-size {args.batch_size} --seq-len {args.seq_len}, loss averaged"
         f" over {WINDOW} steps):\n\n" + markdown_table(convergence)
     )
@@ -171,7 +176,7 @@ def main(argv=None) -> Path:
 
 
 def plot_curves(plt, curves: dict[str, dict[str, list[float]]]):
-    """Each model's loss curves (averaged over WINDOW steps), one line a state precision."""
+    """Each model's loss curves (averaged over WINDOW steps), one line a case."""
     fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4))
     for ax, (name, by_precision) in zip(axes, curves.items()):
         for precision, losses in by_precision.items():

@@ -19,7 +19,7 @@ Reports the median step time and peak RSS of each case and
 ``full_delayed``. Choose ``--batch`` and ``--seq-len`` so that cases 1 and 2 are
 within a factor of two. After its timed steps, each of ``full`` and
 ``full_delayed`` traces two more steps (:mod:`nvoffload.trace`: the training
-thread's forward + backward and ``step()`` calls, the Adam kernel's chunks, the
+thread's forward + backward and, on a lane of their own, its ``step()`` calls; the Adam kernel's chunks, the
 store's reads and writes); the plot is those two timelines, one above the other.
 
 Before the cases, a contention probe (:mod:`nvoffload.planner.contention`) measures how much
@@ -115,7 +115,7 @@ def run_case(args) -> dict:
             model.zero_grad(set_to_none=True)
         if recording is not None:
             recording.add("compute", "forward + backward", t0, t1)
-            recording.add("compute", "step() + zero_grad()", t1, time.monotonic_ns())
+            recording.add("step() call", "step() + zero_grad()", t1, time.monotonic_ns())
 
     for i in range(args.steps + 2):  # two warm-up steps: the first learns the gradient order
         if opt is not None and hasattr(opt, "reset_io_stats"):

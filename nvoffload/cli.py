@@ -117,8 +117,7 @@ def _run_options(p: argparse.ArgumentParser, *, plan: bool) -> None:
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's decoupled weight decay, on matrices and embeddings, not on biases and norms (default %(default)s)")
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to this (default: no clipping)")
     p.add_argument("--optimizer-state", dest="state_precision", default=d.state_precision, choices=STATE_PRECISIONS, help="how AdamW's state is kept: fp32 (exact, 12 bytes a parameter), bf16-moments (bf16 moments beside the fp32 master, 8 bytes), bf16 (with --dtype bfloat16 also no fp32 master: weights updated by stochastic rounding, 4 bytes); the compact forms are not exact AdamW (default %(default)s)")
-    if not plan:
-        p.add_argument("--delayed-update", action="store_true", help="run each step's optimizer updates during the next step's forward and backward (weights one step behind, as PipeDream-2BW and ZeRO-Offload's delayed update; not exact AdamW; not with --stream)")
+    p.add_argument("--delayed-update", action="store_true", help="run each step's optimizer updates during the next step's forward and backward (weights one step behind, as PipeDream-2BW and ZeRO-Offload's delayed update; not exact AdamW; the model stays on the device, with a second copy of its weights: not with --stream)")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="parameter dtype on the device (fp32 master weights on NVMe; float16 with dynamic loss scaling; default %(default)s)")
     p.add_argument("--device", default=d.device, help="cpu or cuda (default %(default)s)" + ("; plan: the profile's device counts" if plan else ""))
     if plan:
@@ -272,7 +271,7 @@ def _plan_request(args):
         activations="recompute" if getattr(args, "recompute", False) else
         None if args.offload_activations is None else ("offload" if args.offload_activations else "keep"),
         lora_rank=args.lora_rank, lora_targets=args.lora_targets, vertical=args.vertical,
-        state_precision=args.state_precision,
+        state_precision=args.state_precision, delayed_update=args.delayed_update,
     )  # fmt: skip
 
 
@@ -318,12 +317,13 @@ def _print_plan(result, flags: dict[str, str]) -> None:
 
 
 def _print_options(result, options: dict) -> None:
-    """What each other optimizer state precision would make of the step (predictions, like the plan)."""
-    print("optimizer state options (predicted; the compact ones are not exact AdamW):")
-    for precision, o in options.items():
+    """What each other optimizer option would make of the step (predictions, like the plan): ``options`` maps
+    the flags that ask for it to its plan."""
+    print("optimizer options (predicted; the compact states and the delayed update are not exact AdamW):")
+    for flags, o in options.items():
         change = "lifts the bottleneck" if o.bottleneck != result.bottleneck else "same bottleneck"
         fits = "" if o.fits else ", does not fit"
-        print(f"  --optimizer-state {precision:12} step {o.step_s:.3g} s ({result.step_s / o.step_s:.2f}x the tokens/s),"
+        print(f"  {flags:34} step {o.step_s:.3g} s ({result.step_s / o.step_s:.2f}x the tokens/s),"
               f" {o.tflops:.3g} TFLOP/s, bottleneck {o.bottleneck} ({change}){fits}")
 
 
@@ -353,7 +353,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "plan":
         import json
 
-        from nvoffload.planner import plan, plan_batch, state_precision_options
+        from nvoffload.planner import delayed_update_option, plan, plan_batch, state_precision_options
 
         args.swap_dirs_count = args.swap_dirs if args.swap_dirs is not None else len(args.swap_dir or ()) or 1
         flags = _flags(parser, "plan")
@@ -363,15 +363,22 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             else:
                 result = plan(_plan_request(args), _profile(args.profile))
             options = state_precision_options(result, _profile(args.profile))
+            delayed = delayed_update_option(result, _profile(args.profile))
         except (ValueError, OSError) as exc:
             return _error("plan", exc, flags)
+        keys = ("step_s", "tflops", "bottleneck", "nvme_read_bytes", "nvme_written_bytes", "fits")
         if args.json:
-            summary = {p: {k: getattr(o, k) for k in ("step_s", "tflops", "bottleneck", "nvme_read_bytes", "nvme_written_bytes", "fits")}
-                       for p, o in options.items()}  # fmt: skip
-            print(json.dumps({**result.to_dict(), "state_precision_options": summary}, indent=1))
+            summary = {p: {k: getattr(o, k) for k in keys} for p, o in options.items()}
+            got = {**result.to_dict(), "state_precision_options": summary}
+            if delayed is not None:
+                got["delayed_update_option"] = {k: getattr(delayed, k) for k in keys}
+            print(json.dumps(got, indent=1))
         else:
             _print_plan(result, flags)
-            _print_options(result, options)
+            flagged = {f"--optimizer-state {p}": o for p, o in options.items()}
+            if delayed is not None:
+                flagged["--delayed-update" if delayed.request.delayed_update else "without --delayed-update"] = delayed
+            _print_options(result, flagged)
         return 0 if result.fits else 2
     if args.command == "finetune":
         from nvoffload.finetune import FinetuneConfig, finetune

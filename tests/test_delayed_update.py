@@ -270,3 +270,28 @@ def test_bad_input(tmp_path):
         OffloadOptimizerConfig(delayed_update=1)
     with pytest.raises(ValueError, match="release_grads"):
         OffloadOptimizerConfig(delayed_update=True, release_grads=True)
+
+
+def test_finetune_delayed_update_lands_its_last_update(tmp_path, capsys):
+    """One step delayed is one exact step (the last step's update lands before the weights are saved); two are not
+    two exact steps. --stream is refused in one line."""
+    from nvoffload.checkpoint import open_checkpoint
+    from nvoffload.cli import main
+
+    (tmp_path / "swap").mkdir()
+    base = ["finetune", "--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "--no-progress", "--lr", "1e-2",
+            "--swap-dir", str(tmp_path / "swap")]  # fmt: skip
+
+    def weights(name, *flags):
+        assert main([*base, *flags, "--save-to", str(tmp_path / name)]) == 0
+        with open_checkpoint(str(tmp_path / name)) as ckpt:
+            return {k: ckpt.read(k) for k in ckpt.keys()}
+
+    start = weights("start.safetensors", "--steps", "1", "--lr", "1e-30")
+    for steps in ("1", "2"):
+        exact, delayed = weights(f"exact{steps}.safetensors", "--steps", steps), weights(f"delayed{steps}.safetensors", "--steps", steps, "--delayed-update")
+        assert all(torch.equal(exact[k], delayed[k]) for k in exact) == (steps == "1"), steps
+        assert any(not torch.equal(start[k], delayed[k]) for k in start)
+    assert "during the next step (--delayed-update: weights one step behind, not exact AdamW)" in capsys.readouterr().out
+    assert main([*base, "--steps", "1", "--delayed-update", "--stream"]) == 2
+    assert "error: --delayed-update keeps the parameters on the device" in capsys.readouterr().err

@@ -21,6 +21,7 @@ from nvoffload.planner import (
     load_profile,
     plan,
     plan_batch,
+    delayed_update_option,
     state_precision_options,
 )
 from nvoffload.planner.calibrate import calibrate
@@ -643,3 +644,32 @@ def test_compact_state_moves_its_bytes_and_lifts_a_drive_bound_step(precision, d
     assert exact.nvme_written_bytes - compact.nvme_written_bytes == (12 - written) * shape.params
     assert exact.bottleneck == "nvme" and compact.step_s < exact.step_s
     assert state_precision_options(compact, profile)["fp32"].step_s == exact.step_s
+
+
+def test_the_delayed_update_takes_the_optimizer_off_the_step_and_keeps_the_model_on_the_device():
+    """Drive-bound with the model on the device: the state's traffic, which ran beside backward and then as a tail,
+    now runs beside the whole step; the device holds a second copy of the weights; a streamed plan has no such
+    option, and a streamed request with it does not fit."""
+    profile = BUILTIN_PROFILES["h100-sxm-512g-4xgen4"]
+    request = PlanRequest(ModelShape.named("llama3-8b"), batch_size=4, seq_len=2048, dtype="bfloat16",
+                          cpu_memory_bytes=64 << 30, device_memory_bytes=78 << 30, swap_dirs=1, activations="recompute")  # fmt: skip
+    exact = plan(request, profile)
+    assert not exact.stream and exact.fits
+    delayed = delayed_update_option(exact, profile)
+    assert delayed.request.delayed_update and not delayed.stream and delayed.fits
+    assert (delayed.nvme_read_bytes, delayed.nvme_written_bytes) == (exact.nvme_read_bytes, exact.nvme_written_bytes)
+    assert delayed.memory_bytes["device"] - exact.memory_bytes["device"] == request.model.params * 2
+    assert delayed.step_s < exact.step_s
+    # beside the whole step: the busiest of the device and the host's updates, beside the drives (each slowed by the
+    # other as measured)
+    e = delayed.engine_s
+    busy = max(e["compute"], e["cpu adam"] + e["checksums"], e["copies"])
+    assert delayed.step_s == pytest.approx(overlapped_s(busy, e["nvme"], profile.compute_with_io, profile.io_with_compute))
+    assert delayed_update_option(delayed, profile).step_s == exact.step_s
+    assert plan(dataclasses.replace(request, delayed_update=True), profile).step_s == delayed.step_s
+    streamed = plan(dataclasses.replace(request, stream=True), profile)
+    assert delayed_update_option(streamed, profile) is None
+    refused = plan(dataclasses.replace(request, stream=True, delayed_update=True), profile)
+    assert not refused.fits and any("not with streaming" in reason for reason in refused.reasons)
+    with pytest.raises(ValueError, match="delayed_update must be a bool"):
+        PlanRequest(ModelShape.named("llama3-8b"), batch_size=1, seq_len=16, delayed_update="yes")

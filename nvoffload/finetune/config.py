@@ -197,7 +197,7 @@ class FinetuneConfig:
         if self.delayed_update and self.stream:
             raise ValueError(
                 "delayed_update keeps the parameters on the device (a second copy holds the new weights): not with"
-                " stream, whose blocks the updates write in the host cache"
+                " parameter streaming, whose blocks the updates write in the host cache"
             )
         if self.model_dir is not None:
             if not os.path.isfile(os.path.join(self.model_dir, "config.json")):

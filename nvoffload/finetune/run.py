@@ -562,7 +562,8 @@ def header(
         f" tokens x {config.grad_accum_steps} micro-batches a step{ranks}{steps}",
         f"placement: {placed}; optimizer state ({STATE_WORDS[config.state_precision]}) on NVMe where the host budget"
         " cannot keep it,"
-        f" updated by the CPU; activations"
+        f" updated by the CPU{' during the next step (--delayed-update: weights one step behind, not exact AdamW)' if config.delayed_update else ''};"
+        " activations"
         f" {activations}",
         "budgets: " + ", ".join(budgets),
         f"swap directory: {swap_dir}{each}",

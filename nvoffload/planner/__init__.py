@@ -8,7 +8,15 @@
   the budgets and a profile.
 """
 
-from nvoffload.planner.cost import ModelShape, Plan, PlanRequest, plan, plan_batch, state_precision_options
+from nvoffload.planner.cost import (
+    ModelShape,
+    Plan,
+    PlanRequest,
+    delayed_update_option,
+    plan,
+    plan_batch,
+    state_precision_options,
+)
 from nvoffload.planner.profile import (
     BUILTIN_PROFILES,
     Drive,
@@ -16,4 +24,4 @@ from nvoffload.planner.profile import (
     load_profile,
 )
 
-__all__ = ["BUILTIN_PROFILES", "Drive", "MachineProfile", "ModelShape", "Plan", "PlanRequest", "load_profile", "plan", "plan_batch", "state_precision_options"]
+__all__ = ["BUILTIN_PROFILES", "Drive", "MachineProfile", "ModelShape", "Plan", "PlanRequest", "delayed_update_option", "load_profile", "plan", "plan_batch", "state_precision_options"]

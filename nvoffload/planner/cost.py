@@ -321,7 +321,11 @@ class PlanRequest:
     ``vertical``: a streamed step of several micro-batches on one rank without LoRA runs by the vertical schedule
     (:func:`nvoffload.vertical_step`, as ``finetune`` does): each block over every micro-batch while it is on the
     device, its weights moved once a step, each block's input kept per micro-batch (on the device, or offloaded)
-    and its activations recomputed in backward."""
+    and its activations recomputed in backward.
+
+    ``delayed_update``: each step's optimizer updates run during the next step's forward and backward
+    (:class:`~nvoffload.optim.OffloadOptimizerConfig`'s ``delayed_update``): the model stays on the device, with
+    a second copy of its trained weights (the new ones, until they land)."""
 
     model: ModelShape
     batch_size: int
@@ -341,6 +345,7 @@ class PlanRequest:
     lora_targets: tuple[str, ...] | None = None
     vertical: bool = True
     state_precision: str = "fp32"  # the optimizer's (see nvoffload.optim.OffloadOptimizerConfig)
+    delayed_update: bool = False
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "grad_accum_steps", "cpu_memory_bytes", "device_memory_bytes", "swap_dirs", "ranks"):
@@ -351,6 +356,8 @@ class PlanRequest:
             raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
         if self.state_precision not in STATE_PRECISIONS:
             raise ValueError(f"state_precision must be one of {', '.join(STATE_PRECISIONS)}; got {self.state_precision!r}")
+        if not isinstance(self.delayed_update, bool):
+            raise ValueError(f"delayed_update must be a bool, got {self.delayed_update!r}")
         if self.activations not in (None, "keep", "offload", "recompute"):
             raise ValueError(f"activations must be keep, offload, recompute or None, got {self.activations!r}")
         if self.lora_targets is not None:
@@ -438,8 +445,9 @@ def plan(request: PlanRequest, profile: MachineProfile, *, recompute: bool = Tru
     """Predict a step of ``request`` on ``profile``'s machine. With ``stream`` or ``activations`` None, every
     choice (the model on the device or streamed; activations kept, offloaded, or, with ``recompute``,
     recomputed in backward from each block's input) is planned and the fastest that fits is returned (when
-    none fits: the most frugal, whose reasons say what would make it fit)."""
-    streams = [request.stream] if request.stream is not None else [False, True]
+    none fits: the most frugal, whose reasons say what would make it fit). ``delayed_update`` keeps the model
+    on the device."""
+    streams = [request.stream] if request.stream is not None else [False] if request.delayed_update else [False, True]
     if request.activations is not None:
         kinds = [request.activations]
     else:
@@ -460,6 +468,15 @@ def state_precision_options(chosen: Plan, profile: MachineProfile) -> dict[str, 
                  chosen.stream, chosen.activations)
         for p in STATE_PRECISIONS if p != r.state_precision
     }  # fmt: skip
+
+
+def delayed_update_option(chosen: Plan, profile: MachineProfile) -> Plan | None:
+    """``chosen``'s step with the delayed update switched (on, or from a delayed plan off; same placement, batch
+    and micro-batches); None for a streamed plan, which the delayed update does not take."""
+    if chosen.stream:
+        return None
+    r = replace(chosen.request, stream=False, activations=chosen.activations, delayed_update=not chosen.request.delayed_update)
+    return _plan(r, profile, False, chosen.activations)
 
 
 def plan_batch(request: PlanRequest, profile: MachineProfile, *, max_tokens_per_step: int = 1 << 20,
@@ -513,7 +530,8 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     changed_block_bytes = (adapters // m.n_layer if lora else m.block_params) * dtype_bytes  # what an update writes
     resident = m.resident_params * dtype_bytes
     resident_trainable = 0 if lora else m.resident_params
-    device_needs = (resident + resident_trainable * dtype_bytes + 3 * block_bytes) if stream else weights + trainable * dtype_bytes
+    delayed = r.delayed_update  # the model on the device with a second copy of its trained weights
+    device_needs = (resident + resident_trainable * dtype_bytes + 3 * block_bytes) if stream else weights + (2 if delayed else 1) * trainable * dtype_bytes
     offload = kind == "offload"
     vertical = r.by_vertical_schedule(stream)  # kind: "keep" or "offload" the blocks' inputs, the rest recomputed
     g = r.grad_accum_steps
@@ -543,6 +561,8 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     # Streaming: what caching every block leaves, with OffloadConfig's default prefetch_blocks (1), which the plan's
     # offload_config keeps; the model on the device: what the optimizer's staging leaves (as finetune gives it).
     resident_host = resident_state_share(stream_host, [block_bytes] * m.n_layer if stream else [], 1)
+    if delayed and stream:
+        reasons.append("delayed_update keeps the parameters on the device (a second copy holds the new weights): not with streaming")
     if r.seq_len > m.max_seq_len:
         reasons.append(f"seq_len {r.seq_len} exceeds the model's context of {m.max_seq_len}")
     if r.batch_size % n:
@@ -642,7 +662,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
 
     forward_io = fwd_io - serial * act_write_s
     forward = with_thread(beside_io(compute * fwd_share + (copies / 2 if on_cpu else 0), forward_io) + serial * act_write_s, saved_s / 2)
-    held = r.max_grad_norm and not stream  # gradients held for clipping: the updates run in step()
+    held = r.max_grad_norm and not stream and not delayed  # gradients held for clipping: the updates run in step()
     # The parameters outside the blocks (embeddings, a tied LM head) have their last gradient only as backward
     # ends: their updates and their optimizer state's traffic run after it, a tail the step waits for.
     last = 0.0 if held else resident_trainable / trainable
@@ -656,6 +676,10 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     backward = max(beside_io(max(compute * (1 - fwd_share), cpu_backward), 0 if held else nvme_rest), reducing, 0 if on_cpu else copies)
     backward = with_thread(backward + serial * act_read_s, saved_s / 2) + tail
     step_call = (beside_io(adam + checksums, nvme_rest) if held else 0.0) + gather_s
+    if delayed:  # the step before's updates and their state's traffic run beside this step's forward and backward
+        host = adam + checksums + (compute + copies if on_cpu else 0)
+        whole = with_thread(beside_io(max(compute, host, 0 if on_cpu else copies), nvme_read_s + nvme_write_s), saved_s)
+        forward, backward, step_call = whole * fwd_share, whole * (1 - fwd_share), gather_s
     step = forward + backward + step_call
     engines = {"compute": compute, "cpu adam": adam, "checksums": checksums, "nvme": nvme_read_s + nvme_write_s, "copies": copies,
                "interconnect": reduce_s + gather_s}  # fmt: skip
@@ -665,13 +689,16 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
         busiest = "cpu adam" if adam >= checksums else "checksums"
     if on_cpu and compute + adam + checksums > max(engines.values()):  # compute shares the host's cores
         busiest = max(("compute", compute), ("cpu adam", adam), ("checksums", checksums), key=lambda kv: kv[1])[0]
-    if n == 1:
+    if delayed:
+        grads = "device until the next forward and backward copy them out (the delayed update)"
+    elif n == 1:
         grads = "consumed during backward" if stream or not held else "device until step()"
     else:
         grads = "reduced to their owners during backward" if stream else (
             "device, all-reduced during the last backward" + (", until step()" if held else ", then consumed"))
     placement = {
-        "parameters": ("NVMe, streamed block by block through host memory" if stream else "device") + ("; every rank its copy" if n > 1 else ""),
+        "parameters": ("NVMe, streamed block by block through host memory" if stream else "device")
+        + ("; every rank its copy" if n > 1 else "") + ("; a second copy holds the delayed update's new weights" if delayed else ""),
         "optimizer state": f"NVMe ({STATE_WORDS[r.state_precision]}), updated by the CPU" + (f"; each rank 1/{n} of it" if n > 1 else "")
         + (f"; {human_size(resident_host // 2)} of it resident in host memory" if resident_host else ""),
         **({"trainable": f"LoRA adapters of rank {r.lora_rank}, {human_count(trainable)} parameters; the model frozen:"
