@@ -135,6 +135,25 @@ def test_clipping_and_the_lr_schedule_are_those_of_the_step_that_computed_the_gr
                 assert torch.equal(a, b)
 
 
+def test_micro_batches_accumulate_as_in_torch(tmp_path):
+    """Two backward passes a step: their gradients summed in .grad, then the sum's update lands a step late."""
+    torch.manual_seed(0)
+    base = Net()
+    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref = LateAdamW(ref_model)
+    data = batches(8)
+    with delayed(model, tmp_path / "swap") as opt:
+        for i in range(0, len(data), 2):
+            for m in (model, ref_model):
+                for x, y in data[i : i + 2]:
+                    loss_of(m, x, y).backward()
+            opt.step()
+            ref.step()
+            opt.zero_grad()
+            for a, b in zip(model.parameters(), ref_model.parameters()):
+                assert torch.equal(a, b)
+
+
 def test_grad_scaler_overflow_skips_that_steps_update_only(tmp_path):
     torch.manual_seed(0)
     base = Net()
@@ -295,3 +314,27 @@ def test_finetune_delayed_update_lands_its_last_update(tmp_path, capsys):
     assert "during the next step (--delayed-update: weights one step behind, not exact AdamW)" in capsys.readouterr().out
     assert main([*base, "--steps", "1", "--delayed-update", "--stream"]) == 2
     assert "error: --delayed-update keeps the parameters on the device" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_weights_are_adamw_applied_one_step_late_on_cuda(tmp_path):
+    """On a GPU: the staged copies are written on the copy stream behind the step()'s event and copied in on the
+    compute stream once done; torch's fused CUDA AdamW rounds a little differently from the host kernel."""
+    torch.manual_seed(0)
+    base = Net()
+    ref_model, model = copy.deepcopy(base).cuda(), copy.deepcopy(base).cuda()
+    ref, opt = LateAdamW(ref_model), delayed(model, tmp_path / "swap")
+    for x, y in batches(6):
+        x, y = x.cuda(), y.cuda()
+        loss_of(model, x, y).backward()
+        loss_of(ref_model, x, y).backward()
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    opt.synchronize()
+    ref.flush()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    opt.close()
