@@ -80,10 +80,11 @@ def test_methods_after_close_raise_instead_of_hanging(tmp_path):
     assert not list(tmp_path.glob("*.swap"))
 
 
-def test_dropped_optimizer_is_collected_and_cleans_up(tmp_path):
+@pytest.mark.parametrize("delayed", [False, True])  # delayed: the last step's update is still in flight when dropped
+def test_dropped_optimizer_is_collected_and_cleans_up(tmp_path, delayed):
     model = small_model()
     before = workers()
-    opt = NVMeAdamW(model.parameters(), lr=1e-3, swap_dir=tmp_path)
+    opt = NVMeAdamW(model.parameters(), lr=1e-3, swap_dir=tmp_path, delayed_update=delayed)
     mine = workers() - before
     assert len(mine) == 1 and list(tmp_path.glob("*.swap"))
     train_step(model, opt)
@@ -176,7 +177,7 @@ EXIT_SCRIPT = """
 import atexit, glob, sys, threading, torch
 from nvoffload.optim import OffloadOptimizer
 
-swap = sys.argv[1]
+swap, delayed = sys.argv[1], sys.argv[2] == "delayed"
 
 def check():  # registered first, so it runs after every hook registered later (the optimizer's)
     alive = [t for t in threading.enumerate() if t.name == "nvoffload-optimizer" and t.is_alive()]
@@ -185,21 +186,22 @@ def check():  # registered first, so it runs after every hook registered later (
 atexit.register(check)
 torch.manual_seed(3)
 m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 16))
-opt = OffloadOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3), swap_dir=swap, max_grad_norm=1.0)
+opt = OffloadOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3), swap_dir=swap, max_grad_norm=1.0, delayed_update=delayed)
 for _ in range(3):
     x = torch.randn(8, 16)
     (m(x) - x).pow(2).mean().backward(); opt.step(); opt.zero_grad(set_to_none=True)
 """
 
 
-def test_exit_without_close_stops_the_worker_first(tmp_path):
+@pytest.mark.parametrize("delayed", ["exact", "delayed"])  # delayed: the last step's update still in flight at exit
+def test_exit_without_close_stops_the_worker_first(tmp_path, delayed):
     """A daemon worker still in native I/O when the interpreter finalizes aborts the process
     ("terminate called without an active exception"): the optimizer joins it at exit."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(EXIT_SCRIPT))
     swap = tmp_path / "swap"
     swap.mkdir()
-    out = subprocess.run([sys.executable, str(script), str(swap)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, str(script), str(swap), delayed], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "workers=0 swaps=0", out.stdout + out.stderr[-2000:]
     assert not list(swap.glob("*.swap"))
