@@ -338,3 +338,29 @@ def test_weights_are_adamw_applied_one_step_late_on_cuda(tmp_path):
     for a, b in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     opt.close()
+
+
+def test_a_backward_into_gradients_not_zeroed_waits_for_the_update_reading_them(tmp_path):
+    """A loop that never zeroes the gradients accumulates into last step's, which the update in flight reads: the
+    backward waits for it, so the results are torch's (the gradients summed across steps, applied a step late)."""
+    torch.manual_seed(0)
+    base = Net()
+    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=WD, fused=True)
+    pending = None
+    with delayed(model, tmp_path / "swap", prefetch_chunks=0) as opt:
+        for x, y in batches(4):
+            loss_of(model, x, y).backward()  # into the last step's gradients: never zeroed
+            opt.step()
+            loss_of(ref_model, x, y).backward()
+            grads = [p.grad.clone() for p in ref_model.parameters()]
+            if pending is not None:
+                kept = [p.grad for p in ref_model.parameters()]
+                for p, g in zip(ref_model.parameters(), pending):
+                    p.grad = g
+                ref_opt.step()
+                for p, g in zip(ref_model.parameters(), kept):
+                    p.grad = g
+            pending = grads
+            for a, b in zip(model.parameters(), ref_model.parameters()):
+                assert torch.equal(a, b)

@@ -17,7 +17,7 @@ queues waits for the event of its request (``Request.ready``), recorded by the
 thread that queued the request when the gradient was final.
 
 Delayed updates (``delayed_update``): the worker writes an update's new weights into a second copy of the
-parameter on its device (:meth:`ChunkIO.staged_weights`, made on the training thread when the update is
+parameter on its device (:meth:`ChunkIO.stage`, made on the training thread when the update is
 queued) instead of the parameter, which the next forward and backward still read; ``step()`` copies them in
 (:meth:`ChunkIO.install_staged`) once the updates are done. PipeDream-2BW keeps its two weight versions the
 same way.

@@ -89,7 +89,7 @@ class Chunk:
 class Record:
     """Everything the optimizer keeps about one parameter (one record per parameter, no id() keys)."""
 
-    __slots__ = ("prefix", "index", "param", "group", "chunks", "step", "fires", "learned_fires", "spec", "hook")
+    __slots__ = ("prefix", "index", "param", "group", "chunks", "step", "fires", "learned_fires", "spec", "hooks")
 
     def __init__(self, prefix: str, index: int, param: torch.Tensor, group: dict):
         self.prefix = prefix
@@ -102,7 +102,7 @@ class Record:
         self.learned_fires = 0  # hook calls before the previous step() (0 = not learned; 1 with release_grads)
         # What the hook saw on the learned fire (see nvoffload.optim._protocol.Spec), None = nothing yet.
         self.spec = None
-        self.hook = None  # the post-accumulate-grad hook's handle
+        self.hooks: tuple = ()  # the handles of its gradient hooks (post-accumulate-grad; delayed updates: pre-accumulate too)
 
     @property
     def name(self) -> str:

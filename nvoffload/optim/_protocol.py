@@ -141,7 +141,7 @@ class StepProtocol:
         self._order: list[Record] = []  # first iteration's gradient order
         self._order_learned = False
         self._delayed = delayed
-        self._in_flight: list[Record] = []  # delayed: the records whose updates the last step() queued
+        self._in_flight: dict[Record, None] = {}  # delayed: the records whose updates the last step() queued, in order
         self._can_speculate = overlap and not delayed and (max_grad_norm is None or release_grads)
         self.speculate = self._can_speculate  # the hooks queue updates (else they only observe)
 
@@ -317,7 +317,7 @@ class StepProtocol:
                 self._pipeline.wait_idle()
                 self._restore_all(records)
                 raise
-            self._in_flight = [r for r in records if r in self._stepped]
+            self._in_flight = dict.fromkeys(r for r in records if r in self._stepped)
             return
         clean = self._redo_changed(records, unscale)
         self._pipeline.wait_idle()
@@ -362,13 +362,19 @@ class StepProtocol:
         """Delayed updates: wait for the updates the last ``step()`` queued, commit them and copy their new
         weights into the parameters. On an error they are dropped and it is raised: the parameters and the
         committed state stay those from before them."""
-        flight, self._in_flight = self._in_flight, []
+        flight, self._in_flight = list(self._in_flight), {}
         if not flight:
             return
         self._pipeline.wait_idle()
         self._raise_error(flight)
         self._commit(flight, set(flight))
         self._io.install_staged([r for r in flight if r.chunks])
+
+    def before_accumulate(self, rec: Record) -> None:
+        """Delayed updates: backward is about to add into ``rec``'s gradient (not zeroed to None since the last
+        ``step()``), which an update in flight may not have copied yet: wait for the updates in flight first."""
+        if self._in_flight and rec.param.grad is not None and rec in self._in_flight:
+            self._pipeline.wait_idle()
 
     def abandon(self) -> None:
         """Undo the updates queued since the last ``step()`` and forget their gradients (a refused step); the

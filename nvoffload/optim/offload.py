@@ -504,9 +504,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _hook_if_trained(self, rec: Record) -> None:
         """Give a parameter that requires grad its post-accumulate-grad hook (a frozen one has none: no
-        gradient, no state)."""
-        if rec.hook is None and rec.param.requires_grad:
-            rec.hook = rec.param.register_post_accumulate_grad_hook(_hook_for(weakref.ref(self), rec))
+        gradient, no state); with ``delayed_update`` also a hook on its gradient before it is accumulated."""
+        if not rec.hooks and rec.param.requires_grad:
+            ref = weakref.ref(self)
+            rec.hooks = (rec.param.register_post_accumulate_grad_hook(_hook_for(ref, rec)),)
+            if self.config.delayed_update:
+                rec.hooks += (rec.param.register_hook(_before_accumulate_for(ref, rec)),)
             rec.learned_fires = 1 if self.config.release_grads else 0
 
     def follow_requires_grad(self) -> None:
@@ -774,13 +777,24 @@ def _hook_for(ref: weakref.ref, rec: Record):
     return hook
 
 
+def _before_accumulate_for(ref: weakref.ref, rec: Record):
+    """``rec``'s gradient hook before accumulation (delayed updates); it holds the optimizer weakly."""
+
+    def hook(grad: torch.Tensor) -> None:
+        opt = ref()
+        if opt is not None:
+            opt._protocol.before_accumulate(rec)
+
+    return hook
+
+
 def _release(records: list[Record], io: ChunkIO, owns_store: bool, close_transfer) -> None:
     """Remove the hooks and delete every generation from the store; close the store if the optimizer opened it,
     and give back its host memory. Runs on the worker thread, after its last update."""
     for rec in records:
-        if rec.hook is not None:
-            rec.hook.remove()
-            rec.hook = None
+        for handle in rec.hooks:
+            handle.remove()
+        rec.hooks = ()
         for c in rec.chunks:
             io.discard(c)
     if owns_store:
