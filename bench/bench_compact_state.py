@@ -7,7 +7,8 @@ Two parts, every case in the same run:
   bytes the state takes in the store per parameter, the store bytes read and written a step per parameter (the
   optimizer's counters) and the median step time, with their ratio to exact AdamW's.
 - **Convergence**: ``nvoffload finetune --dtype bfloat16`` with ``--optimizer-state`` each of the three, and
-  with ``--delayed-update`` (exact state, each step's updates landing one step late), on ``--preset gpt2-124m``
+  with ``--delayed-update`` (exact state, each step's updates landing one step late; and the same after 30 exact
+  steps, ``--delayed-update-after 30``), on ``--preset gpt2-124m``
   (the shipped corpus) and on a small Hugging Face Llama built here from its config (random weights, bytes as
   tokens; nothing downloaded), each case in a process of its own: the last steps' mean loss and the largest gap
   of the loss curve (averaged over 20 steps) from exact AdamW's. The plot shows the curves. (The delayed
@@ -34,7 +35,11 @@ from report import RESULTS_DIR, markdown_table, nvoffload_command, save_report  
 
 PRECISIONS = ("fp32", "bf16-moments", "bf16")
 # the convergence part's cases: finetune's optimizer flags
-OPTIONS = {p: ["--optimizer-state", p] for p in PRECISIONS} | {"delayed": ["--optimizer-state", "fp32", "--delayed-update"]}
+DELAYED_AFTER = 30  # the exact steps before the delayed updates of the last case
+OPTIONS = {p: ["--optimizer-state", p] for p in PRECISIONS} | {
+    "delayed": ["--optimizer-state", "fp32", "--delayed-update"],
+    f"delayed after {DELAYED_AFTER}": ["--optimizer-state", "fp32", "--delayed-update", "--delayed-update-after", str(DELAYED_AFTER)],
+}
 WINDOW = 20  # steps a loss is averaged over
 
 

@@ -24,6 +24,7 @@ def test_bench_compact_state_quick(tmp_path):
         assert row["largest_gap"] >= 0 and (row["case"] != "fp32" or row["largest_gap"] == 0)
     assert all(len(losses) == 4 for curves in record["curves"].values() for losses in curves.values())
     for curves in record["curves"].values():  # the delayed update: the first step's loss is exact AdamW's, then not
-        assert set(curves) == {"fp32", "bf16-moments", "bf16", "delayed"}
+        assert set(curves) == {"fp32", "bf16-moments", "bf16", "delayed", "delayed after 30"}
+        assert curves["delayed after 30"] == curves["fp32"]  # 4 steps: all of them before the delay starts
         assert curves["delayed"][0] == curves["fp32"][0] and curves["delayed"][1:] != curves["fp32"][1:]
     assert (tmp_path / "out" / "bench_compact_state.png").exists()

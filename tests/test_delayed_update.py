@@ -135,6 +135,29 @@ def test_clipping_and_the_lr_schedule_are_those_of_the_step_that_computed_the_gr
                 assert torch.equal(a, b)
 
 
+def test_the_first_steps_update_exactly_then_one_step_late(tmp_path):
+    """delayed_update_after=2: steps 1 and 2 are torch's AdamW; step 3's update lands in step 4, and so on."""
+    torch.manual_seed(0)
+    base = Net()
+    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref = LateAdamW(ref_model)
+    with delayed(model, tmp_path / "swap", delayed_update_after=2) as opt:
+        for i, (x, y) in enumerate(batches(6)):
+            loss_of(model, x, y).backward()
+            loss_of(ref_model, x, y).backward()
+            opt.step()
+            ref.step()
+            if i < 2:
+                ref.flush()  # exact: applied in its own step
+            opt.zero_grad()
+            for a, b in zip(model.parameters(), ref_model.parameters()):
+                assert torch.equal(a, b), i
+    with pytest.raises(ValueError, match="delayed_update_after counts the exact steps"):
+        OffloadOptimizerConfig(delayed_update_after=3)
+    with pytest.raises(ValueError, match="delayed_update_after must be an int >= 0"):
+        OffloadOptimizerConfig(delayed_update=True, delayed_update_after=-1)
+
+
 def test_micro_batches_accumulate_as_in_torch(tmp_path):
     """Two backward passes a step: their gradients summed in .grad, then the sum's update lands a step late."""
     torch.manual_seed(0)
@@ -314,6 +337,8 @@ def test_finetune_delayed_update_lands_its_last_update(tmp_path, capsys):
     assert "during the next step (--delayed-update: weights one step behind, not exact AdamW)" in capsys.readouterr().out
     assert main([*base, "--steps", "1", "--delayed-update", "--stream"]) == 2
     assert "error: --delayed-update keeps the parameters on the device" in capsys.readouterr().err
+    assert main([*base, "--steps", "1", "--delayed-update-after", "3"]) == 2
+    assert "--delayed-update-after counts the exact steps before delayed updates: set --delayed-update too" in capsys.readouterr().err
 
 
 @pytest.mark.cuda

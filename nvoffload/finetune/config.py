@@ -52,6 +52,7 @@ class FinetuneConfig:
         delayed_update: each step's updates run during the next step's forward and backward (the weights one
             step behind, as PipeDream-2BW's and ZeRO-Offload's delayed update; not exact AdamW; see
             :class:`~nvoffload.optim.OffloadOptimizerConfig`); not with ``stream``.
+        delayed_update_after: with ``delayed_update``, the steps that update exactly first.
         swap_dir: directory on NVMe; None: :func:`default_swap_root`, reused run
             after run so that what a killed run left there is cleaned up (a fresh
             subdirectory, removed at the end, while another run holds it).
@@ -119,6 +120,7 @@ class FinetuneConfig:
     max_grad_norm: float | None = None
     state_precision: str = "fp32"
     delayed_update: bool = False
+    delayed_update_after: int = 0
     dtype: str = "float32"
     device: str = "cpu"
     swap_dir: str | None = None
@@ -194,6 +196,10 @@ class FinetuneConfig:
             raise ValueError(f"state_precision must be one of {', '.join(STATE_PRECISIONS)}; got {self.state_precision!r}")
         if self.state_precision == "bf16" and self.dtype == "float16":
             raise ValueError("state_precision bf16 updates bfloat16 weights; float16 needs an fp32 master (bf16-moments)")
+        if isinstance(self.delayed_update_after, bool) or not isinstance(self.delayed_update_after, int) or self.delayed_update_after < 0:
+            raise ValueError(f"delayed_update_after must be an int >= 0, got {self.delayed_update_after!r}")
+        if self.delayed_update_after and not self.delayed_update:
+            raise ValueError("delayed_update_after counts the exact steps before delayed updates: set delayed_update too")
         if self.delayed_update and self.stream:
             raise ValueError(
                 "delayed_update keeps the parameters on the device (a second copy holds the new weights): not with"

@@ -235,7 +235,7 @@ def _build(config: FinetuneConfig, swap_dir: str, hf: _HFModel | None) -> tuple[
         opt = NVMeAdamW(
             _param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95), swap_dir=swap_dir,
             cpu_memory_bytes=staging, max_grad_norm=config.max_grad_norm, state_precision=config.state_precision,
-            delayed_update=config.delayed_update,
+            delayed_update=config.delayed_update, delayed_update_after=config.delayed_update_after,
             resident_state_bytes=resident_state_share(config.cpu_memory_bytes - staging, [], 0),
         )  # fmt: skip
         return model, opt

@@ -119,12 +119,14 @@ class StepProtocol:
         loss_scale: with ``release_grads``, the dynamic fp16 loss scale (None: no scaling).
         sharding: this rank's share and the collectives, over several ranks (None: one process).
         delayed: land each step's updates at the next ``step()`` (see the module docs; held gradients, one process).
+        delayed_after: with ``delayed``, the optimizer steps (the parameters' ``step`` count, which state dicts
+            keep) that update in ``step()`` first, before the updates are delayed.
     """
 
     def __init__(self, records: list[Record], io: ChunkIO, pipeline: Pipeline, *, overlap: bool,
                  max_grad_norm: float | None, release_grads: bool, accumulation_steps: int = 1,
                  loss_scale: DynamicLossScale | None = None, sharding: Sharding | None = None,
-                 delayed: bool = False):  # fmt: skip
+                 delayed: bool = False, delayed_after: int = 0):  # fmt: skip
         self._records = records
         self._io = io
         self._pipeline = pipeline
@@ -141,6 +143,7 @@ class StepProtocol:
         self._order: list[Record] = []  # first iteration's gradient order
         self._order_learned = False
         self._delayed = delayed
+        self._delayed_after = delayed_after
         self._in_flight: dict[Record, None] = {}  # delayed: the records whose updates the last step() queued, in order
         self._can_speculate = overlap and not delayed and (max_grad_norm is None or release_grads)
         self.speculate = self._can_speculate  # the hooks queue updates (else they only observe)
@@ -242,8 +245,6 @@ class StepProtocol:
     def _submit(self, rec: Record, grad: torch.Tensor, hp: dict, grad_scale: float, **kinds) -> None:
         if kinds.get("update", True):
             self._stepped.add(rec)
-        if self._delayed:
-            self._io.stage([rec])
         flat = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
         ready = self._io.transfer.record()  # the gradient is final here, and backward no longer reads the weights
         for chunk in rec.chunks:
@@ -310,7 +311,9 @@ class StepProtocol:
                 unscale = 1.0
             if with_grad:
                 torch.nn.utils.clip_grad_norm_(with_grad, self._max_grad_norm)
-        if self._delayed:  # they run during the next forward and backward; the next step() lands them
+        if self._delayed and max((r.step for r in self._records), default=0) >= self._delayed_after:
+            # they run during the next forward and backward; the next step() lands them
+            self._io.stage([r for r in records if r.param.grad is not None])
             try:
                 self._redo_changed(records, unscale)
             except BaseException:  # e.g. a sparse gradient: none of this step's updates lands

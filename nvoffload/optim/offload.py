@@ -191,6 +191,10 @@ class OffloadOptimizerConfig:
             memory (the staged new weights). ``synchronize()``, ``state_dict()``, a training checkpoint and
             ``close()`` land the update in flight; call ``synchronize()`` before reading the trained weights.
             For parameters on the device (not with ``release_grads``), on one process.
+        delayed_update_after: with ``delayed_update``, the optimizer steps that update exactly, in ``step()``,
+            before the updates are delayed (counted by the parameters' ``step``, which state dicts and
+            checkpoints keep): the first steps, where the loss falls fastest, are where a stale update costs most
+            (ZeRO-Offload also starts its delayed update after some steps).
     """
 
     cpu_memory_bytes: int = 256 << 20
@@ -208,6 +212,7 @@ class OffloadOptimizerConfig:
     resident_state_bytes: int = 0
     state_precision: str = "fp32"
     delayed_update: bool = False
+    delayed_update_after: int = 0
 
     def __post_init__(self):
         if not _is_int(self.cpu_memory_bytes) or self.cpu_memory_bytes <= 0:
@@ -229,6 +234,10 @@ class OffloadOptimizerConfig:
             raise ValueError(f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm!r}")
         if not isinstance(self.delayed_update, bool):
             raise ValueError(f"delayed_update must be a bool, got {self.delayed_update!r}")
+        if not _is_int(self.delayed_update_after) or self.delayed_update_after < 0:
+            raise ValueError(f"delayed_update_after must be an int >= 0, got {self.delayed_update_after!r}")
+        if self.delayed_update_after and not self.delayed_update:
+            raise ValueError("delayed_update_after counts the exact steps before delayed updates: set delayed_update too")
         if self.delayed_update and self.release_grads:
             raise ValueError(
                 "delayed_update is for parameters that stay on the device; with release_grads (parameter"
@@ -383,7 +392,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             overlap=config.overlap, max_grad_norm=config.max_grad_norm, release_grads=config.release_grads,
             accumulation_steps=config.gradient_accumulation_steps,
             loss_scale=DynamicLossScale(config.loss_scaling) if config.loss_scaling is not None else None,
-            sharding=self._sharding, delayed=config.delayed_update,
+            sharding=self._sharding, delayed=config.delayed_update, delayed_after=config.delayed_update_after,
         )  # fmt: skip
         self._codec = StateCodec(self._records, self._io, self._update, self._pipeline)
         # Closing, collection and interpreter exit all stop the worker and release the state; neither the
