@@ -13,7 +13,7 @@ from nvoffload.data.sft import LOSS_ON, resolve_data_path
 from nvoffload.device import cuda_available
 from nvoffload.io.config import default_swap_root
 from nvoffload.models import GPTConfig
-from nvoffload.optim import STATE_PRECISIONS
+from nvoffload.optim import STATE_PRECISIONS, OffloadOptimizerConfig
 from nvoffload.planner.cost import human_size
 
 __all__ = ["FinetuneConfig", "default_swap_root", "max_text_bytes"]
@@ -196,10 +196,8 @@ class FinetuneConfig:
             raise ValueError(f"state_precision must be one of {', '.join(STATE_PRECISIONS)}; got {self.state_precision!r}")
         if self.state_precision == "bf16" and self.dtype == "float16":
             raise ValueError("state_precision bf16 updates bfloat16 weights; float16 needs an fp32 master (bf16-moments)")
-        if isinstance(self.delayed_update_after, bool) or not isinstance(self.delayed_update_after, int) or self.delayed_update_after < 0:
-            raise ValueError(f"delayed_update_after must be an int >= 0, got {self.delayed_update_after!r}")
-        if self.delayed_update_after and not self.delayed_update:
-            raise ValueError("delayed_update_after counts the exact steps before delayed updates: set delayed_update too")
+        # the optimizer's own checks of its fields, at this boundary
+        OffloadOptimizerConfig(delayed_update=self.delayed_update, delayed_update_after=self.delayed_update_after)
         if self.delayed_update and self.stream:
             raise ValueError(
                 "delayed_update keeps the parameters on the device (a second copy holds the new weights): not with"
