@@ -45,14 +45,8 @@ class LateAdamW:
         if self.max_grad_norm is not None and not skip:
             torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         grads = None if skip else [p.grad.clone() for p in self.params]
-        if self.pending is not None:
-            for p, g in zip(self.params, self.pending[0]):
-                p.grad = g
-            self.opt.param_groups[0]["lr"] = self.pending[1]
-            self.opt.step()
+        self.flush()
         self.pending = None if grads is None else (grads, lr)
-        for p in self.params:
-            p.grad = None
 
     def flush(self):
         """Apply the pending update now (what synchronize() does)."""
@@ -62,8 +56,8 @@ class LateAdamW:
             self.opt.param_groups[0]["lr"] = self.pending[1]
             self.opt.step()
             self.pending = None
-            for p in self.params:
-                p.grad = None
+        for p in self.params:
+            p.grad = None
 
 
 def test_weights_are_adamw_applied_one_step_late(tmp_path):
