@@ -23,6 +23,18 @@ def batches(n):
     return typed_batches(n, torch.float32)
 
 
+def twins():
+    """Two copies of one seeded ``Net``: the reference's and the delayed optimizer's."""
+    torch.manual_seed(0)
+    base = Net()
+    return copy.deepcopy(base), copy.deepcopy(base)
+
+
+def assert_same(model, ref_model, step=None):
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), step
+
+
 def snapshot(model):
     return [p.detach().clone() for p in model.parameters()]
 
@@ -61,9 +73,7 @@ class LateAdamW:
 
 
 def test_weights_are_adamw_applied_one_step_late(tmp_path):
-    torch.manual_seed(0)
-    base = Net()
-    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_model, model = twins()
     ref, opt = LateAdamW(ref_model), delayed(model, tmp_path / "swap")
     for i, (x, y) in enumerate(batches(6)):
         assert loss_of(model, x, y).item() == loss_of(ref_model, x, y).item()
@@ -75,12 +85,10 @@ def test_weights_are_adamw_applied_one_step_late(tmp_path):
         opt.zero_grad()
         if i == 0:  # the first step lands nothing: its update runs during the next forward and backward
             assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-        for a, b in zip(model.parameters(), ref_model.parameters()):
-            assert torch.equal(a, b)
+        assert_same(model, ref_model)
     opt.synchronize()  # lands the last step's update
     ref.flush()
-    for a, b in zip(model.parameters(), ref_model.parameters()):
-        assert torch.equal(a, b)
+    assert_same(model, ref_model)
     state = opt.state_dict()["state"]
     for i, p in enumerate(ref_model.parameters()):
         assert torch.equal(state[i]["exp_avg"], ref.opt.state[p]["exp_avg"])
@@ -111,9 +119,7 @@ def test_delayed_differs_from_exact_adamw(tmp_path):
 
 @pytest.mark.parametrize("max_grad_norm", [0.05, 100.0])  # clipping that bites, and one that does not
 def test_clipping_and_the_lr_schedule_are_those_of_the_step_that_computed_the_gradients(tmp_path, max_grad_norm):
-    torch.manual_seed(0)
-    base = Net()
-    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_model, model = twins()
     ref = LateAdamW(ref_model, max_grad_norm=max_grad_norm)
     with delayed(model, tmp_path / "swap", max_grad_norm=max_grad_norm) as opt:
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -125,15 +131,12 @@ def test_clipping_and_the_lr_schedule_are_those_of_the_step_that_computed_the_gr
             ref.step(lr=lr)
             sched.step()
             opt.zero_grad()
-            for a, b in zip(model.parameters(), ref_model.parameters()):
-                assert torch.equal(a, b)
+            assert_same(model, ref_model)
 
 
 def test_the_first_steps_update_exactly_then_one_step_late(tmp_path):
     """delayed_update_after=2: steps 1 and 2 are torch's AdamW; step 3's update lands in step 4, and so on."""
-    torch.manual_seed(0)
-    base = Net()
-    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_model, model = twins()
     ref = LateAdamW(ref_model)
     with delayed(model, tmp_path / "swap", delayed_update_after=2) as opt:
         for i, (x, y) in enumerate(batches(6)):
@@ -144,8 +147,7 @@ def test_the_first_steps_update_exactly_then_one_step_late(tmp_path):
             if i < 2:
                 ref.flush()  # exact: applied in its own step
             opt.zero_grad()
-            for a, b in zip(model.parameters(), ref_model.parameters()):
-                assert torch.equal(a, b), i
+            assert_same(model, ref_model, i)
     with pytest.raises(ValueError, match="delayed_update_after counts the exact steps"):
         OffloadOptimizerConfig(delayed_update_after=3)
     with pytest.raises(ValueError, match="delayed_update_after must be an int >= 0"):
@@ -154,9 +156,7 @@ def test_the_first_steps_update_exactly_then_one_step_late(tmp_path):
 
 def test_micro_batches_accumulate_as_in_torch(tmp_path):
     """Two backward passes a step: their gradients summed in .grad, then the sum's update lands a step late."""
-    torch.manual_seed(0)
-    base = Net()
-    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_model, model = twins()
     ref = LateAdamW(ref_model)
     data = batches(8)
     with delayed(model, tmp_path / "swap") as opt:
@@ -167,14 +167,11 @@ def test_micro_batches_accumulate_as_in_torch(tmp_path):
             opt.step()
             ref.step()
             opt.zero_grad()
-            for a, b in zip(model.parameters(), ref_model.parameters()):
-                assert torch.equal(a, b)
+            assert_same(model, ref_model)
 
 
 def test_grad_scaler_overflow_skips_that_steps_update_only(tmp_path):
-    torch.manual_seed(0)
-    base = Net()
-    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_model, model = twins()
     ref = LateAdamW(ref_model)
     with delayed(model, tmp_path / "swap") as opt:
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
@@ -187,8 +184,7 @@ def test_grad_scaler_overflow_skips_that_steps_update_only(tmp_path):
             scaler.update()
             ref.step(skip=i == 3)
             opt.zero_grad()
-            for a, b in zip(model.parameters(), ref_model.parameters()):
-                assert torch.equal(a, b)  # the scale is a power of two: scaling and unscaling are exact
+            assert_same(model, ref_model)  # the scale is a power of two: scaling and unscaling are exact
         assert scaler.get_scale() == 2.0**9  # the overflow halved it, as without delay
 
 
@@ -272,11 +268,9 @@ def test_an_io_error_of_the_update_in_flight_is_raised_by_the_next_step(tmp_path
 
 
 def test_zero_grad_in_place_waits_and_store_bytes_are_those_of_the_exact_step(tmp_path):
-    torch.manual_seed(0)
-    base = Net()
-    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_model, model = twins()
     ref = LateAdamW(ref_model)
-    exact_model = copy.deepcopy(base)
+    exact_model = copy.deepcopy(model)  # not trained yet: the same weights
     (tmp_path / "exact").mkdir()
     exact = NVMeAdamW(exact_model.parameters(), lr=LR, weight_decay=WD, swap_dir=tmp_path / "exact", chunk_bytes=CHUNK)
     with delayed(model, tmp_path / "swap") as opt:
@@ -296,8 +290,7 @@ def test_zero_grad_in_place_waits_and_store_bytes_are_those_of_the_exact_step(tm
                 assert opt.memory_stats().written_bytes == exact.memory_stats().written_bytes > 0
             opt.reset_io_stats()
             exact.reset_io_stats()
-        for a, b in zip(model.parameters(), ref_model.parameters()):
-            assert torch.equal(a, b)
+        assert_same(model, ref_model)
     exact.close()
 
 
@@ -362,9 +355,7 @@ def test_weights_are_adamw_applied_one_step_late_on_cuda(tmp_path):
 def test_a_backward_into_gradients_not_zeroed_waits_for_the_update_reading_them(tmp_path):
     """A loop that never zeroes the gradients accumulates into last step's, which the update in flight reads: the
     backward waits for it, so the results are torch's (the gradients summed across steps, applied a step late)."""
-    torch.manual_seed(0)
-    base = Net()
-    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_model, model = twins()
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=WD, fused=True)
     pending = None
     with delayed(model, tmp_path / "swap", prefetch_chunks=0) as opt:
@@ -381,5 +372,4 @@ def test_a_backward_into_gradients_not_zeroed_waits_for_the_update_reading_them(
                 for p, g in zip(ref_model.parameters(), kept):
                     p.grad = g
             pending = grads
-            for a, b in zip(model.parameters(), ref_model.parameters()):
-                assert torch.equal(a, b)
+            assert_same(model, ref_model)

@@ -516,9 +516,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         gradient, no state); with ``delayed_update`` also a hook on its gradient before it is accumulated."""
         if not rec.hooks and rec.param.requires_grad:
             ref = weakref.ref(self)
-            rec.hooks = (rec.param.register_post_accumulate_grad_hook(_hook_for(ref, rec)),)
+            rec.hooks = (rec.param.register_post_accumulate_grad_hook(_hook_for(ref, rec, StepProtocol.on_grad)),)
             if self.config.delayed_update:
-                rec.hooks += (rec.param.register_hook(_before_accumulate_for(ref, rec)),)
+                rec.hooks += (rec.param.register_hook(_hook_for(ref, rec, StepProtocol.before_accumulate)),)
             rec.learned_fires = 1 if self.config.release_grads else 0
 
     def follow_requires_grad(self) -> None:
@@ -775,24 +775,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         raise TypeError("OffloadOptimizer cannot be pickled; save its state_dict() instead")
 
 
-def _hook_for(ref: weakref.ref, rec: Record):
-    """``rec``'s post-accumulate-grad hook; it holds the optimizer weakly."""
+def _hook_for(ref: weakref.ref, rec: Record, call: Callable[[StepProtocol, Record], None]):
+    """A gradient hook of ``rec``'s (post-accumulate-grad, or on the gradient before accumulation) that calls
+    ``call(protocol, rec)``; it holds the optimizer weakly."""
 
-    def hook(param: torch.Tensor) -> None:
+    def hook(_: torch.Tensor) -> None:
         opt = ref()
         if opt is not None:
-            opt._protocol.on_grad(rec)
-
-    return hook
-
-
-def _before_accumulate_for(ref: weakref.ref, rec: Record):
-    """``rec``'s gradient hook before accumulation (delayed updates); it holds the optimizer weakly."""
-
-    def hook(grad: torch.Tensor) -> None:
-        opt = ref()
-        if opt is not None:
-            opt._protocol.before_accumulate(rec)
+            call(opt._protocol, rec)
 
     return hook
 
