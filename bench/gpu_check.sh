@@ -7,6 +7,7 @@
 #   GPU_CHECK_STEPS="cuda_tests bench_plan" bash bench/gpu_check.sh  # only these steps (a rerun of those that failed)
 #
 # Steps, in this order (the most telling first: a step that finds no time left is skipped):
+#   build               the native core built in place when it does not import (the checkout is on PYTHONPATH)
 #   environment         torch, CUDA, the device, kvikio's compatibility mode, nvidia-smi
 #   cuda_tests          pytest -k "cuda or gds": the tests marked cuda or gds and the CUDA cases of the
 #                       tests parametrized over devices (junit XML beside the log)
@@ -192,6 +193,12 @@ PY
     [[ -n "${parsed[$name]:-}" ]] || row "$name" "timed out after $limit s" $((SECONDS - began)) "$limit" "$name.log"
   done
 }
+
+# build: the package is imported from this checkout (PYTHONPATH), so a fresh machine needs no install; its
+# native core is built in place (setup.py build_ext --inplace: a compiler, torch and pybind11, no network)
+# when it does not import for this Python.
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+run build 240 "" -- bash -c '"$1" -c "import nvoffload.io._aio, nvoffload.optim._adam" 2>/dev/null && echo "native core imports" || "$1" setup.py build_ext --inplace' build "$python"
 
 run environment 30 "" -- "$python" - <<'PY'
 import importlib.util

@@ -37,7 +37,7 @@ def test_the_dry_run_runs_every_step_and_the_summary_names_each_with_its_status_
     assert done.returncode == 0, done.stdout + done.stderr
     rows = summary_rows(out / "summary.md")
     # every benchmark in bench/ has its step: a new one must be added to the script
-    assert sorted(rows) == sorted(["environment", "cuda_tests", "finetune_trace", "overlap_profiler", *BENCHMARKS])
+    assert sorted(rows) == sorted(["build", "environment", "cuda_tests", "finetune_trace", "overlap_profiler", *BENCHMARKS])
     for step, row in rows.items():
         assert row["status"] == ("arguments ok" if step.startswith("bench_") else "passed"), row
         assert 0 <= int(row["seconds"]) <= int(row["limit (s)"]) + 5
@@ -46,6 +46,7 @@ def test_the_dry_run_runs_every_step_and_the_summary_names_each_with_its_status_
             assert path.exists() and (path.is_dir() or path.stat().st_size > 0), name
     assert "cpu-stand-in-dry-run" in (out / "summary.md").read_text().splitlines()[0]  # the device is named
     assert "Finished after" in (out / "summary.md").read_text()
+    assert "native core imports" in (out / "build.log").read_text()  # built here: nothing rebuilt
 
     # the CUDA tests were selected and skip here, each with its reason, none failed
     suite = ET.parse(out / "cuda_tests.xml").getroot().find("testsuite")
@@ -72,7 +73,7 @@ def two_benchmarks(tmp_path, failures: int) -> Path:
     with 0 when ``failures`` steps did not pass."""
     bench = tmp_path / "repo" / "bench"
     bench.mkdir(parents=True)
-    script = SCRIPT.read_text().split("run environment", 1)[0]
+    script = SCRIPT.read_text().split("# build:", 1)[0]
     script += "benchmark bench_x 30 --quick --no-such-flag\nbenchmark bench_y 30 --quick\ncheck_arguments 30\n"
     (bench / "gpu_check.sh").write_text(script + f"((failures == {failures}))\n")
     (bench / "bench_x.py").write_text(
