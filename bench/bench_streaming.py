@@ -23,6 +23,11 @@ over the 4 while on the device).
     python bench/bench_streaming.py [--quick] [--preset gpt2-1.3b] [--cpu-memory-gib 4] [--device-memory-gib 2]
         [--recipe plain --recipe clip+accum ...] [--trace]
 
+``--bound`` adds the step's limits, measured in the same run: compute alone (plain torch, the model in memory,
+no optimizer: the largest recipe's micro-batches, each block recomputed in backward as the streamed step does)
+and the NVMe bound (each streamed step's bytes at the swap directory's store bandwidth, reads and writes one
+after the other on one drive); each streamed step's time over max(compute alone, NVMe bound) is in the notes.
+
 ``--trace`` records the first recipe's last step (:mod:`nvoffload.trace`) and draws its timeline: every
 block's compute, the waits for weights, each copy, NVMe read and write and Adam chunk on its own row.
 """
@@ -30,13 +35,16 @@ block's compute, the waits for weights, each copy, NVMe read and write and Adam 
 from __future__ import annotations
 
 import argparse
+import functools
 import resource
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import plot_trace, save_report  # noqa: E402
@@ -44,6 +52,7 @@ from report import plot_trace, save_report  # noqa: E402
 import nvoffload  # noqa: E402
 from nvoffload import trace  # noqa: E402
 from nvoffload.models import GPT, GPTConfig  # noqa: E402
+from nvoffload.planner.calibrate import _store_bandwidth  # noqa: E402
 from nvoffload.trace import Trace  # noqa: E402
 
 GiB = 1 << 30
@@ -78,6 +87,7 @@ def parse_args(argv):
     )
     p.add_argument("--recipe", action="append", choices=sorted(RECIPES), help="default: plain (repeat for several)")
     p.add_argument("--trace", action="store_true", help="trace the first recipe's last step: <name>_trace.json (Perfetto) and its timeline <name>_trace.png")
+    p.add_argument("--bound", action="store_true", help="also measure compute alone and the swap directory's bandwidth: each step against max(compute, NVMe)")
     p.add_argument("--name", default="bench_streaming")
     p.add_argument("--results-dir", type=Path, default=None, help="default: bench/results")
     args = p.parse_args(argv)
@@ -112,7 +122,8 @@ def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple
         x = x.to(session.streamer.device)
         recorded = None
         for step in range(args.steps):
-            if traced and step == args.steps - 1:
+            tracing = traced and step == args.steps - 1
+            if tracing:
                 trace.start()
             session.reset_stats()
             t0 = time.perf_counter()
@@ -128,14 +139,14 @@ def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple
                 opt.step()
             opt.zero_grad()
             t2 = time.perf_counter()
-            if traced and step == args.steps - 1:
+            if tracing:
                 recorded = trace.stop()
             read, written = session.io_bytes()
             tiers = session.memory_stats()
             io_wait, grad_wait = session.streamer.io_wait_s, session.streamer.grad_wait_s
             norm = opt.grad_norm()
             rows.append({
-                "case": f"{recipe} step {step}",
+                "case": f"{recipe} step {step}" + (" (traced)" if tracing else ""),
                 "loss": float(loss.detach()),  # the last micro-batch's (vertical: the mean of the step's)
                 "grad_norm": norm,
                 "clipped": max_grad_norm is not None and norm > max_grad_norm,
@@ -157,6 +168,53 @@ def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple
     return rows, init_s, recorded
 
 
+def run_compute_alone(args, cfg: GPTConfig, accum: int) -> list[dict]:
+    """``args.steps`` steps of plain torch on the model in memory, without an optimizer: ``accum`` micro-batches
+    (those of :func:`run_recipe`) forward and backward, each block under non-reentrant checkpointing so its
+    activations are recomputed in backward as in the streamed step. The rows' ``step_s`` is compute alone."""
+    torch.manual_seed(0)
+    model = GPT(cfg).to(args.device)
+    for block in model.blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), device=args.device)
+    micro_batches = [(x.roll(micro, dims=1), x.roll(micro - 1, dims=1)) for micro in range(accum)]
+    rows = []
+    for step in range(args.steps):
+        model.zero_grad(set_to_none=True)
+        synchronize(args.device)
+        t0 = time.perf_counter()
+        for micro_batch in micro_batches:
+            loss = model(*micro_batch)
+            (loss / accum).backward()
+        synchronize(args.device)
+        rows.append({"case": f"compute alone x{accum} step {step}", "loss": float(loss.detach()), "step_s": time.perf_counter() - t0,
+                     "compute_s": time.perf_counter() - t0})  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
+def synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bound_notes(rows: list[dict], compute_s: float, write_gbps: float, read_gbps: float) -> str:
+    """Each streamed step after the first against max(compute alone, its NVMe bytes at the store's bandwidth)."""
+    parts = []
+    for row in rows:
+        if row["case"].startswith("compute alone") or " step 0" in row["case"]:
+            continue
+        nvme_s = row["read_gb"] / read_gbps + row["written_gb"] / write_gbps
+        row["nvme_bound_s"], row["vs_bound"] = nvme_s, row["step_s"] / max(compute_s, nvme_s)
+        parts.append(f"{row['case']}: {row['step_s']:.1f} s = {row['vs_bound']:.2f}x max(compute {compute_s:.1f} s, NVMe {nvme_s:.1f} s)")
+    return (
+        f"\n\nBounds, measured in this run: compute alone (the median step of plain torch, blocks recomputed, no "
+        f"optimizer) {compute_s:.1f} s; the swap directory's store writes {write_gbps:.2f} GB/s and reads "
+        f"{read_gbps:.2f} GB/s (one drive: a step's NVMe bound is its reads plus its writes at those rates). "
+        + "; ".join(parts) + "."
+    )
+
+
 def main(argv=None) -> Path:
     args = parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -171,6 +229,14 @@ def main(argv=None) -> Path:
         recipe_rows, init_s, traced = run_recipe(args, cfg, recipe, traced=args.trace and i == 0)
         recorded = recorded or traced
         rows += recipe_rows
+    bounds, alone = "", []
+    if args.bound:
+        accum = max(RECIPES[recipe][1] for recipe in args.recipe)
+        alone = run_compute_alone(args, cfg, accum)
+        with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap:
+            drive = _store_bandwidth([swap], (256 if args.quick else 2048) << 20)
+        compute_s = statistics.median(row["step_s"] for row in alone[1:] or alone)
+        bounds = bound_notes(rows, compute_s, drive.write_gbps, drive.read_gbps)
     budget = host_budget + device_budget
     settings = {
         "preset": args.preset, "params": n_params, "batch": args.batch, "seq_len": args.seq_len,
@@ -188,9 +254,10 @@ def main(argv=None) -> Path:
         + ("On the CPU the device tier is host memory. " if args.device == "cpu" else f"Computed on {args.device}. ")
         + f"Built on the meta device and written to the store block by block in {init_s:.1f} s."
         + (" Recipes run one after another in this process: peak RSS is the process's so far." if len(rows) > args.steps else "")
+        + bounds
     )
     where = {} if args.results_dir is None else {"results_dir": args.results_dir}
-    path = save_report(args.name, rows, settings=settings, plot_column="step_s", notes=notes, **where)
+    path = save_report(args.name, rows + alone, settings=settings, plot_column="step_s", notes=notes, **where)
     if recorded is not None:
         save_trace(recorded, path.parent / f"{args.name}_trace", f"{args.preset}: one streamed step ({args.recipe[0]})")
     return path

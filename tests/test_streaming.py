@@ -6,6 +6,7 @@ import copy
 import errno
 import json
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -222,7 +223,7 @@ def test_scale_benchmark_smoke(tmp_path):
     """The scale benchmark, on the small preset with budgets smaller than its state: loss falls, budgets hold."""
     bench = Path(__file__).resolve().parent.parent / "bench" / "bench_streaming.py"
     done = subprocess.run(
-        [sys.executable, str(bench), "--quick", "--trace", "--results-dir", str(tmp_path), "--swap-dir", str(tmp_path)],
+        [sys.executable, str(bench), "--quick", "--trace", "--bound", "--results-dir", str(tmp_path), "--swap-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -232,8 +233,15 @@ def test_scale_benchmark_smoke(tmp_path):
     assert {"compute", "nvme read", "nvme write", "adam"} <= set(tracks)
     assert (tmp_path / "bench_streaming_trace.png").stat().st_size > 10_000
     report = json.loads((tmp_path / "bench_streaming.json").read_text())
-    rows = report["rows"]
-    assert rows[-1]["loss"] < rows[0]["loss"]
+    alone = [r for r in report["rows"] if r["case"].startswith("compute alone")]
+    rows = [r for r in report["rows"] if r not in alone]
+    assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["case"].endswith("(traced)")
+    # --bound: compute alone (no optimizer: its loss stays), and each step after the first against the bound
+    assert len(alone) == 3 and alone[0]["loss"] == alone[-1]["loss"] and all(r["step_s"] > 0 for r in alone)
+    compute_s = statistics.median(r["step_s"] for r in alone[1:])
+    for r in rows[1:]:
+        assert r["nvme_bound_s"] > 0 and r["vs_bound"] == pytest.approx(r["step_s"] / max(compute_s, r["nvme_bound_s"]))
+    assert "Bounds, measured in this run" in report["notes"]
     settings = report["settings"]
     assert all(r["device_peak_gib"] * (1 << 30) <= settings["device_memory_bytes"] for r in rows)
     assert all(r["host_peak_gib"] * (1 << 30) <= settings["cpu_memory_bytes"] for r in rows)
