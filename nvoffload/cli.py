@@ -137,6 +137,7 @@ def _run_options(p: argparse.ArgumentParser, *, plan: bool) -> None:
         p.add_argument("--offload-activations", action=argparse.BooleanOptionalAction, default=None, help="offload activations (default: the planner decides between keeping, offloading and recomputing them)")
     else:
         p.add_argument("--offload-activations", action="store_true", help="send the activations saved for backward to NVMe")
+    p.add_argument("--activation-host-memory", dest="activation_host_bytes", type=_size, default=0, metavar="SIZE", help="with --offload-activations: keep the offloaded activations in host memory up to SIZE, besides the staging, and write only the rest to NVMe (default 0: all to NVMe; --plan auto chooses it)")
     p.add_argument("--activation-memory", dest="activation_memory_bytes", type=_size, default=None, metavar="SIZE", help="with --offload-activations: host memory staging their transfers (a saved tensor larger than half of it moves in pieces) (default: with --stream an eighth of --cpu-memory, else 512M)")
     p.add_argument("--init-from", default=None, help="safetensors checkpoint (file, shard directory or index .json) of the preset's model to start from")
     p.add_argument("--lora-rank", type=int, default=None, metavar="R", help="with --model: train LoRA adapters of rank R (PEFT; pip install peft) over the frozen model; --save-to then writes the adapter (adapter_model.safetensors, adapter_config.json) (default: train the whole model)")
@@ -404,7 +405,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             if not chosen.fits:
                 return _error("finetune", ValueError("the plan does not fit: " + "; ".join(chosen.reasons)), flags)
             fields.update(stream=chosen.stream, offload_activations=chosen.offload_activations,
-                          activation_memory_bytes=chosen.activation_memory_bytes)  # fmt: skip
+                          activation_memory_bytes=chosen.activation_memory_bytes,
+                          activation_host_bytes=chosen.activation_host_bytes)  # fmt: skip
             print(f"plan: stream {chosen.stream}, offload activations {chosen.offload_activations};"
                   f" predicted {chosen.step_s:.3g} s a step, {chosen.tokens_per_s:,.0f} tokens/s ({chosen.bottleneck} bound)")  # fmt: skip
         try:

@@ -87,6 +87,12 @@ class OffloadConfig:
             stays on the device: up to half of it in writes in flight, half in
             reads ahead, and a third in the most recent saved tensors (kept,
             never written).
+        activation_host_bytes: with ``offload_activations``, saved activations
+            (the vertical schedule's block inputs among them) are kept in host
+            memory up to this many bytes, taken from ``cpu_memory_bytes``
+            besides ``activation_memory_bytes``; only the rest is written to
+            NVMe (:class:`~nvoffload.activations.ActivationOffloadConfig`'s
+            ``host_resident_bytes``). 0 (default): all of them go to NVMe.
         checksum: checksum every tensor in the store (CRC-32C, on by default; see
             :class:`~nvoffload.io.TensorStore`).
         trace_path: record a :mod:`nvoffload.trace` of everything the session does, from
@@ -130,6 +136,7 @@ class OffloadConfig:
     device: str | None = None
     offload_activations: bool = False
     activation_memory_bytes: int | None = None
+    activation_host_bytes: int = 0
     checksum: bool = True
     trace_path: str | None = None
     max_grad_norm: float | None = None
@@ -148,6 +155,11 @@ class OffloadConfig:
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int number of bytes, got {value!r}")
+        value = self.activation_host_bytes
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"activation_host_bytes must be an int number of bytes >= 0, got {value!r}")
+        if value and not self.offload_activations:
+            raise ValueError("activation_host_bytes keeps offloaded activations in host memory: set offload_activations")
         if self.trace_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.trace_path))):
             raise ValueError(f"trace_path: the directory of {self.trace_path} does not exist")
         if not 0 < self.optimizer_memory_fraction < 1:
@@ -168,7 +180,13 @@ class OffloadConfig:
 
     @property
     def activation_bytes(self) -> int:
-        """Host bytes reserved for activation transfers (0 without ``offload_activations``)."""
+        """Host bytes reserved for activation offload: its transfers' staging and the activations it keeps in host
+        memory (0 without ``offload_activations``)."""
+        return self.activation_staging_bytes + self.activation_host_bytes
+
+    @property
+    def activation_staging_bytes(self) -> int:
+        """Host bytes for activation transfers in flight (0 without ``offload_activations``)."""
         if not self.offload_activations:
             return 0
         return self.activation_memory_bytes if self.activation_memory_bytes is not None else self.cpu_memory_bytes // 8
@@ -473,10 +491,11 @@ def initialize(
     offloaded.set_weight_home(streamer)
     activations = None
     if config.offload_activations:
-        half = config.activation_bytes // 2
+        half = config.activation_staging_bytes // 2
         activations = _offload_activations(
-            store, max_pending_write_bytes=half, prefetch_bytes=half, keep_recent_bytes=config.activation_bytes // 3,
-            retain_host_memory=config.retain_host_memory, transfer=activation_transfer,
+            store, max_pending_write_bytes=half, prefetch_bytes=half, keep_recent_bytes=config.activation_staging_bytes // 3,
+            retain_host_memory=config.retain_host_memory, host_resident_bytes=config.activation_host_bytes,
+            transfer=activation_transfer,
         )  # fmt: skip
     session = OffloadSession(config, store, memory, resources, streamer, offloaded, activations)
     optimizer_ref = weakref.ref(offloaded)

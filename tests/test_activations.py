@@ -22,6 +22,9 @@ from nvoffload.transfer import ReadAhead, TransferEngine, WriteBehind
 from conftest import DEVICES
 
 TARGETS = ["cpu", "nvme"]
+# "spill": NVMe, with the first SPILL_RESIDENT_BYTES of the tensors kept in host memory (about 40% of the tiny GPT's)
+WITH_SPILL = [*TARGETS, "spill"]
+SPILL_RESIDENT_BYTES = 1 << 20
 
 
 class CNN(nn.Module):
@@ -97,7 +100,9 @@ def make_offload(target, tmp_path, **kw):
     kw.setdefault("min_bytes", 1024)
     if "transfer" not in kw:
         kw.setdefault("host_memory_bytes", 64 << 20)  # page-locked with CUDA: not a quarter of the machine per test
-    if target == "nvme":
+    if target == "spill":
+        kw.setdefault("host_resident_bytes", SPILL_RESIDENT_BYTES)
+    if target in ("nvme", "spill"):
         return offload_activations(tmp_path, **kw)
     return offload_activations(target="cpu", **kw)
 
@@ -121,7 +126,7 @@ def assert_released(offload, graph_alive=False):
     assert stats.offloaded_bytes == 0
     assert stats.live_records == 0
     assert graph_alive or stats.resident_bytes == 0
-    assert offload._tier is None or offload._tier.slab.used_bytes == 0  # every slab buffer given back
+    assert offload._tier is None or offload._tier.slab.used_bytes == offload._tier.host_bytes == 0  # every buffer back
 
 
 SETTINGS = {
@@ -132,7 +137,7 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", WITH_SPILL)
 @pytest.mark.parametrize("settings", list(SETTINGS))
 @pytest.mark.parametrize("case", ["gpt", "cnn", "views"])
 def test_gradients_bitwise_equal(case, settings, target, tmp_path):
@@ -156,7 +161,42 @@ def test_gradients_bitwise_equal(case, settings, target, tmp_path):
         assert stats.reads_avoided == 0 and stats.bytes_read == stats.bytes_written and stats.reads_prefetched > 0
     if settings == "forwarding":
         assert stats.tensors_forwarded > 0
+    kept = {"cpu": stats.bytes_written, "nvme": 0}.get(target)
+    assert stats.host_bytes_written == kept if kept is not None else 0 < stats.host_bytes_written <= SPILL_RESIDENT_BYTES
     assert_released(offload)
+
+
+@pytest.mark.parametrize("case", ["gpt", "views"])
+def test_spilling_keeps_in_host_memory_what_fits_and_writes_only_the_rest_to_nvme(case, tmp_path):
+    """host_resident_bytes: the tensors are kept in host memory while they fit in it, the others go to the
+    store; backward reads each from where it is, and the gradients are the plain model's."""
+    from nvoffload.io import TensorStore
+
+    model, inputs = make_case(case)
+    ref = step(model, inputs)
+    all_out = make_offload("nvme", tmp_path, keep_recent_bytes=0)
+    step(model, inputs, all_out)
+    total = all_out.stats().bytes_written
+    assert all_out.stats().host_bytes_written == 0
+    (tmp_path / "store").mkdir()
+    with TensorStore(str(tmp_path / "store")) as store:
+        offload = offload_activations(store, min_bytes=1024, keep_recent_bytes=0, host_memory_bytes=64 << 20,
+                                      host_resident_bytes=total // 2)  # fmt: skip
+        model.zero_grad(set_to_none=True)
+        with offload:
+            loss = model(*inputs)
+        wait_for_writes(offload)
+        stats = offload.stats()
+        kept, spilled = stats.host_bytes_written, total - stats.host_bytes_written
+        assert stats.bytes_written == total and total // 4 < kept <= total // 2  # the first half, as far as it fits
+        assert offload._tier.host_bytes == kept
+        assert spilled <= store.used_bytes < spilled + 4096 * stats.tensors_written  # only the rest in the store
+        loss.backward()
+        assert store.used_bytes == 0
+        got = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        assert_same(ref, got)
+        assert offload.stats().bytes_read == total  # each read back once, from where it was
+        assert_released(offload)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -498,6 +538,18 @@ def test_bad_settings(tmp_path):
         offload_activations(tmp_path, target="cpu")
     with pytest.raises(ValueError, match="either config or keywords"):
         offload_activations(target="cpu", config=ActivationOffloadConfig(target="cpu"))
+    with pytest.raises(ValueError, match="host_resident_bytes is for target='nvme'"):
+        offload_activations(target="cpu", host_resident_bytes=1 << 20)
+    with pytest.raises(ValueError, match="host_resident_bytes must be >= 0"):
+        offload_activations(tmp_path, host_resident_bytes=-1)
+    with pytest.raises(ValueError, match=r"host_memory_bytes \(1048576\) must hold host_resident_bytes"):
+        offload_activations(tmp_path, host_resident_bytes=1 << 20, host_memory_bytes=1 << 20)
+    from nvoffload import OffloadConfig
+
+    with pytest.raises(ValueError, match="activation_host_bytes keeps offloaded activations in host memory"):
+        OffloadConfig(swap_dirs=[tmp_path], activation_host_bytes=1 << 20)
+    with pytest.raises(ValueError, match="activation_host_bytes must be an int number of bytes >= 0"):
+        OffloadConfig(swap_dirs=[tmp_path], offload_activations=True, activation_host_bytes=-1)
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(FileNotFoundError, match="does not exist"):

@@ -224,21 +224,25 @@ def test_streamed_and_in_memory_finetune_agree(tmp_path):
 def test_streamed_accumulation_by_the_vertical_schedule_trains_as_in_memory(tmp_path, data):
     """--stream --grad-accum 4 runs each block over the 4 micro-batches while it is on the device (the header says
     so): the losses and weights equal the in-memory run's, and micro-batch after micro-batch (--no-vertical) too,
-    with clipping that bites, on text and on packed chat rows (position_ids restarting within a row)."""
+    with clipping that bites, on text and on packed chat rows (position_ids restarting within a row); and with the
+    block inputs offloaded, kept in host memory up to --activation-host-memory and the rest on NVMe."""
     init = tmp_path / "init.safetensors"
     save_file(GPT(GPTConfig.preset("tiny")).state_dict(), init)
     common = dict(preset="tiny", steps=3, batch_size=2, grad_accum_steps=4, lr=3e-3, warmup_steps=0, max_grad_norm=0.05,
                   swap_dir=str(tmp_path), init_from=str(init), data_path=data, loss_on="all" if data else "completion")  # fmt: skip
     streamed = dict(stream=True, cpu_memory_bytes=8 << 20, device_memory_bytes=64 << 20)
     runs, said = {}, {}
-    for name, extra in (("plain", {}), ("vertical", streamed), ("each", {**streamed, "vertical": False})):
+    spilled = dict(offload_activations=True, activation_host_bytes=48 << 10)  # some of the inputs, not all
+    for name, extra in (("plain", {}), ("vertical", streamed), ("each", {**streamed, "vertical": False}),
+                        ("spilled", {**streamed, **spilled})):
         said[name] = []
         config = FinetuneConfig(**common, **extra, save_to=str(tmp_path / f"{name}.safetensors"))
         runs[name] = finetune(config, progress=False, on_message=said[name].append)
     assert "each block runs over the 4 micro-batches while on cpu (vertical schedule" in said["vertical"][0]
     assert said["each"][0].endswith("micro-batches a step; micro-batch after micro-batch")
     assert all(s.grad_norm > 0.05 for s in runs["vertical"].steps)  # every step clipped
-    for name in ("vertical", "each"):
+    assert "activations offloaded: up to 48K kept in host memory, the rest to NVMe" in said["spilled"][1]
+    for name in ("vertical", "each", "spilled"):
         assert runs[name].losses == pytest.approx(runs["plain"].losses, rel=1e-4), name
         tuned, plain = load_file(tmp_path / f"{name}.safetensors"), load_file(tmp_path / "plain.safetensors")
         for key in plain:

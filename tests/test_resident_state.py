@@ -212,3 +212,28 @@ def test_finetune_without_streaming_keeps_resident_what_the_planner_predicts(tmp
         assert predicted.nvme_read_bytes == (ModelShape.from_preset("small").params - cpu // 2 // 24) * 12
     finally:
         opt.close()
+
+
+def test_the_vertical_schedules_offloaded_block_inputs_stay_in_host_memory_as_far_as_it_holds_them():
+    """Offloaded by the vertical schedule, the block inputs are kept in what the host budget holds beyond every
+    parameter block (before resident optimizer state), NVMe beyond: each byte more kept there is a byte less
+    read and written, the copies stay, and the plan's OffloadConfig carries it."""
+    profile = BUILTIN_PROFILES["h100-sxm-512g-4xgen4"]
+    shape = ModelShape.from_preset("gpt2-1.3b")
+    common = dict(batch_size=1, seq_len=1024, grad_accum_steps=4, dtype="bfloat16", device_memory_bytes=8 << 30,
+                  stream=True, activations="offload")  # fmt: skip
+    short, some, more, ample = (plan(PlanRequest(shape, cpu_memory_bytes=gib << 30, **common), profile) for gib in (1, 7, 8, 32))
+    assert short.activation_host_bytes == 0 and short.cached_blocks < shape.n_layer  # no room beyond the blocks
+    assert "offloaded to NVMe" in short.placement["activations"]
+    assert 0 < some.activation_host_bytes < more.activation_host_bytes and some.resident_state_bytes == more.resident_state_bytes == 0
+    assert some.cached_blocks == more.cached_blocks == shape.n_layer  # the inputs come after the blocks
+    kept = more.activation_host_bytes - some.activation_host_bytes
+    assert some.nvme_read_bytes - more.nvme_read_bytes == some.nvme_written_bytes - more.nvme_written_bytes == kept
+    assert some.engine_s["copies"] == more.engine_s["copies"]  # every input still leaves the device and comes back
+    assert "in host memory, the rest to NVMe" in some.placement["activations"]
+    # every input kept: the rest of the leftover keeps optimizer state resident
+    inputs = 4 * shape.n_layer * 1024 * shape.d_model * 2
+    assert ample.activation_host_bytes >= inputs and ample.resident_state_bytes > 0
+    assert "offloaded to host memory" in ample.placement["activations"]
+    assert some.offload_config(["/tmp"]).activation_host_bytes == some.activation_host_bytes
+    assert short.offload_config(["/tmp"]).activation_host_bytes == 0

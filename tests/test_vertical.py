@@ -115,6 +115,32 @@ def test_with_activation_offload_the_block_inputs_move_through_it_and_the_step_i
     assert stats.offloaded_bytes == 0  # all released by backward
 
 
+def test_with_activation_host_bytes_the_block_inputs_stay_in_host_memory_as_far_as_they_fit(tmp_path):
+    """OffloadConfig.activation_host_bytes: the same steps as with every block input offloaded to NVMe (bit for bit),
+    the same tensors offloaded, but as many as fit in it kept in host memory (from the session's slab) and only
+    the rest written to NVMe. The small preset: each micro-batch's block input (512 KiB) is offloaded."""
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset("small")
+    base, kept_bytes, runs = GPT(cfg), 3 << 20, {}
+    for name, host in (("nvme", 0), ("spill", kept_bytes)):
+        (tmp_path / name).mkdir()
+        model, opt = streamed(tmp_path / name, copy.deepcopy(base), offload_activations=True, activation_host_bytes=host,
+                              activation_memory_bytes=2 << 20, cpu_memory_bytes=64 << 20, max_grad_norm=0.5)  # fmt: skip
+        try:
+            losses = [vertical_step(opt, micro_batches(cfg, step, 4)) for step in range(2)]
+            runs[name] = (losses, {k: v.clone() for k, v in model.state_dict().items()}, opt.session.activation_offload.stats())
+        finally:
+            opt.close()
+    (losses, weights, to_nvme), (spill_losses, spill_weights, spilled) = runs["nvme"], runs["spill"]
+    assert all(torch.equal(a, b) for a, b in zip(losses, spill_losses))
+    assert all(torch.equal(weights[k], spill_weights[k]) for k in weights)
+    assert spilled.bytes_written == to_nvme.bytes_written >= 2 * 16 * (512 << 10)  # 4 blocks x 4 micro-batches
+    assert to_nvme.host_bytes_written == 0
+    # each step keeps the first 3 MiB of its inputs in host memory (six of 512 KiB); the rest go to NVMe
+    assert spilled.host_bytes_written == 2 * kept_bytes and spilled.bytes_read == spilled.bytes_written
+    assert spilled.offloaded_bytes == 0
+
+
 def check_equals_torch(tmp_path, G, max_grad_norm, **offload):
     """STEPS steps of G micro-batches streamed, against fused torch AdamW accumulating the same micro-batches:
     weights within twice torch's own fused-vs-foreach difference; returns the (closed) session."""

@@ -11,6 +11,11 @@ Every copy goes through a :class:`~nvoffload.transfer.TransferEngine`:
   (``engine.load``; ``engine.to_device`` for host memory). Unpack orders
   compute after it with ``engine.wait``.
 
+With a store and ``resident_bytes``, the tier spills: a tensor is kept in a slab
+buffer, as in host memory, while the tensors kept there fit in
+``resident_bytes``, and only the others go to the store. The slab holds those
+beside the staging of the store's transfers (the config sizes it so).
+
 A slab buffer is given back only once the last transfer that reads or writes
 it is done: :meth:`Tier.retire` queues it behind that transfer in a
 :class:`~nvoffload.transfer.WriteBehind` (``retiring``: its done hook gives the
@@ -62,18 +67,23 @@ class Load:
 
 
 class Tier:
-    """Offloaded tensors in a TensorStore (``store``), or in host memory (``store=None``).
+    """Offloaded tensors in a TensorStore (``store``), or in host memory (``store=None``), or in host memory up
+    to ``resident_bytes`` and in the store beyond (a store and ``resident_bytes``).
 
     In host memory a tensor's data is the slab buffer its write filled, kept
-    until :meth:`delete`; with a store, slab buffers only stage the copies.
+    until :meth:`release_host`; in a store, slab buffers only stage the copies.
     ``make_room()`` finishes the oldest write in flight (False when none is),
     for :meth:`allocate` to wait for when the slab is full.
     ``close()`` waits for the transfers still using slab buffers, gives the
     buffers back, and closes the engine and the store when ``owned``.
     """
 
-    def __init__(self, engine: TransferEngine, store, make_room: Callable[[], bool], *, owns_engine: bool, owns_store: bool):
+    def __init__(self, engine: TransferEngine, store, make_room: Callable[[], bool], *, owns_engine: bool,
+                 owns_store: bool, resident_bytes: int = 0):  # fmt: skip
         self.engine = engine
+        # Bytes of tensors kept in slab buffers, and how many may be (all of the slab without a store).
+        self.host_bytes = 0
+        self._host_limit = engine.slab.capacity_bytes if store is None else min(resident_bytes, engine.slab.capacity_bytes)
         self._make_room = make_room
         self.store = store
         self._owns_engine = owns_engine
@@ -121,6 +131,13 @@ class Tier:
             self._retiring.submit(buffer.numel() * buffer.element_size(), lambda: future, free)
         self.reap()
 
+    def release_host(self, buffer: torch.Tensor | None, future: Future | None) -> None:
+        """A tensor kept in slab buffer ``buffer`` (None: kept nowhere) is no longer needed: give the buffer back
+        once ``future`` (its last read; None: none) is done; give back the retired buffers already done."""
+        if buffer is not None:
+            self.host_bytes -= buffer.numel() * buffer.element_size()
+        self.retire(buffer, future)
+
     def reap(self) -> None:
         """Give back the retired buffers whose transfers are done (oldest first), without waiting."""
         self._retiring.poll()
@@ -136,8 +153,15 @@ class Tier:
         Queued behind the compute stream's work so far (which produced ``flat``);
         ``flat`` must stay unmodified until the write's future is done.
         """
+        nbytes = flat.numel() * flat.element_size()
         if self.store is None:
             host = self.allocate(flat.numel(), flat.dtype, name)
+        elif self.host_bytes + nbytes <= self._host_limit:  # spilling: kept in host memory while it has room
+            host = self.allocate(flat.numel(), flat.dtype, name, wait=False)
+        else:
+            host = None
+        if host is not None:
+            self.host_bytes += nbytes
             return Write(self.engine.to_host(host, flat, what=name), host)
         if self.engine.direct(self.store, flat):
             return Write(self.engine.save(self.store, name, flat, None), None)
@@ -171,7 +195,7 @@ class Tier:
     ) -> Load | None:
         """Start bringing ``name`` back into a new device tensor of ``numel`` elements of ``dtype``.
 
-        From its slab buffer ``host`` (host memory), or from the store through
+        From its slab buffer ``host`` (kept in host memory), or from the store through
         a staging buffer (none with GPUDirect Storage), piece by piece when it
         was written in pieces. A prefetch that finds the slab full, or a
         tensor in pieces (whose reads wait for each other), returns None
@@ -181,7 +205,7 @@ class Tier:
         if len(pieces) > 1 and prefetch:
             return None
         dst = torch.empty(numel, dtype=dtype, device=device)
-        if self.store is None:
+        if host is not None:
             return Load(self.engine.to_device(dst, host, what=name), dst, prefetch)
         if self.engine.direct(self.store, dst):
             return Load(self.engine.load(self.store, name, dst, None), dst, prefetch)

@@ -43,6 +43,13 @@ class ActivationOffloadConfig:
             machine's memory, at most 4 GiB, for ``"cpu"``; ``max_pending_write_bytes +
             prefetch_bytes``, at least 64 MiB, for ``"nvme"``. Unused when a
             shared engine is given (its slab is the budget).
+        host_resident_bytes: with ``target="nvme"``, offloaded tensors are kept
+            in host memory (slab buffers) while those kept there fit in this
+            many bytes, and only the rest are written to NVMe: the host first,
+            NVMe when it is short. Each comes back from where it is (read
+            ahead as ever). The default ``host_memory_bytes`` adds it to the
+            staging; a given one (or a shared engine's slab) must hold both.
+            0 (default): every offloaded tensor goes to NVMe.
     """
 
     target: str = "nvme"
@@ -52,19 +59,27 @@ class ActivationOffloadConfig:
     max_pending_write_bytes: int = 256 * MiB
     retain_host_memory: bool = True
     host_memory_bytes: int | None = None
+    host_resident_bytes: int = 0
 
     def __post_init__(self):
         if self.target not in TARGETS:
             raise ValueError(f"unknown offload target {self.target!r}; choose one of {list(TARGETS)}")
-        for field in ("min_bytes", "keep_recent_bytes", "prefetch_bytes", "max_pending_write_bytes"):
+        for field in ("min_bytes", "keep_recent_bytes", "prefetch_bytes", "max_pending_write_bytes", "host_resident_bytes"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{field} must be an int number of bytes, got {value!r}")
             if value < 0:
                 raise ValueError(f"{field} must be >= 0, got {value}")
+        if self.host_resident_bytes and self.target != "nvme":
+            raise ValueError("host_resident_bytes is for target='nvme' (target='cpu' keeps every tensor in host memory)")
         value = self.host_memory_bytes
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < MIN_HOST_BYTES):
             raise ValueError(f"host_memory_bytes must be None or an int >= {MIN_HOST_BYTES}, got {value!r}")
+        if value is not None and self.host_resident_bytes + MIN_HOST_BYTES > value:
+            raise ValueError(
+                f"host_memory_bytes ({value}) must hold host_resident_bytes ({self.host_resident_bytes}) and the"
+                " staging of the NVMe transfers beside it: raise it, or leave it out (its default adds them)"
+            )
 
     def host_bytes(self) -> int:
         """The host slab's size: ``host_memory_bytes``, or its default for the target."""
@@ -72,7 +87,7 @@ class ActivationOffloadConfig:
             return self.host_memory_bytes
         if self.target == "cpu":
             return min(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4, 4 << 30)
-        return max(self.max_pending_write_bytes + self.prefetch_bytes, 64 * MiB)
+        return max(self.max_pending_write_bytes + self.prefetch_bytes, 64 * MiB) + self.host_resident_bytes
 
 
 @dataclass(frozen=True)
@@ -84,7 +99,10 @@ class OffloadStats:
     (small ones, not parameters), the recent ones kept in memory, those whose
     write is still in flight, and those read back but not yet used by backward.
     ``offloaded_bytes`` is the space taken in the target (swap files or host
-    memory) right now. ``tensors_forwarded`` counts tensors backward used
+    memory) right now. ``host_bytes_written`` is the part of ``bytes_written``
+    kept in host memory (all of it with ``target="cpu"``; with
+    ``host_resident_bytes``, what fit there; the rest went to NVMe).
+    ``tensors_forwarded`` counts tensors backward used
     straight from memory without a round trip (never written out);
     ``reads_prefetched`` counts reads already started before backward asked for
     the tensor; ``reads_avoided`` counts written tensors backward used from
@@ -97,6 +115,7 @@ class OffloadStats:
     offloaded_bytes: int
     peak_offloaded_bytes: int
     bytes_written: int
+    host_bytes_written: int
     bytes_read: int
     tensors_written: int
     tensors_forwarded: int

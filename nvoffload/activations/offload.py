@@ -83,7 +83,7 @@ class _Record:
         self.pending = 0  # live handles not unpacked yet in this backward pass
         self.error: BaseException | None = None
         self.written = False
-        self.host = None  # target="cpu": the slab buffer holding the stored data
+        self.host = None  # the slab buffer holding the stored data (kept in host memory, not in a store)
         self.host_reader = None  # the future of the last copy out of ``host``
         self.kept = False  # read-ahead reached it while its write was in flight: the original stays for backward
         self.avoided_in = 0  # the backward pass that last used the original instead of reading it back
@@ -187,7 +187,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
     Used like :class:`torch.autograd.graph.save_on_cpu`, around forward. Each
     saved tensor is replaced by a small handle; its data goes to NVMe
     (``target="nvme"``, through a :class:`~nvoffload.io.TensorStore`) or to host
-    memory (``target="cpu"``), and comes back when backward asks for it.
+    memory (``target="cpu"``), or to host memory while ``host_resident_bytes``
+    has room and to NVMe beyond it, and comes back when backward asks for it.
 
     Every copy goes through a :class:`~nvoffload.transfer.TransferEngine` (see
     :mod:`nvoffload.activations._tier`): device->host on its device-to-host
@@ -228,7 +229,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         target: ``"nvme"`` or ``"cpu"``.
         min_bytes, keep_recent_bytes, prefetch_bytes, max_pending_write_bytes, retain_host_memory:
             see :class:`~nvoffload.activations.ActivationOffloadConfig`.
-        host_memory_bytes: see :class:`~nvoffload.activations.ActivationOffloadConfig`.
+        host_memory_bytes, host_resident_bytes: see :class:`~nvoffload.activations.ActivationOffloadConfig`
+            (``host_resident_bytes``: keep tensors in host memory up to it, NVMe beyond).
         config: a whole ``ActivationOffloadConfig`` instead of the keywords.
         transfer: a shared :class:`~nvoffload.transfer.TransferEngine` (its slab
             is the host memory; it is left open). Default: an engine of this
@@ -263,6 +265,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         max_pending_write_bytes: int | None = None,
         retain_host_memory: bool | None = None,
         host_memory_bytes: int | None = None,
+        host_resident_bytes: int | None = None,
         config: ActivationOffloadConfig | None = None,
         transfer: TransferEngine | None = None,
     ) -> None:
@@ -276,6 +279,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 max_pending_write_bytes=max_pending_write_bytes,
                 retain_host_memory=retain_host_memory,
                 host_memory_bytes=host_memory_bytes,
+                host_resident_bytes=host_resident_bytes,
             ).items()
             if v is not None
         }
@@ -325,6 +329,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         self._offloaded_bytes = 0
         self._peak_offloaded_bytes = 0
         self._bytes_written = 0
+        self._host_bytes_written = 0
         self._bytes_read = 0
         self._tensors_written = 0
         self._tensors_forwarded = 0
@@ -381,6 +386,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 offloaded_bytes=self._offloaded_bytes,
                 peak_offloaded_bytes=self._peak_offloaded_bytes,
                 bytes_written=self._bytes_written,
+                host_bytes_written=self._host_bytes_written,
                 bytes_read=self._bytes_read,
                 tensors_written=self._tensors_written,
                 tensors_forwarded=self._tensors_forwarded,
@@ -502,7 +508,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                         store.close()
                     raise
                 owns_engine = True
-            self._tier = Tier(engine, store, self._writes.wait_oldest, owns_engine=owns_engine, owns_store=owns_store)
+            self._tier = Tier(engine, store, self._writes.wait_oldest, owns_engine=owns_engine, owns_store=owns_store,
+                              resident_bytes=self.config.host_resident_bytes)  # fmt: skip
             self._close_tier = weakref.finalize(self, self._tier.close)
         return self._tier
 
@@ -530,6 +537,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                     self._ledger.remove(copy_key)
                 raise
             record.write.copy_key = copy_key
+            if record.write.host is not None:
+                self._host_bytes_written += record.nbytes
             return record.write.future
 
         # Waits first for the oldest writes until this one fits beside them within max_pending_write_bytes.
@@ -559,10 +568,10 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             self._ledger.remove(write.copy_key)
         if error is not None:  # the I/O error surfaces when backward needs this tensor
             record.error = _failed(f"writing {record.describe()}", error)
-        if self._tier.store is None and record.error is None:
+        if write.host is not None and record.error is None:  # kept in host memory
             record.host = write.host
         else:
-            self._tier.retire(write.host, None)
+            self._tier.release_host(write.host, None)
         if record.error is None and record.original._version != record.version:
             record.error = self._modified_error(record, record.original._version)
         record.state = _State.STORED
@@ -751,7 +760,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         self._drop_original(record)
         if record.written:
             self._tier.delete(record.name)
-            self._tier.retire(record.host, record.host_reader)
+            self._tier.release_host(record.host, record.host_reader)
             record.host = record.host_reader = None
             self._offloaded_bytes -= record.nbytes
         record.state = _State.RELEASED

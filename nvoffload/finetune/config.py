@@ -73,6 +73,13 @@ class FinetuneConfig:
             moves through it in pieces); None: with ``stream`` an eighth of
             ``cpu_memory_bytes`` (taken from it), otherwise the offload's own
             default.
+        activation_host_bytes: with ``offload_activations``, the offloaded
+            activations (by the vertical schedule, the blocks' inputs) kept in
+            host memory up to this many bytes, besides the staging; only the
+            rest go to NVMe (with ``stream`` taken from ``cpu_memory_bytes``:
+            :class:`~nvoffload.OffloadConfig`'s ``activation_host_bytes``). 0:
+            all to NVMe. ``--plan auto`` sets it from what the host budget
+            holds beyond every parameter block.
         init_from: a safetensors checkpoint (file, directory of shards or
             ``*.index.json``) of the preset's model to start from.
         save_to: write the fine-tuned weights there: a safetensors file for a
@@ -130,6 +137,7 @@ class FinetuneConfig:
     device_memory_bytes: int = 1 << 30
     offload_activations: bool = False
     activation_memory_bytes: int | None = None
+    activation_host_bytes: int = 0
     init_from: str | None = None
     save_to: str | None = None
     checkpoint_dir: str | None = None
@@ -162,6 +170,10 @@ class FinetuneConfig:
             raise ValueError(f"trace_path: the directory of {self.trace_path} does not exist")
         if self.activation_memory_bytes is not None and self.activation_memory_bytes < 1:
             raise ValueError(f"activation_memory_bytes must be >= 1, got {self.activation_memory_bytes}")
+        if isinstance(self.activation_host_bytes, bool) or not isinstance(self.activation_host_bytes, int) or self.activation_host_bytes < 0:
+            raise ValueError(f"activation_host_bytes must be an int >= 0, got {self.activation_host_bytes!r}")
+        if self.activation_host_bytes and not self.offload_activations:
+            raise ValueError("activation_host_bytes keeps offloaded activations in host memory: set offload_activations")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
         context = GPTConfig.preset(self.preset).seq_len

@@ -167,7 +167,8 @@ class StepStats:
     grad_norm: float | None = None
     eval_loss: float | None = None  # after this step, when it evaluated
     eval_perplexity: float | None = None
-    # offloaded activations, without ``stream``: written to NVMe during the step, and the peak kept in memory
+    # offloaded activations, without ``stream``: written to NVMe during the step (not those kept in host memory),
+    # and the peak kept in device memory
     activation_written_bytes: int | None = None
     activation_held_bytes: int | None = None
 
@@ -249,7 +250,8 @@ def _build(config: FinetuneConfig, swap_dir: str, hf: _HFModel | None) -> tuple[
     offload = OffloadConfig(
         swap_dirs=[swap_dir], cpu_memory_bytes=config.cpu_memory_bytes, device_memory_bytes=config.device_memory_bytes,
         device=config.device, offload_activations=config.offload_activations,
-        activation_memory_bytes=config.activation_memory_bytes, max_grad_norm=config.max_grad_norm,
+        activation_memory_bytes=config.activation_memory_bytes, activation_host_bytes=config.activation_host_bytes,
+        max_grad_norm=config.max_grad_norm,
         gradient_accumulation_steps=config.grad_accum_steps, state_precision=config.state_precision,
         loss_scaling=LossScaling() if dtype == torch.float16 else None,
     )  # fmt: skip
@@ -374,7 +376,11 @@ def _finetune(
             offloaded = None
             if config.offload_activations and session is None:  # streaming sends them through the session
                 with _host_budgets_named(config):
-                    offloaded = cleanup.enter_context(contextlib.closing(offload_activations(swap_dir, host_memory_bytes=config.activation_memory_bytes)))
+                    given = config.activation_memory_bytes
+                    offloaded = cleanup.enter_context(contextlib.closing(offload_activations(
+                        swap_dir, host_memory_bytes=None if given is None else given + config.activation_host_bytes,
+                        host_resident_bytes=config.activation_host_bytes,
+                    )))  # fmt: skip
             activations = offloaded or contextlib.nullcontext()
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (config.warmup_steps + 1)))
             if progress and rank == 0:
@@ -386,7 +392,7 @@ def _finetune(
             if config.dtype == "float16" and session is None:
                 scaler = torch.amp.GradScaler(dev.type)
             state = {"model": model, "optimizer": opt, "scheduler": sched, "grad_scaler": scaler}
-            staging = session.config.activation_bytes if session is not None else offloaded.config.host_bytes() if offloaded else 0
+            staging = session.config.activation_staging_bytes if session is not None else offloaded.config.host_bytes() - config.activation_host_bytes if offloaded else 0
             vertical = uses_vertical_schedule(config, world)
             for line in header(config, result.num_parameters, seq_len, swap_dir, world, activation_staging_bytes=staging):
                 say(line)
@@ -423,7 +429,7 @@ def _finetune(
                 t0 = time.perf_counter()
                 if offloaded is not None:
                     offloaded.reset_peaks()
-                    offloaded_before = offloaded.stats().bytes_written
+                    offloaded_before = _to_nvme(offloaded.stats())
                 total = torch.zeros((), device=dev)
                 lr = sched.get_last_lr()[0]
                 # Every micro-batch of the step first: the loss is the mean over all their targets. The batches
@@ -479,7 +485,7 @@ def _finetune(
                 stats = _step_stats(step, total, tokens, time.perf_counter() - t0, opt, dev, lr=lr, grad_norm=norm)
                 if offloaded is not None:
                     done_offloading = offloaded.stats()
-                    stats = dataclasses.replace(stats, activation_written_bytes=done_offloading.bytes_written - offloaded_before,
+                    stats = dataclasses.replace(stats, activation_written_bytes=_to_nvme(done_offloading) - offloaded_before,
                                                 activation_held_bytes=done_offloading.peak_resident_bytes)  # fmt: skip
                 if eval_data is not None and (step == config.steps or (config.eval_every and step % config.eval_every == 0)):
                     ev = evaluate(model, eval_data.batches(config.batch_size), dev)  # on every rank, all of it
@@ -548,7 +554,11 @@ def header(
         budgets = [f"cpu_memory_bytes {human_size(config.cpu_memory_bytes)} (optimizer staging and resident state)"]
     if config.offload_activations:
         budgets.append(f"activation_memory_bytes {human_size(activation_staging_bytes)}")
-    activations = "offloaded to NVMe" if config.offload_activations else f"on {dev}"
+    if config.activation_host_bytes:
+        budgets.append(f"activation_host_bytes {human_size(config.activation_host_bytes)}")
+        activations = f"offloaded: up to {human_size(config.activation_host_bytes)} kept in host memory, the rest to NVMe"
+    else:
+        activations = "offloaded to NVMe" if config.offload_activations else f"on {dev}"
     if uses_vertical_schedule(config, world):
         steps = (f"; each block runs over the {config.grad_accum_steps} micro-batches while on {dev} (vertical schedule:"
                  " its weights move once a step, its inputs are kept and the rest recomputed)")  # fmt: skip
@@ -613,6 +623,11 @@ def _remove_abandoned_run_dirs(root: str) -> None:
 
 
 _RECORDED = ("loss", "eval_loss", "eval_perplexity", "lr", "grad_norm", "tokens_per_s", "step_s", "read_bytes", "written_bytes")
+
+
+def _to_nvme(stats) -> int:
+    """The bytes an activation offload has written to NVMe (its :class:`~nvoffload.activations.OffloadStats`)."""
+    return stats.bytes_written - stats.host_bytes_written
 
 
 def _step_stats(

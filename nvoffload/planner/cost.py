@@ -405,6 +405,7 @@ class Plan:
     cached_blocks: int
     resident_state_bytes: int  # host memory holding optimizer state resident (two generations of it), not on NVMe
     activation_memory_bytes: int | None  # activation offload's host memory (None: not offloaded)
+    activation_host_bytes: int  # of the offloaded activations, those kept in host memory, not on NVMe (the vertical schedule's)
     step_s: float
     tokens_per_s: float
     tflops: float  # achieved by each rank (GPU), counting 6 FLOPs per parameter per token plus attention
@@ -436,7 +437,7 @@ class Plan:
         return OffloadConfig(
             swap_dirs=list(swap_dirs), cpu_memory_bytes=r.cpu_memory_bytes, device_memory_bytes=r.device_memory_bytes,
             offload_activations=self.offload_activations, activation_memory_bytes=self.activation_memory_bytes,
-            gradient_accumulation_steps=r.grad_accum_steps,
+            activation_host_bytes=self.activation_host_bytes, gradient_accumulation_steps=r.grad_accum_steps,
             optimizer_memory_fraction=r.optimizer_memory_fraction, **overrides,
         )  # fmt: skip
 
@@ -510,6 +511,17 @@ def plan_batch(request: PlanRequest, profile: MachineProfile, *, max_tokens_per_
     return max(fitting, key=lambda p: p.tokens_per_s)
 
 
+def _stash_place(offload: bool, in_host_bytes: int, offloaded_bytes: int) -> str:
+    """Where the vertical schedule keeps its block inputs."""
+    if not offload:
+        return "on the device"
+    if not in_host_bytes:
+        return "offloaded to NVMe"
+    if in_host_bytes >= offloaded_bytes:
+        return f"offloaded to host memory, {human_size(in_host_bytes)}"
+    return f"offloaded: {human_size(in_host_bytes)} in host memory, the rest to NVMe"
+
+
 def _tokens_per_step(r: PlanRequest) -> int:
     return r.batch_size * r.grad_accum_steps * r.seq_len
 
@@ -560,6 +572,16 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     cached = min(m.n_layer, stream_host // aligned_block) if stream else m.n_layer
     # Streaming: what caching every block leaves, with OffloadConfig's default prefetch_blocks (1), which the plan's
     # offload_config keeps; the model on the device: what the optimizer's staging leaves (as finetune gives it).
+    leftover = resident_state_share(stream_host, [block_bytes] * m.n_layer if stream else [], 1)
+    # The vertical schedule's offloaded block inputs (and what the head saves) stay in host memory as far as that
+    # leftover holds them, NVMe beyond (OffloadConfig.activation_host_bytes): each byte kept there saves a byte
+    # written and a byte read a step, more than a byte of resident optimizer state saves; the rest is for that.
+    block_saved, outside_saved = m.saved_tensor_bytes(rows, r.seq_len, dtype_bytes) if offload else ([], [])
+    if vertical and offload:  # what a checkpointed block saves: its input
+        block_saved = [block_inputs // m.n_layer]
+    act_io = g * ((block_inputs if vertical else activations) + sum(outside_saved)) if offload else 0
+    activations_in_host = min(act_io, leftover) // 4096 * 4096 if vertical and offload and stream else 0
+    stream_host -= activations_in_host
     resident_host = resident_state_share(stream_host, [block_bytes] * m.n_layer if stream else [], 1)
     if delayed and stream:
         reasons.append("delayed_update keeps the parameters on the device (a second copy holds the new weights): not with streaming")
@@ -603,14 +625,12 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     evicted = m.n_layer - cached
     weight_reads = 2 * evicted * block_bytes * passes if stream else 0
     weight_writes = m.n_layer * changed_block_bytes if (stream and evicted > 0) else 0
-    # activation offload moves the blocks' activations and the tensors saved outside them (the loss's log-probabilities)
-    block_saved, outside_saved = m.saved_tensor_bytes(rows, r.seq_len, dtype_bytes) if offload else ([], [])
-    if vertical and offload:  # what a checkpointed block saves: its input
-        block_saved = [block_inputs // m.n_layer]
-    act_io = g * ((block_inputs if vertical else activations) + sum(outside_saved)) if offload else 0
+    # activation offload moves the blocks' activations and the tensors saved outside them (the loss's log-probabilities):
+    # all of them between device and host, to NVMe those not kept in host memory
+    act_nvme = act_io - activations_in_host
     kept_io = kept_grads if vertical else (g - 1) * kept_grads
-    read = state_in + weight_reads + act_io + (0 if vertical else kept_io)
-    written = state + weight_writes + act_io + kept_io
+    read = state_in + weight_reads + act_nvme + (0 if vertical else kept_io)
+    written = state + weight_writes + act_nvme + kept_io
     h2d = (passes * 2 * m.n_layer * block_bytes if stream else shard * dtype_bytes) + act_io  # a rank's updated weights
     d2h = passes * shard * dtype_bytes + act_io  # the gradients of a rank's parameters
     wire = (n - 1) / n * trainable * dtype_bytes  # one rank's bytes in a ring collective over all the trained parameters
@@ -654,7 +674,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
         return overlapped_s(compute_s, io_s, profile.compute_with_io, profile.io_with_compute)
 
     # forward reads the blocks the cache lacks and writes the offloaded activations; backward does the rest
-    act_write_s, act_read_s = act_io / (drives.write_gbps * 1e9), act_io / (drives.read_gbps * 1e9)
+    act_write_s, act_read_s = act_nvme / (drives.write_gbps * 1e9), act_nvme / (drives.read_gbps * 1e9)
     fwd_io = (evicted * block_bytes * passes if stream else 0) / (drives.read_gbps * 1e9) + act_write_s
 
     def with_thread(device_s: float, thread_s: float) -> float:  # the training thread's own work beside the device's
@@ -703,7 +723,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
         + (f"; {human_size(resident_host // 2)} of it resident in host memory" if resident_host else ""),
         **({"trainable": f"LoRA adapters of rank {r.lora_rank}, {human_count(trainable)} parameters; the model frozen:"
                          " no gradients, no optimizer state, never written back"} if lora else {}),
-        "activations": (f"each block's input kept for the {g} micro-batches ({'offloaded' if offload else 'on the device'}), the rest"
+        "activations": (f"each block's input kept for the {g} micro-batches ({_stash_place(offload, activations_in_host, act_io)}), the rest"
                         " recomputed in backward (vertical schedule: each block over every micro-batch while on the device)"
                         if vertical else {"keep": "device", "offload": "NVMe (offloaded)",
                                           "recompute": "recomputed in backward (each block's input kept)"}[kind]),
@@ -712,7 +732,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     tokens = _tokens_per_step(r)
     return Plan(
         request=r, stream=stream, activations=kind, fits=not reasons, reasons=reasons, placement=placement,
-        cached_blocks=cached, resident_state_bytes=resident_host, activation_memory_bytes=activation_host or None, step_s=step, tokens_per_s=tokens / step, tflops=flops / step / 1e12, bottleneck=busiest,
+        cached_blocks=cached, resident_state_bytes=resident_host, activation_memory_bytes=activation_host or None, activation_host_bytes=activations_in_host, step_s=step, tokens_per_s=tokens / step, tflops=flops / step / 1e12, bottleneck=busiest,
         engine_s=engines, phases_s={"forward": forward, "backward": backward, "step": step_call},
         memory_bytes={"device": int(device_used), "host": int(host_used), "nvme": int(nvme_used)},
         nvme_read_bytes=int(read), nvme_written_bytes=int(written), profile=profile.name,
