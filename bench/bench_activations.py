@@ -5,6 +5,8 @@ Cases, each measured in a fresh subprocess so that the peak RSS is its own (with
 - ``none``: plain training step (the reference);
 - ``nvme``: ``offload_activations`` to a swap directory (a TensorStore);
 - ``cpu``: ``offload_activations(target="cpu")``;
+- ``spill``: ``offload_activations`` to a swap directory keeping ``--spill-mib`` of the tensors in host memory
+  (``host_resident_bytes``): the rest go to NVMe;
 - ``checkpoint``: ``torch.utils.checkpoint`` around every block (full recomputation);
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (a copy per saved tensor).
 
@@ -46,20 +48,23 @@ from nvoffload.models.gpt import GPT, GPTConfig  # noqa: E402
 from nvoffload.planner.contention import QUICK as CONTENTION_QUICK  # noqa: E402
 from nvoffload.planner.contention import measure_contention  # noqa: E402
 
-CASES = ["none", "nvme", "cpu", "checkpoint", "save_on_cpu"]
+CASES = ["none", "nvme", "cpu", "spill", "checkpoint", "save_on_cpu"]
+OFFLOADED = ("nvme", "cpu", "spill")  # the cases of offload_activations
 MiB = 1 << 20
 
 
 def settings_from(args) -> dict:
     if args.quick:
         return dict(
-            preset="tiny", batch=8, steps=2, keep_recent_mib=0.25, prefetch_mib=0.5, pending_write_mib=0.5, min_bytes=16384
+            preset="tiny", batch=8, steps=2, keep_recent_mib=0.25, prefetch_mib=0.5, pending_write_mib=0.5, min_bytes=16384,
+            spill_mib=1,
         )
     return dict(
         preset=args.preset,
         batch=args.batch,
         steps=args.steps,
         keep_recent_mib=args.keep_recent_mib,
+        spill_mib=args.spill_mib,
         prefetch_mib=args.prefetch_mib,
         pending_write_mib=args.pending_write_mib,
         min_bytes=256 * 1024,
@@ -85,10 +90,11 @@ def run_case(case: str, settings: dict, swap_dir: str) -> dict:
     idx = torch.randint(0, config.vocab_size, (batch, config.seq_len))
     targets = torch.randint(0, config.vocab_size, (batch, config.seq_len))
 
-    if case in ("nvme", "cpu"):
+    if case in OFFLOADED:
         hooks = offload_activations(
-            swap_dir if case == "nvme" else None,
-            target=case,
+            None if case == "cpu" else swap_dir,
+            target="cpu" if case == "cpu" else "nvme",
+            host_resident_bytes=int(settings["spill_mib"] * MiB) if case == "spill" else 0,
             min_bytes=settings["min_bytes"],
             keep_recent_bytes=int(settings["keep_recent_mib"] * MiB),
             prefetch_bytes=int(settings["prefetch_mib"] * MiB),
@@ -103,7 +109,7 @@ def run_case(case: str, settings: dict, swap_dir: str) -> dict:
     times, loss = [], None
     for step in range(settings["steps"] + 1):
         if step == 1:  # the first step is a warm-up
-            hooks.reset_peaks() if case in ("nvme", "cpu") else hooks.reset_peak()
+            hooks.reset_peaks() if case in OFFLOADED else hooks.reset_peak()
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         with hooks:
@@ -111,19 +117,20 @@ def run_case(case: str, settings: dict, swap_dir: str) -> dict:
             loss.backward()
         if step:
             times.append(time.perf_counter() - start)
-    if case in ("nvme", "cpu"):
+    if case in OFFLOADED:
         stats = hooks.stats()
         peak = stats.peak_resident_bytes
-        written, read = (n // (settings["steps"] + 1) for n in (stats.bytes_written, stats.bytes_read))
+        written, read, in_host = (n // (settings["steps"] + 1) for n in (stats.bytes_written, stats.bytes_read, stats.host_bytes_written))
         hooks.close()
     else:
-        peak, written, read = hooks.peak_resident_bytes, hooks.peak_offloaded_bytes, 0
+        peak, written, read, in_host = hooks.peak_resident_bytes, hooks.peak_offloaded_bytes, 0, 0
     return {
         "case": case,
         "step_s": statistics.median(times),
         "saved_peak_mib": peak / MiB,
         "moved_mib_per_step": written / MiB,
         "read_mib_per_step": read / MiB,
+        "nvme_mib_per_step": 0.0 if case == "cpu" else (written - in_host) / MiB if case in OFFLOADED else 0.0,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "loss": float(loss),
     }
@@ -138,6 +145,7 @@ def main(argv=None) -> Path | None:
     parser.add_argument("--keep-recent-mib", type=float, default=32)
     parser.add_argument("--prefetch-mib", type=float, default=64)
     parser.add_argument("--pending-write-mib", type=float, default=64)
+    parser.add_argument("--spill-mib", type=float, default=120, help="the spill case's host_resident_bytes, MiB (half of what the small preset offloads a step)")
     parser.add_argument("--swap-dir", default=None, help="directory for the NVMe case (default: a temp dir in /tmp)")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--name", default="bench_activations")
@@ -175,7 +183,8 @@ def main(argv=None) -> Path | None:
         "saved_peak_mib: peak bytes of distinct storages that saved tensors held in memory, counted with "
         "saved-tensor hooks (parameters and module buffers excluded). moved_mib_per_step: bytes written to the offload target "
         "(nvme/cpu) or copied by save_on_cpu; read_mib_per_step: bytes the offload context read back from its "
-        "target (nvme/cpu; 0 for the others). On a CPU-only machine the 'cpu' target and save_on_cpu copy within "
+        "target (nvme/cpu; 0 for the others); nvme_mib_per_step: of the bytes written, those that went to NVMe (spill: "
+        "those beyond what it keeps in host memory). On a CPU-only machine the 'cpu' target and save_on_cpu copy within "
         "the same memory, so peak RSS does not drop for them. Targets: saved peak <= 0.5x none, step <= 1.10x none "
         "and below checkpoint.",
         probe.describe(),
