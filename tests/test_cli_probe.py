@@ -219,8 +219,11 @@ def test_python_m_nvoffload_refuses_as_main_does(tmp_path, args, named):
         (["--stream", "--cpu-memory", "1M"], r"--cpu-memory must be at least \d+(\.\d+)?M: "),
         (["--stream", "--device-memory", "64K"], r"--device-memory must be at least \d+(\.\d+)?[KM] \(resident "),
         (["--cpu-memory", "100T"], r"--cpu-memory 100T is more than this machine's memory, \d+(\.\d+)?[GT]\n$"),
+        (["--offload-activations", "--activation-host-memory", "100T"],
+         r"--activation-host-memory 100T is more than this machine's memory, \d+(\.\d+)?[GT]\n$"),
     ],
-    ids=["cpu-memory-below-streaming", "device-memory-below-streaming", "cpu-memory-above-the-machine"],
+    ids=["cpu-memory-below-streaming", "device-memory-below-streaming", "cpu-memory-above-the-machine",
+         "activation-host-memory-above-the-machine"],
 )  # fmt: skip
 def test_a_budget_refused_is_named_by_its_flag_with_a_size_it_takes(tmp_path, capsys, args, said):
     """A budget too small or too large is said as the command line writes it (``--cpu-memory must be at least

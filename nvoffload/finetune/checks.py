@@ -41,6 +41,8 @@ def _host_budgets_named(config: FinetuneConfig):
         asked = [("cpu_memory_bytes", config.cpu_memory_bytes)]
         if config.offload_activations and config.activation_memory_bytes is not None:
             asked.append(("activation_memory_bytes", config.activation_memory_bytes))
+        if config.activation_host_bytes:
+            asked.append(("activation_host_bytes", config.activation_host_bytes))
         named = " and ".join(f"{name} {n} ({human_size(n)})" for name, n in asked)
         free = _host_available_bytes()
         raise OSError(errno.ENOMEM, f"cannot allocate the host memory asked, {named}: {free} ({human_size(free)}) of this"

@@ -282,6 +282,8 @@ def _check_memory_sizes(config: FinetuneConfig, device: torch.device) -> None:
     sizes = [("cpu_memory_bytes", config.cpu_memory_bytes, host, "this machine's memory")]
     if config.activation_memory_bytes is not None:
         sizes.append(("activation_memory_bytes", config.activation_memory_bytes, host, "this machine's memory"))
+    if config.activation_host_bytes:
+        sizes.append(("activation_host_bytes", config.activation_host_bytes, host, "this machine's memory"))
     if config.stream:
         on_device = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else host
         sizes.append(("device_memory_bytes", config.device_memory_bytes, on_device, f"the memory of {device}"))
