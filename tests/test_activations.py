@@ -199,7 +199,7 @@ def test_spilling_keeps_in_host_memory_what_fits_and_writes_only_the_rest_to_nvm
         assert_released(offload)
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", WITH_SPILL)
 def test_peak_resident_below_plain_saved_tensors(target, tmp_path):
     model, inputs = make_case("gpt")
     counter = SavedTensorCounter()
@@ -213,7 +213,7 @@ def test_peak_resident_below_plain_saved_tensors(target, tmp_path):
     assert stats.peak_resident_bytes < counter.peak_resident_bytes // 4
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", WITH_SPILL)
 def test_forward_without_backward_releases(target, tmp_path):
     model, inputs = make_case("gpt")
     offload = make_offload(target, tmp_path, keep_recent_bytes=0)
@@ -254,7 +254,7 @@ def test_user_store_shared_and_left_open(tmp_path):
     assert torch.equal(ref[0], loss.detach())
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", WITH_SPILL)
 def test_exception_in_block_releases(target, tmp_path):
     model, inputs = make_case("gpt")
     offload = make_offload(target, tmp_path, keep_recent_bytes=0)
@@ -282,7 +282,7 @@ def test_close_releases_and_later_backward_fails(tmp_path):
             pass
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", WITH_SPILL)
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_checkpoint(reentrant, target, tmp_path):
     model, inputs = make_case("gpt")
@@ -309,7 +309,7 @@ def test_checkpoint(reentrant, target, tmp_path):
         assert_released(offload)
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", WITH_SPILL)
 def test_gradient_accumulation_and_retain_graph(target, tmp_path):
     model, inputs = make_case("gpt")
     other = (torch.randint(0, 256, (4, 64)), torch.randint(0, 256, (4, 64)))
@@ -334,7 +334,7 @@ def test_gradient_accumulation_and_retain_graph(target, tmp_path):
     assert_released(offload)
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", WITH_SPILL)
 def test_double_backward(target, tmp_path):
     torch.manual_seed(0)
     lin = nn.Linear(64, 64)
@@ -373,7 +373,7 @@ def test_dedup_and_small_and_parameters_stay():
     assert_released(offload)
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", WITH_SPILL)
 def test_views_inside_one_extent_are_written_once(target, tmp_path):
     torch.manual_seed(0)
     lin = nn.Linear(64, 256)
@@ -411,7 +411,7 @@ class WithBuffer(nn.Module):
         return (self.lin(x) * self.scale).square().mean()
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", WITH_SPILL)
 def test_buffers_stay_in_place(target, tmp_path):
     torch.manual_seed(0)
     model, x = WithBuffer(), torch.randn(512, 128)
@@ -581,7 +581,7 @@ def _grads_with_offload(target, tmp_path, **kw):
     return ref, got, offload
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", WITH_SPILL)
 def test_a_missing_wait_gives_wrong_gradients(target, tmp_path, monkeypatch):
     """The stand-in's copies land late: unpack must wait for the read-back, or backward reads garbage."""
     monkeypatch.setenv("NVOFFLOAD_SIM_COPY_DELAY_US", "20000")
@@ -592,7 +592,7 @@ def test_a_missing_wait_gives_wrong_gradients(target, tmp_path, monkeypatch):
     assert not all(torch.equal(g, got[1][n]) for n, g in ref[1].items())
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", WITH_SPILL)
 def test_reads_reach_the_device_ahead_of_unpack(target, tmp_path, monkeypatch):
     """With prefetch, each tensor's copy to the device starts before backward unpacks the tensor needed before it."""
     events = []
@@ -631,7 +631,7 @@ def test_reads_reach_the_device_ahead_of_unpack(target, tmp_path, monkeypatch):
     assert read_ahead()[1] == []  # without prefetch, each read starts when backward asks for it
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", WITH_SPILL)
 def test_writes_and_reads_ahead_go_through_the_transfer_engines_queues(target, tmp_path, monkeypatch):
     """Activation offload kept a write-behind (its writes in flight and their bytes) and a read-ahead (a sorted list
     of stored tensors and a byte count) of its own; they are the transfer engine's WriteBehind and ReadAhead now:
