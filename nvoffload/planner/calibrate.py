@@ -214,13 +214,15 @@ def _copy_bandwidth(dev: torch.device, quick: bool) -> tuple[float, float]:
 
 def _block_tflops(dev: torch.device, d_model: int, quick: bool) -> tuple[float, float, float]:
     """A block's matrices and attention TFLOP/s and fixed seconds per pass, from its forward and backward timed
-    on three shapes: short sequences, twice as many of them (the matrices' work doubles, the fixed time does
-    not) and long sequences of the same tokens (only attention grows)."""
+    on four shapes: short sequences, twice as many of them (the matrices' work doubles, the fixed time does
+    not), long sequences of the same tokens (only attention grows), and one short sequence (a small micro-batch:
+    the fixed time is at least what its time leaves beside the rates, so a pass of few tokens costs what it
+    measured, which the first two alone can put at 0 when the larger pass runs at a lower rate)."""
     from nvoffload.models.gpt import Block, GPTConfig
 
     tokens = 512 if quick else 1024
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    shapes = [(tokens // 128, 128), (2 * tokens // 128, 128), (tokens // 512, 512)]  # (batch, seq)
+    shapes = [(tokens // 128, 128), (2 * tokens // 128, 128), (tokens // 512, 512), (1, 128)]  # (batch, seq)
     runs = []
     for batch, seq in shapes:
         cfg = GPTConfig(seq_len=seq, n_layer=1, n_head=max(1, d_model // 64), d_model=d_model)
@@ -234,7 +236,7 @@ def _block_tflops(dev: torch.device, d_model: int, quick: bool) -> tuple[float, 
 
         runs.append(once)
     seconds = _median_seconds(runs, 2 if quick else 6)
-    (m0, a0), (m1, a1), (m2, a2) = (block_flops(d_model, cfg.mlp_ratio, b, s) for b, s in shapes)
+    (m0, a0), (m1, a1), (m2, a2), (m3, a3) = (block_flops(d_model, cfg.mlp_ratio, b, s) for b, s in shapes)
     # seconds[i] = overhead + m_i / matrix_rate + a_i / attention_rate; m1 = 2 m0, a1 = 2 a0, m2 = m0
     # Noise can make the differences small or negative: the fixed time is at most half of the short pass,
     # and attention runs no faster per FLOP than the matrices.
@@ -243,6 +245,7 @@ def _block_tflops(dev: torch.device, d_model: int, quick: bool) -> tuple[float, 
     attention_s = max(seconds[2] - seconds[0], 0.0) / (a2 - a0)
     matrix_s = max(per_short - a0 * attention_s, per_short / 2) / m0
     attention_s = max(attention_s, matrix_s)
+    overhead = max(overhead, seconds[3] - m3 * matrix_s - a3 * attention_s)
     return 1 / matrix_s / 1e12, 1 / attention_s / 1e12, overhead
 
 

@@ -52,10 +52,11 @@ class MachineProfile:
         device_name: the GPU's name (or the CPU's).
         device_memory_bytes, host_memory_bytes: free memory of each tier.
         block_tflops: ``((d_model, matrices TFLOP/s, attention TFLOP/s, overhead s), ...)``: one transformer
-            block's forward and backward at that width, split in three (from three shapes): its matrices
+            block's forward and backward at that width, split in three (from four shapes): its matrices
             (6 FLOPs per parameter per token, with the block's norms and activations counted in their time),
             its attention (12 * seq * d_model FLOPs per token) and a fixed time per pass (launching its
-            operations, whatever the batch); widths between are interpolated, beyond are clamped.
+            operations, whatever the batch; at least what a pass of one short sequence leaves beside the
+            rates); widths between are interpolated, beyond are clamped.
         matmul_tflops: a large matmul's throughput in the training dtype (the device's dense peak, as
             reached); for reference.
         h2d_gbps, d2h_gbps: copies between page-locked host memory and the device.
