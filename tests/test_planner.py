@@ -562,6 +562,37 @@ def test_the_checksums_are_the_io_threads_and_no_longer_bound_a_70b_step():
     assert one_thread.bottleneck == "checksums" and one_thread.step_s > 1.5 * p.step_s
 
 
+def test_calibrate_takes_a_passs_fixed_time_from_a_short_pass_where_the_large_ones_leave_none(monkeypatch):
+    """A pass of twice the tokens that takes more than twice as long (a lower rate at the larger size) leaves the
+    fixed time a pass at 0; the pass of one short sequence then sets it, so such a pass costs what it measured."""
+    import torch
+
+    from nvoffload.planner import calibrate as calibrating
+    from nvoffload.planner.cost import block_flops
+
+    shapes = [(8, 128), (16, 128), (2, 512), (1, 128)]  # _block_tflops's, at 1024 tokens
+    flops = [block_flops(256, 4, b, s) for b, s in shapes]
+    fixed, matrix_rate, attention_rate = 4e-3, 1e11, 5e10
+    measured = [fixed + m / matrix_rate + a / attention_rate for m, a in flops]
+    measured[1] = 2.2 * measured[0]  # more than twice: no fixed time left by the first two
+
+    def timed(runs, repeats):
+        assert len(runs) == len(shapes)
+        return list(measured)
+
+    monkeypatch.setattr(calibrating, "_median_seconds", timed)
+    m, a, overhead = calibrating._block_tflops(torch.device("cpu"), 256, False)
+    (m3, a3), (m0, a0) = flops[3], flops[0]
+    assert overhead > 0
+    assert overhead + m3 / (m * 1e12) + a3 / (a * 1e12) == pytest.approx(measured[3])  # the short pass, as measured
+    assert overhead + m0 / (m * 1e12) + a0 / (a * 1e12) > measured[0]  # the large pass: at most its fixed time more
+    # passes that follow the model exactly: the rates and the fixed time come back as they are, the short pass
+    # changes nothing
+    measured[1] = fixed + flops[1][0] / matrix_rate + flops[1][1] / attention_rate
+    m, a, overhead = calibrating._block_tflops(torch.device("cpu"), 256, False)
+    assert (m * 1e12, a * 1e12, overhead) == pytest.approx((matrix_rate, attention_rate, fixed))
+
+
 def test_the_vertical_schedule_moves_each_blocks_weights_once_a_step():
     """Streamed, four micro-batches by the vertical schedule read and write what one does (the weights once, no
     gradient kept between micro-batches), compute four micro-batches with their blocks recomputed, and keep every
