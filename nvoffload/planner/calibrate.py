@@ -237,7 +237,7 @@ def _block_tflops(dev: torch.device, d_model: int, quick: bool) -> tuple[float, 
         runs.append(once)
     seconds = _median_seconds(runs, 2 if quick else 6)
     (m0, a0), (m1, a1), (m2, a2), (m3, a3) = (block_flops(d_model, cfg.mlp_ratio, b, s) for b, s in shapes)
-    # seconds[i] = overhead + m_i / matrix_rate + a_i / attention_rate; m1 = 2 m0, a1 = 2 a0, m2 = m0; m3 = m0 / 8
+    # seconds[i] = overhead + m_i / matrix_rate + a_i / attention_rate; m1 = 2 m0, a1 = 2 a0, m2 = m0; m3: one sequence's
     # Noise can make the differences small or negative: the fixed time is at most half of the short pass,
     # and attention runs no faster per FLOP than the matrices.
     per_short = min(max(seconds[1] - seconds[0], seconds[0] / 2), seconds[0])  # m0 / matrix_rate + a0 / attention_rate
