@@ -52,7 +52,7 @@ from report import plot_trace, save_report  # noqa: E402
 import nvoffload  # noqa: E402
 from nvoffload import trace  # noqa: E402
 from nvoffload.models import GPT, GPTConfig  # noqa: E402
-from nvoffload.planner.calibrate import _store_bandwidth  # noqa: E402
+from nvoffload.planner.calibrate import store_bandwidth  # noqa: E402
 from nvoffload.trace import Trace  # noqa: E402
 
 GiB = 1 << 30
@@ -187,8 +187,8 @@ def run_compute_alone(args, cfg: GPTConfig, accum: int) -> list[dict]:
             loss = model(*micro_batch)
             (loss / accum).backward()
         synchronize(args.device)
-        rows.append({"case": f"compute alone x{accum} step {step}", "loss": float(loss.detach()), "step_s": time.perf_counter() - t0,
-                     "compute_s": time.perf_counter() - t0})  # fmt: skip
+        seconds = time.perf_counter() - t0
+        rows.append({"case": f"compute alone x{accum} step {step}", "loss": float(loss.detach()), "step_s": seconds, "compute_s": seconds})
         print(rows[-1], flush=True)
     return rows
 
@@ -234,7 +234,7 @@ def main(argv=None) -> Path:
         accum = max(RECIPES[recipe][1] for recipe in args.recipe)
         alone = run_compute_alone(args, cfg, accum)
         with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap:
-            drive = _store_bandwidth([swap], (256 if args.quick else 2048) << 20)
+            drive = store_bandwidth([swap], (256 if args.quick else 2048) << 20)
         compute_s = statistics.median(row["step_s"] for row in alone[1:] or alone)
         bounds = bound_notes(rows, compute_s, drive.write_gbps, drive.read_gbps)
     budget = host_budget + device_budget

@@ -57,6 +57,15 @@ __all__ = ["OffloadConfig", "OffloadSession", "initialize"]
 _MiB = 1 << 20
 
 
+def check_activation_host_bytes(value: int, offload_activations: bool) -> None:
+    """Raise ValueError unless ``value`` is an ``activation_host_bytes`` (an int >= 0, and 0 without
+    ``offload_activations``): :class:`OffloadConfig`'s and ``FinetuneConfig``'s check."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"activation_host_bytes must be an int number of bytes >= 0, got {value!r}")
+    if value and not offload_activations:
+        raise ValueError("activation_host_bytes keeps offloaded activations in host memory: set offload_activations")
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """Budgets and placement for :func:`initialize`.
@@ -155,11 +164,7 @@ class OffloadConfig:
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int number of bytes, got {value!r}")
-        value = self.activation_host_bytes
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"activation_host_bytes must be an int number of bytes >= 0, got {value!r}")
-        if value and not self.offload_activations:
-            raise ValueError("activation_host_bytes keeps offloaded activations in host memory: set offload_activations")
+        check_activation_host_bytes(self.activation_host_bytes, self.offload_activations)
         if self.trace_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.trace_path))):
             raise ValueError(f"trace_path: the directory of {self.trace_path} does not exist")
         if not 0 < self.optimizer_memory_fraction < 1:

@@ -15,6 +15,7 @@ from nvoffload.io.config import default_swap_root
 from nvoffload.models import GPTConfig
 from nvoffload.optim import STATE_PRECISIONS, OffloadOptimizerConfig
 from nvoffload.planner.cost import human_size
+from nvoffload.training import check_activation_host_bytes
 
 __all__ = ["FinetuneConfig", "default_swap_root", "max_text_bytes"]
 
@@ -170,10 +171,7 @@ class FinetuneConfig:
             raise ValueError(f"trace_path: the directory of {self.trace_path} does not exist")
         if self.activation_memory_bytes is not None and self.activation_memory_bytes < 1:
             raise ValueError(f"activation_memory_bytes must be >= 1, got {self.activation_memory_bytes}")
-        if isinstance(self.activation_host_bytes, bool) or not isinstance(self.activation_host_bytes, int) or self.activation_host_bytes < 0:
-            raise ValueError(f"activation_host_bytes must be an int >= 0, got {self.activation_host_bytes!r}")
-        if self.activation_host_bytes and not self.offload_activations:
-            raise ValueError("activation_host_bytes keeps offloaded activations in host memory: set offload_activations")
+        check_activation_host_bytes(self.activation_host_bytes, self.offload_activations)
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
         context = GPTConfig.preset(self.preset).seq_len

@@ -63,9 +63,9 @@ def calibrate(
     per_dir = (64 if quick else 1024) * _MiB
     drives = []
     for d in swap_dirs:
-        drives.append(_store_bandwidth([d], per_dir))
+        drives.append(store_bandwidth([d], per_dir))
         log(f"swap directory {d}: write {drives[-1].write_gbps:.2f} GB/s, read {drives[-1].read_gbps:.2f} GB/s")
-    together = _store_bandwidth(list(swap_dirs), per_dir * len(swap_dirs)) if len(swap_dirs) > 1 else drives[0]
+    together = store_bandwidth(list(swap_dirs), per_dir * len(swap_dirs)) if len(swap_dirs) > 1 else drives[0]
     adam = {name: _adam_rate(dtype, quick) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
     log(f"CPU Adam: {adam['float32'] / 1e6:.0f} M params/s (fp32 gradients), {adam['bfloat16'] / 1e6:.0f} M (bf16)")
     h2d, d2h = _copy_bandwidth(dev, quick)
@@ -113,7 +113,9 @@ def _crc32c_gbps(quick: bool) -> float:
     return data.numel() / best / 1e9
 
 
-def _store_bandwidth(dirs: list[str], nbytes: int) -> Drive:
+def store_bandwidth(dirs: list[str], nbytes: int) -> Drive:
+    """The store's sequential write and read GB/s over ``dirs`` (striped), ``nbytes`` in 16 MiB tensors, with
+    checksums, as ``calibrate`` measures each swap directory."""
     from nvoffload.io import TensorStore, aligned_empty
 
     size = 16 * _MiB
