@@ -18,7 +18,10 @@ and ``accum+clip-unbitten`` (max_grad_norm so large it never clips: what
 keeping the gradients costs when the speculative updates stand); ``accum4``
 (4 micro-batches, each streaming every block) beside ``vertical4`` and
 ``clip+vertical4`` (the same 4 by :func:`nvoffload.vertical_step`: each block
-over the 4 while on the device).
+over the 4 while on the device). Clipping's two ways (``defer_updates``): ``clip+vertical4``
+takes the rule (speculate, defer the step after one that clipped); ``-speculative`` and
+``-deferred`` force one, with clipping that bites (``clip+vertical4-...``) and that never
+does (``unbitten+vertical4-...``).
 
     python bench/bench_streaming.py [--quick] [--preset gpt2-1.3b] [--cpu-memory-gib 4] [--device-memory-gib 2]
         [--recipe plain --recipe clip+accum ...] [--trace]
@@ -56,16 +59,20 @@ from nvoffload.planner.calibrate import store_bandwidth  # noqa: E402
 from nvoffload.trace import Trace  # noqa: E402
 
 GiB = 1 << 30
-# name: (max_grad_norm, gradient_accumulation_steps, by the vertical schedule)
+# name: (max_grad_norm, gradient_accumulation_steps, by the vertical schedule, defer_updates)
 RECIPES = {
-    "plain": (None, 1, False),
-    "clip": (1.0, 1, False),
-    "accum": (None, 2, False),
-    "clip+accum": (1.0, 2, False),
-    "accum+clip-unbitten": (1e9, 2, False),
-    "accum4": (None, 4, False),
-    "vertical4": (None, 4, True),
-    "clip+vertical4": (1.0, 4, True),
+    "plain": (None, 1, False, None),
+    "clip": (1.0, 1, False, None),
+    "accum": (None, 2, False, None),
+    "clip+accum": (1.0, 2, False, None),
+    "accum+clip-unbitten": (1e9, 2, False, None),
+    "accum4": (None, 4, False, None),
+    "vertical4": (None, 4, True, None),
+    "clip+vertical4": (1.0, 4, True, None),
+    "clip+vertical4-speculative": (1.0, 4, True, False),
+    "clip+vertical4-deferred": (1.0, 4, True, True),
+    "unbitten+vertical4-speculative": (1e9, 4, True, False),
+    "unbitten+vertical4-deferred": (1e9, 4, True, True),
 }
 
 
@@ -100,7 +107,7 @@ def parse_args(argv):
 def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple[list[dict], float, Trace | None]:
     """Train ``args.steps`` steps with ``recipe`` on a fresh model built on the meta device; rows, init time, and
     with ``traced`` the trace of the last step."""
-    max_grad_norm, accum, vertical = RECIPES[recipe]
+    max_grad_norm, accum, vertical, defer = RECIPES[recipe]
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(cfg)
@@ -114,6 +121,7 @@ def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple
                 swap_dirs=[swap], cpu_memory_bytes=int(args.cpu_memory_gib * GiB),
                 device_memory_bytes=int(args.device_memory_gib * GiB), retain_host_memory=args.retain_host_memory,
                 max_grad_norm=max_grad_norm, gradient_accumulation_steps=accum, device=args.device,
+                defer_updates=defer,
             ),
             param_init_fn=model.init_weights,
         )  # fmt: skip
@@ -126,6 +134,7 @@ def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple
             if tracing:
                 trace.start()
             session.reset_stats()
+            deferred = opt.defers_updates
             t0 = time.perf_counter()
             micro_batches = [(x.roll(micro, dims=1), x.roll(micro - 1, dims=1)) for micro in range(accum)]
             if vertical:  # forward, backward and step() in one call: its step() is the wait for the last updates
@@ -150,6 +159,7 @@ def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple
                 "loss": float(loss.detach()),  # the last micro-batch's (vertical: the mean of the step's)
                 "grad_norm": norm,
                 "clipped": max_grad_norm is not None and norm > max_grad_norm,
+                "deferred": deferred,
                 "step_s": t2 - t0,
                 "compute_s": t1 - t0 - io_wait - grad_wait,
                 "io_wait_s": io_wait,

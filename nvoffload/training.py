@@ -112,9 +112,16 @@ class OffloadConfig:
             ``torch.nn.utils.clip_grad_norm_`` (None: no clipping). The updates
             still run during backward; when the norm turns out larger, ``step()``
             redoes them from the gradients it kept in the store (4 bytes per
-            parameter written each step, and read again when it clips). The
+            parameter written each step, and read again when it clips), and
+            the steps after it defer their updates until one does not clip
+            (``defer_updates``). The
             norm of a parameter larger than one optimizer chunk is summed from
             its chunks' norms, which can differ from torch's in the last bit.
+        defer_updates: when the updates run: during backward (False), queued
+            by ``step()`` with the norm known and landing during the next
+            forward (True), or by the rule (None, the default: deferred after a
+            step whose clipping bit); see
+            :class:`~nvoffload.optim.OffloadOptimizerConfig`. Exact either way.
         gradient_accumulation_steps: backward passes per ``optimizer.step()``;
             their gradients are summed in fp32 in the store (4 bytes per
             parameter written per micro-batch, and read from the second).
@@ -155,6 +162,7 @@ class OffloadConfig:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     collective_timeout_s: float = DEFAULT_TIMEOUT_S
     state_precision: str = "fp32"
+    defer_updates: bool | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "swap_dirs", tuple(swap_directories(self.swap_dirs)))
@@ -180,7 +188,7 @@ class OffloadConfig:
             retain_host_memory=self.retain_host_memory, max_grad_norm=self.max_grad_norm,
             gradient_accumulation_steps=self.gradient_accumulation_steps, loss_scaling=self.loss_scaling,
             bucket_bytes=self.bucket_bytes, collective_timeout_s=self.collective_timeout_s,
-            state_precision=self.state_precision,
+            state_precision=self.state_precision, defer_updates=self.defer_updates,
         )  # fmt: skip
 
     @property
@@ -283,18 +291,22 @@ class OffloadSession:
         )  # fmt: skip
 
     def close(self) -> None:
-        if self.config.trace_path is not None and not self.closed:
+        if self.closed:
+            return
+        if self.config.trace_path is not None:
             trace.stop(self.config.trace_path)
         self.closed = True
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._activations is not None:
-            self._activations.close()
-        self.streamer.close()
-        self.optimizer.close()
-        self._resources.close()
-        self.store.close()
+        try:
+            self.optimizer.close()  # first: the updates it lands write the streamer's weights
+        finally:
+            if self._activations is not None:
+                self._activations.close()
+            self.streamer.close()
+            self._resources.close()
+            self.store.close()
 
 
 def _check_free_space(model: nn.Module, optimizer: torch.optim.Optimizer, config: OffloadConfig) -> None:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import copy
+import functools
 import math
+import time
 
 import pytest
 import torch
 from test_streaming import batch, config
 
 import nvoffload
+from nvoffload import trace
 from nvoffload.models import GPT, GPTConfig
+from nvoffload.optim import OffloadIOError
 
 LR, WD, STEPS = 3e-3, 0.1, 10
 
@@ -82,18 +86,24 @@ def run_streamed(model, opt, batches):
 
 
 @pytest.mark.parametrize(
-    "accum, max_grad_norm",
-    [(2, 1.0), (1, 1.0), (3, None), (2, 1e6)],
-    ids=["accum2-clip1", "clip1", "accum3", "accum2-clip-never-bites"],
+    "accum, max_grad_norm, defer",
+    [(2, 1.0, None), (1, 1.0, None), (3, None, None), (2, 1e6, None), (2, 1.0, True), (1, None, True), (2, 1.0, False)],
+    ids=["accum2-clip1", "clip1", "accum3", "accum2-clip-never-bites", "accum2-clip1-deferred", "deferred",
+         "accum2-clip1-speculative"],
 )
-def test_fp32_equals_fused_adamw_with_clipping_and_accumulation(tmp_path, accum, max_grad_norm):
+def test_fp32_equals_fused_adamw_with_clipping_and_accumulation(tmp_path, accum, max_grad_norm, defer):
+    """Speculative updates (redone when clipping bites), deferred ones (queued by step() with the norm known, landing
+    during the next forward) and the rule between them (defer the step after one that clipped) all equal torch."""
     cfg, ref, model = pair()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
-    model, opt = streamed(tmp_path, model, max_grad_norm=max_grad_norm, gradient_accumulation_steps=accum)
+    model, opt = streamed(
+        tmp_path, model, max_grad_norm=max_grad_norm, gradient_accumulation_steps=accum, defer_updates=defer
+    )
     try:
         assert opt.session.memory.limit_bytes("device") < sum(p.numel() * 4 for p in model.parameters())
-        clipped = 0
+        clipped, deferred, clipped_steps = 0, [], []
         for step in range(STEPS):
+            deferred.append(opt.defers_updates)
             batches = micro_batches(cfg, step, accum)
             for x, y in batches:
                 (ref(x, y) / accum).backward()
@@ -104,8 +114,13 @@ def test_fp32_equals_fused_adamw_with_clipping_and_accumulation(tmp_path, accum,
             assert norm == pytest.approx(ref_norm, rel=1e-5)
             assert opt.grad_norm() == norm  # after step(): the norm it clipped against
             clipped += max_grad_norm is not None and ref_norm > max_grad_norm
+            clipped_steps.append(max_grad_norm is not None and ref_norm > max_grad_norm)
         if max_grad_norm == 1.0:
-            assert 0 < clipped < STEPS  # both paths ran: updates kept, and redone clipped
+            assert 0 < clipped < STEPS  # both paths ran: updates kept, and redone clipped (or deferred)
+        if defer is None:  # the rule: a step defers exactly when the one before clipped
+            assert deferred == [False] + clipped_steps[:-1]
+        else:
+            assert deferred == [defer] * STEPS
         state = model.state_dict()
         for name, p in ref.state_dict().items():
             torch.testing.assert_close(state[name], p, rtol=1e-5, atol=1e-6, msg=name)
@@ -115,10 +130,11 @@ def test_fp32_equals_fused_adamw_with_clipping_and_accumulation(tmp_path, accum,
         opt.close()
 
 
-def test_bf16_equals_the_fp32_master_reference_loop(tmp_path):
+@pytest.mark.parametrize("defer", [None, True], ids=["rule", "deferred"])
+def test_bf16_equals_the_fp32_master_reference_loop(tmp_path, defer):
     cfg, ref, model = pair(torch.bfloat16)
     loop = MasterLoop(ref, 1.0)
-    model, opt = streamed(tmp_path, model, max_grad_norm=1.0, gradient_accumulation_steps=2)
+    model, opt = streamed(tmp_path, model, max_grad_norm=1.0, gradient_accumulation_steps=2, defer_updates=defer)
     try:
         for step in range(STEPS):
             batches = micro_batches(cfg, step, 2)
@@ -133,12 +149,15 @@ def test_bf16_equals_the_fp32_master_reference_loop(tmp_path):
         opt.close()
 
 
-def test_fp16_loss_scaling_equals_grad_scaler_and_skips_overflowing_steps(tmp_path):
+@pytest.mark.parametrize("defer", [None, True], ids=["rule", "deferred"])
+def test_fp16_loss_scaling_equals_grad_scaler_and_skips_overflowing_steps(tmp_path, defer):
     cfg, ref, model = pair(torch.float16)
     scaling = nvoffload.LossScaling(init_scale=2.0**16, growth_interval=3)
     scaler = torch.amp.GradScaler("cpu", init_scale=scaling.init_scale, growth_interval=scaling.growth_interval)
     loop = MasterLoop(ref, 1.0, scaler)
-    model, opt = streamed(tmp_path, model, max_grad_norm=1.0, gradient_accumulation_steps=2, loss_scaling=scaling)
+    model, opt = streamed(
+        tmp_path, model, max_grad_norm=1.0, gradient_accumulation_steps=2, loss_scaling=scaling, defer_updates=defer
+    )
     try:
         skipped = 0
         for step in range(STEPS):
@@ -193,7 +212,7 @@ def test_a_clipped_step_reads_the_same_bytes_every_step(tmp_path):
     """Speculation reads the moments, the redo the state and the kept gradient: the same every step (it grew by a
     whole redo per step when step() never learned the gradient order)."""
     cfg, _, model = pair()
-    model, opt = streamed(tmp_path, model, max_grad_norm=1e-3)
+    model, opt = streamed(tmp_path, model, max_grad_norm=1e-3, defer_updates=False)
     try:
         reads = []
         for step in range(4):
@@ -208,6 +227,102 @@ def test_a_clipped_step_reads_the_same_bytes_every_step(tmp_path):
         assert len(opt._protocol._step_order()) == len(list(model.parameters()))
     finally:
         opt.close()
+
+
+def test_a_deferred_step_costs_the_kept_gradient_and_its_block_waits_for_its_update(tmp_path):
+    """Deferred: each step reads and writes 4 bytes a parameter more than speculation without clipping (the kept
+    gradient), no more, and trains the same weights; the next forward computes each block only after the updates
+    of its parameters ran (step 2's are slowed down so that the forward would overtake them without the wait)."""
+    per_step, weights = {}, {}
+    for defer in (False, True):
+        cfg, _, model = pair()
+        (tmp_path / str(defer)).mkdir()
+        model, opt = streamed(tmp_path / str(defer), model, defer_updates=defer)
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        block_of = {index[id(p)]: b for b, blk in enumerate(model.blocks) for p in blk.parameters()}
+        try:
+            for step in range(4):
+                if step == 2:  # count steps 2 and 3, their updates landed
+                    opt.synchronize()
+                    opt.reset_io_stats()
+                x, y = batch(cfg, step)
+                model(x, y).backward()
+                if step == 3:
+                    recorded = trace.stop()
+                    pipeline._update = adam
+                if step == 2:
+                    trace.start()
+                    pipeline, adam = opt._pipeline, opt._pipeline._update
+                    pipeline._update = functools.partial(slowly, adam)
+                opt.step()
+                opt.zero_grad()
+            opt.synchronize()
+            stats = opt.memory_stats()
+            per_step[defer] = (stats.read_bytes / 2, stats.written_bytes / 2)
+            weights[defer] = model.state_dict()
+        finally:
+            opt.close()
+        if defer:  # the updates of step 2 ran beside step 3's forward, each block's before that block
+            updated, began = {}, {}
+            for track, name, start, end, _ in recorded.spans():
+                if track == "adam" and int(name.split()[1]) in block_of:
+                    b = block_of[int(name.split()[1])]
+                    updated[b] = max(updated.get(b, 0.0), end)
+                elif track == "compute" and name.startswith("forward "):
+                    began[int(name.split()[1])] = start
+            assert set(updated) == set(began) == set(range(cfg.n_layer))
+            assert all(updated[b] <= began[b] for b in began)
+    kept = 4 * sum(p.numel() for p in model.parameters())
+    assert per_step[True] == (per_step[False][0] + kept, per_step[False][1] + kept)
+    for name, w in weights[False].items():
+        assert torch.equal(weights[True][name], w), name
+
+
+@pytest.mark.parametrize("after_ops", [0, 200], ids=["in-step", "in-forward"])
+def test_an_io_error_of_a_deferred_update_is_raised_where_it_is_needed_and_training_goes_on(tmp_path, after_ops):
+    """An EIO in step 2's updates: step() raises it for the updates it waits for (the parameters outside the blocks),
+    else the next forward, at the block whose weights it left unwritten, saying what to do; synchronize() raises it
+    (once) and restores the weights of before step 2, and training goes on exactly as a run that skipped step 2."""
+    runs = {}
+    for name in ("faulty", "skipped"):
+        cfg, _, model = pair()
+        (tmp_path / name).mkdir()
+        model, opt = streamed(tmp_path / name, model, defer_updates=True)
+        losses = []
+        try:
+            for step in range(5):
+                x, y = batch(cfg, step)
+                if step == 2:
+                    if name == "faulty":
+                        model(x, y).backward()
+                        opt.session.store.inject_fault("eio", after_ops=after_ops)
+                        with pytest.raises(OffloadIOError, match="Errno") as raised:
+                            opt.step()
+                            model(*batch(cfg, 3))  # needs every block's new weights
+                        if after_ops:
+                            assert "call optimizer.synchronize()" in str(raised.value).lower()
+                            with pytest.raises(OffloadIOError, match="Errno"):
+                                opt.synchronize()
+                        opt.synchronize()  # nothing more to raise
+                        opt.zero_grad()
+                    continue
+                loss = model(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            opt.synchronize()
+            runs[name] = losses, {k: v.clone() for k, v in model.state_dict().items()}
+        finally:
+            opt.close()
+    assert runs["faulty"][0] == runs["skipped"][0]
+    for k, v in runs["skipped"][1].items():
+        assert torch.equal(runs["faulty"][1][k], v), k
+
+
+def slowly(update, *args):
+    time.sleep(0.005)
+    return update(*args)
 
 
 def test_grad_scaler_is_refused_with_the_way_to_scale(tmp_path):

@@ -97,9 +97,12 @@ class Future:
         return future
 
     @classmethod
-    def all_of(cls, futures: Iterable[Future], *, what: str | None = None) -> Future:
-        """A future done when every one of ``futures`` is; it raises the first error once all finished."""
-        return cls([_Nested(f) for f in futures], what=what)
+    def all_of(
+        cls, futures: Iterable[Future], *, what: str | None = None, finish: Callable[[BaseException | None], Any] | None = None
+    ) -> Future:
+        """A future done when every one of ``futures`` is; it raises the first error once all finished (``finish``:
+        its completion step, given that error)."""
+        return cls([_Nested(f) for f in futures], finish, what=what)
 
     def done(self) -> bool:
         return self._resolved or all(p.done() for p in self._parts)

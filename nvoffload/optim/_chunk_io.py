@@ -56,6 +56,14 @@ class WeightHome(Protocol):
 
     def release(self, param: torch.Tensor, *, modified: bool) -> None: ...
 
+    def updating(self, param: torch.Tensor, done: Future) -> None:
+        """An update deferred past ``step()`` rewrites the parameter's weights until ``done``: uses of them wait."""
+        ...
+
+    def settled(self) -> None:
+        """Every update given to ``updating`` landed or was undone."""
+        ...
+
 
 class ModelWeights:
     """One parameter's flat weights as the optimizer reads and writes them: device memory, reached through

@@ -2,6 +2,7 @@
 
 The rest of the optimizer talks to it through a narrow interface: ``submit``
 an update request, ``set_plan`` (the order in which chunks are read ahead),
+``mark`` (a future for the weights of the updates queued so far),
 ``wait_idle``, ``lend`` a slot to the training thread, ``take_error``, and
 ``stop``/``join``. The worker holds the chunk I/O, the update strategy and its
 slots, never the optimizer, so a dropped optimizer is collected (and stops its
@@ -35,6 +36,7 @@ from nvoffload import trace
 from nvoffload.optim._chunk_io import ChunkIO
 from nvoffload.optim._layout import Chunk, Slot
 from nvoffload.optim._updates import Request, Update
+from nvoffload.core.deferred import Deferred
 from nvoffload.transfer import WAIT_LIMIT_S, Future, ReadAhead, WriteBehind
 
 THREAD_NAME = "nvoffload-optimizer"
@@ -73,6 +75,7 @@ class Pipeline:
         self._pending = 0  # requests and drains queued and not done
         self._progress = 0  # requests, drains and lends done: a wait's limit counts from the last one
         self._errors: list[BaseException] = []  # of updates and read-ahead, for step()
+        self._uploads: list[Future] = []  # the updates' writes of weights to the model since the last mark or drain
         self._then_error: BaseException | None = None  # of stop()'s ``then``, for join()
         self._stopped = False  # stop() was called
         self._then: Callable[[], None] | None = None  # stop()'s, until it runs
@@ -92,6 +95,15 @@ class Pipeline:
         """Read ``plan``'s chunks ahead, in this order, from now on (read-ahead so far is dropped)."""
         self._check_running()
         self._queue.put(("plan", plan))
+
+    def mark(self, what: str) -> Future:
+        """A future done once the updates queued so far have written their new weights to the model (their state
+        may still be on its way to the store); it fails with the first error of an update since the last
+        ``take_error``, which ``take_error`` still reports. Waiting for it is bounded like every transfer's wait."""
+        self._check_running()
+        reached = Deferred()
+        self._queue.put(("mark", reached))
+        return Future([reached], what=what)
 
     def wait_idle(self) -> None:
         """Wait until every queued update ran and its writes are on disk."""
@@ -198,8 +210,12 @@ class Pipeline:
                 self._read_ahead.plan(arg if self._prefetch else ())
             elif kind == "lend":
                 self._lend(arg)
+            elif kind == "mark":
+                arg.set(Future.failed(self._errors[0]) if self._errors else Future.all_of(self._uploads))
+                self._uploads = []
             else:  # drain: writes stay in flight while updates come in (reads ahead overlap them)
                 self._writes.drain()
+                self._uploads = []
                 self._done()
 
     def _next_item(self):
@@ -370,6 +386,7 @@ class Pipeline:
             self._free.append(slot)
             raise
         chunk.pending_gen = gen
+        self._uploads.append(upload)
         # The slot is free again once the weights reached the model and the state is on disk.
         self._write_behind(slot, Future.all_of([upload, wfut], what=f"the update of {chunk.record.name}"))
         # Keep reading ahead while the next update computes (the next update would wait for the oldest write

@@ -31,6 +31,28 @@ undoes them and skips the step. A parameter whose gradient came in fewer
 micro-batches (unused in the last one, or ``step()`` called early) is updated
 in ``step()`` from its kept gradient.
 
+Or released gradients defer (``defer``): the hooks keep every gradient (the
+sum, measured) and queue no update; ``step()`` knows the norm before any
+update runs, so nothing is redone and an overflow undoes nothing. It queues
+the updates with the clipping coefficient and the loss scale applied: those
+of the parameters outside the weight home (on the device) first, waited for,
+then the streamed ones in forward order (the reverse of their gradients'),
+each with a :meth:`~nvoffload.optim._pipeline.Pipeline.mark` given to the
+weight home, and returns. The next forward copies each streamed block to the
+device only once its updates wrote its weights, so the optimizer and its NVMe
+traffic overlap that forward; the first hook of the next backward (or the
+next ``step()``, ``synchronize()``, a state dict, ``close()``) lands them: commits
+their generation. The weights a step trains on are exactly AdamW's. A
+deferred step costs the kept gradient's bytes (4 a parameter written and read
+again, where speculation without clipping writes them only with
+``max_grad_norm``) and runs its updates beside the next forward, not the
+backward; a speculative step that clips runs every update twice, the second
+time in ``step()`` (12 + 4 bytes a parameter more read and 12 more written).
+``defer=None`` takes the better by a rule: speculate, and defer the step after
+one whose clipping bit, until a step does not clip. Both keep the committed
+generation until the step lands (two generations on NVMe at the end of a
+step), so an error restores every parameter to the step before.
+
 Over several ranks (a :class:`~nvoffload.distributed.Sharding`), each rank's
 records hold the chunks of its share of the elements only. Held gradients are
 averaged over the ranks in buckets during the last micro-batch's backward
@@ -70,6 +92,7 @@ from nvoffload.optim._layout import Chunk, Record
 from nvoffload.optim._pipeline import Pipeline
 from nvoffload.optim._updates import Request
 from nvoffload.optim.loss_scale import DynamicLossScale
+from nvoffload.transfer import Future
 
 if TYPE_CHECKING:
     from nvoffload.distributed import Sharding
@@ -108,6 +131,21 @@ def _checked_grad(rec: Record) -> torch.Tensor | None:
     return g
 
 
+def _explained(mark: Future, name: str) -> Future:
+    """``mark``, failing with an error that says what failed and how training goes on."""
+
+    def explain(error: BaseException | None) -> None:
+        if error is not None:
+            kind = OffloadIOError if isinstance(error, OSError) else RuntimeError
+            raise kind(
+                f"nvoffload: the update of {name} that the last step() deferred failed: {error}. Call"
+                " optimizer.synchronize() (or step()): it raises the error again and restores the weights of"
+                " before that step, and training goes on from there"
+            ) from error
+
+    return Future.all_of([mark], what=mark.what, finish=explain)
+
+
 class StepProtocol:
     """The hooks' speculation and ``step()``'s commit over ``records`` (the optimizer's list, shared).
 
@@ -121,12 +159,15 @@ class StepProtocol:
         delayed: land each step's updates at the next ``step()`` (see the module docs; held gradients, one process).
         delayed_after: with ``delayed``, the optimizer steps (the parameters' ``step`` count, which state dicts
             keep) that update in ``step()`` first, before the updates are delayed.
+        defer: with released gradients on one process, queue each step's updates in ``step()`` and land them
+            during the next forward (see the module docs): True always, False never (speculate), None by the
+            rule (the step after one whose clipping bit).
     """
 
     def __init__(self, records: list[Record], io: ChunkIO, pipeline: Pipeline, *, overlap: bool,
                  max_grad_norm: float | None, release_grads: bool, accumulation_steps: int = 1,
                  loss_scale: DynamicLossScale | None = None, sharding: Sharding | None = None,
-                 delayed: bool = False, delayed_after: int = 0):  # fmt: skip
+                 delayed: bool = False, delayed_after: int = 0, defer: bool | None = False):  # fmt: skip
         self._records = records
         self._io = io
         self._pipeline = pipeline
@@ -144,7 +185,10 @@ class StepProtocol:
         self._order_learned = False
         self._delayed = delayed
         self._delayed_after = delayed_after
-        self._in_flight: dict[Record, None] = {}  # delayed: the records whose updates the last step() queued, in order
+        self._in_flight: dict[Record, None] = {}  # delayed or deferred: the records whose updates step() queued, in order
+        self._defer_rule = defer if release_grads and sharding is None else False
+        self.defer = bool(self._defer_rule)  # this step's updates wait for step() (the hooks keep the gradients)
+        self.clipped = False  # released gradients: the last step's clipping coefficient was below 1
         self._can_speculate = overlap and not delayed and (max_grad_norm is None or release_grads)
         self.speculate = self._can_speculate  # the hooks queue updates (else they only observe)
 
@@ -181,7 +225,14 @@ class StepProtocol:
                 self._observe(rec)
 
     def _on_released_grad(self, rec: Record) -> None:
-        """Keep the gradient of a micro-batch before the step's last; queue the update on the last."""
+        """Keep the gradient of a micro-batch before the step's last; queue the update on the last (when
+        deferring, keep that one too)."""
+        if self._in_flight:  # the last step's deferred updates wrote their weights (the forward waited): land them
+            try:
+                self.land()
+            except BaseException:
+                self.abandon()  # this backward pass is void: its gradients are forgotten
+                raise
         steps = self._accumulation_steps
         if rec.fires > steps:
             fires = rec.fires
@@ -198,9 +249,9 @@ class StepProtocol:
         last = rec.fires == steps
         hp = _hparams(rec.group)
         if last:
-            rec.spec = Spec(_RELEASED, None, hp, True)
-        keep = not last or self._max_grad_norm is not None
-        kinds = {"add_kept": rec.fires > 1, "keep": keep, "update": last}
+            rec.spec = Spec(_RELEASED, None, hp, not self.defer)
+        keep = not last or self._max_grad_norm is not None or self.defer
+        kinds = {"add_kept": rec.fires > 1, "keep": keep, "update": last and not self.defer}
         if self.sharding is None:
             self._submit(rec, grad, hp, self._unscale, **kinds)
         else:  # the worker reads the sum over the ranks once the bucket's reduction is done
@@ -275,7 +326,9 @@ class StepProtocol:
         try:
             self.land()
             self._refuse_unsound(records, found_inf, grad_scale)
-            if self._release_grads:
+            if self._release_grads and self.defer:
+                self._finish_deferred(records)
+            elif self._release_grads:
                 self._finish_released(records)
             else:
                 self._finish_held(records, found_inf, grad_scale)
@@ -291,6 +344,8 @@ class StepProtocol:
             if self._averaging is not None:
                 self._averaging.expect([r.index for r in self._records if r.learned_fires])
         self._order_learned = True
+        if self._release_grads:  # the next step's mode
+            self.defer = self.clipped if self._defer_rule is None else self._defer_rule
         pipe.set_plan(self.plan())
 
     def _finish_held(self, records: list[Record], found_inf, grad_scale) -> None:
@@ -369,9 +424,17 @@ class StepProtocol:
         if not flight:
             return
         self._pipeline.wait_idle()
-        self._raise_error(flight)
+        home = self._io.weight_home
+        try:
+            self._raise_error(flight)
+        finally:
+            if home is not None and self._release_grads:
+                home.settled()  # landed, or restored by the error
         self._commit(flight, set(flight))
-        self._io.install_staged([r for r in flight if r.chunks])
+        if self._release_grads:
+            self._pipeline.set_plan(self.plan())  # its chunks' state is committed: read on ahead for the next step
+        else:
+            self._io.install_staged([r for r in flight if r.chunks])
 
     def before_accumulate(self, rec: Record) -> None:
         """Delayed updates: backward is about to add into ``rec``'s gradient (not zeroed to None since the last
@@ -393,6 +456,44 @@ class StepProtocol:
         if self._averaging is not None:
             self._averaging.expect([r.index for r in self._records if r.learned_fires])
 
+    def _finish_deferred(self, records: list[Record]) -> None:
+        """``finish`` of a deferred step: every gradient is kept and measured; queue the updates with the norm
+        and the loss scale known (see the module docs)."""
+        pipe = self._pipeline
+        self._raise_error(records)  # a kept gradient's write failed: nothing was updated
+        coef = self._clipping_coefficient()
+        if coef is None:
+            return
+        scale = coef * self._unscale
+        if self.loss_scale is not None:
+            self.loss_scale.update(found_inf=False)
+        home = self._io.weight_home
+        updated = [r for r in records if r.fires]
+        streamed = [r for r in reversed(updated) if home is not None and home.holds(r.param)]  # in forward order
+        resident = [r for r in updated if home is None or not home.holds(r.param)]
+        for rec in resident:  # the device's weights: in step()
+            self._submit_kept(rec, scale)
+        pipe.wait_idle()
+        self._raise_error(resident)
+        for rec in streamed:
+            self._submit_kept(rec, scale)
+            home.updating(rec.param, _explained(pipe.mark(f"the deferred update of {rec.name}"), rec.name))
+        self._in_flight = dict.fromkeys(resident + streamed)
+
+    def _clipping_coefficient(self) -> float | None:
+        """The released gradients' norm measured, what clipping multiplies them by (1.0 without clipping, and
+        ``clipped`` says whether it bit); None after an fp16 overflow (the loss scale backs off: skip the step)."""
+        norm = self._global_norm()
+        self.last_grad_norm = float(norm)
+        if self.loss_scale is not None and not math.isfinite(self.last_grad_norm):
+            self.loss_scale.update(found_inf=True)
+            return None
+        coef = 1.0
+        if self._max_grad_norm is not None:
+            coef = float(torch.clamp(self._max_grad_norm / (norm + 1e-6), max=1.0))  # as clip_grad_norm_, in fp32
+        self.clipped = coef < 1.0
+        return coef
+
     def _finish_released(self, records: list[Record]) -> None:
         """``finish`` with released gradients: run the updates still to do, then keep, redo or undo them."""
         pipe = self._pipeline
@@ -410,19 +511,15 @@ class StepProtocol:
                     f"the hyperparameters of {rec.name} changed between backward and step(); with"
                     " release_grads the update already ran in backward: change them before backward"
                 )
-        norm = self._global_norm()
-        self.last_grad_norm = float(norm)
-        if self.loss_scale is not None and not math.isfinite(self.last_grad_norm):
+        coef = self._clipping_coefficient()
+        if coef is None:
             self._restore_all(records)  # an fp16 overflow skips the step, as GradScaler does
-            self.loss_scale.update(found_inf=True)
             return
-        if self._max_grad_norm is not None:
-            coef = float(torch.clamp(self._max_grad_norm / (norm + 1e-6), max=1.0))  # as clip_grad_norm_, in fp32
-            if coef < 1.0:
-                for rec in updated:
-                    self._submit_kept(rec, coef * self._unscale)
-                pipe.wait_idle()
-                self._raise_error(records)
+        if coef < 1.0:
+            for rec in updated:
+                self._submit_kept(rec, coef * self._unscale)
+            pipe.wait_idle()
+            self._raise_error(records)
         if self.loss_scale is not None:
             self.loss_scale.update(found_inf=False)
         self._commit(records, self._stepped)
@@ -515,8 +612,13 @@ class StepProtocol:
         return list(self._order) + [r for r in self._records if r not in seen]
 
     def plan(self) -> list[Chunk]:
-        """The chunks to read ahead for the next step, in the order their gradients arrive."""
-        return [c for r in self._step_order() for c in r.chunks if r.param.requires_grad]
+        """The chunks to read ahead for the next step, in the order their updates come: their gradients' (when
+        deferring: the parameters on the device first, then the streamed ones in forward order)."""
+        order = self._step_order()
+        home = self._io.weight_home
+        if self.defer and home is not None:
+            order = [r for r in order if not home.holds(r.param)] + [r for r in reversed(order) if home.holds(r.param)]
+        return [c for r in order for c in r.chunks if r.param.requires_grad]
 
     # ------------------------------------------------------------------ undo
     def _restore_all(self, records: list[Record]) -> None:

@@ -38,7 +38,9 @@ How a step runs:
   hooks only watch); overlap comes back after a step in which nothing changed.
   ``max_grad_norm`` always updates in ``step()``, except with ``release_grads``
   (parameter streaming), where the hooks update and ``step()`` redoes a step
-  that needs clipping from gradients kept in the store. The cost of these modes is
+  that needs clipping from gradients kept in the store, and the steps after it
+  defer (``defer_updates``: ``step()`` queues the updates with the norm known,
+  and they run during the next forward). The cost of these modes is
   the lost overlap, never other results.
 * Fewer micro-batches than learned: that step updates in ``step()``, and the
   new count is learned. More: the forward passes after the learned last one
@@ -191,6 +193,14 @@ class OffloadOptimizerConfig:
             memory (the staged new weights). ``synchronize()``, ``state_dict()``, a training checkpoint and
             ``close()`` land the update in flight; call ``synchronize()`` before reading the trained weights.
             For parameters on the device (not with ``release_grads``), on one process.
+        defer_updates: with ``release_grads``, when a step's updates run (exact either way; see
+            :mod:`nvoffload.optim._protocol`). ``False``: during backward, as each gradient is final
+            (speculation: with ``max_grad_norm``, a step whose norm clips runs every update again in ``step()``
+            from the kept gradients). ``True``: ``step()`` queues them, the norm known, and the next forward
+            waits for each streamed block's (the optimizer's work and NVMe traffic overlap that forward; the
+            gradient is kept in the store every step: 4 bytes a parameter written and read). ``None``
+            (default): speculate, and defer the step after one whose clipping bit, until a step does not clip.
+            On one process (over several ranks it speculates).
         delayed_update_after: with ``delayed_update``, the optimizer steps that update exactly, in ``step()``,
             before the updates are delayed (counted by the parameters' ``step``, which state dicts and
             checkpoints keep): the first steps, where the loss falls fastest, are where a stale update costs most
@@ -213,6 +223,7 @@ class OffloadOptimizerConfig:
     state_precision: str = "fp32"
     delayed_update: bool = False
     delayed_update_after: int = 0
+    defer_updates: bool | None = None
 
     def __post_init__(self):
         if not _is_int(self.cpu_memory_bytes) or self.cpu_memory_bytes <= 0:
@@ -243,6 +254,10 @@ class OffloadOptimizerConfig:
                 "delayed_update is for parameters that stay on the device; with release_grads (parameter"
                 " streaming) the new weights would need a second copy of every block in the host cache"
             )
+        if self.defer_updates not in (None, True, False):
+            raise ValueError(f"defer_updates must be True, False or None, got {self.defer_updates!r}")
+        if self.defer_updates and not self.release_grads:
+            raise ValueError("defer_updates is for release_grads: otherwise the gradients wait in .grad for step()")
         if self.release_grads and not self.overlap:
             raise ValueError("release_grads needs overlap=True: the gradients are consumed in the hooks")
         steps = self.gradient_accumulation_steps
@@ -264,7 +279,9 @@ class OffloadOptimizerConfig:
     @property
     def keeps_grads(self) -> bool:
         """Whether gradients are kept in the store: summed over micro-batches, or for a clipped redo."""
-        return self.release_grads and (self.gradient_accumulation_steps > 1 or self.max_grad_norm is not None)
+        return self.release_grads and (
+            self.gradient_accumulation_steps > 1 or self.max_grad_norm is not None or bool(self.defer_updates)
+        )
 
     @property
     def num_slots(self) -> int:
@@ -356,6 +373,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._sharding = self._shard(process_group, device)
         if config.delayed_update and self._sharding is not None:
             raise ValueError("delayed_update trains on one process; over several ranks, leave it off")
+        if config.defer_updates and self._sharding is not None:
+            raise ValueError("defer_updates=True defers on one process; over several ranks, leave it None or False")
         self._layout = Layout(
             adam=self._update.adam, elementwise=self._update.elementwise, param_groups=self.param_groups,
             prefix=f"opt{next(_INSTANCES)}.", kept_grads=config.keeps_grads,
@@ -393,6 +412,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             accumulation_steps=config.gradient_accumulation_steps,
             loss_scale=DynamicLossScale(config.loss_scaling) if config.loss_scaling is not None else None,
             sharding=self._sharding, delayed=config.delayed_update, delayed_after=config.delayed_update_after,
+            defer=config.defer_updates,
         )  # fmt: skip
         self._codec = StateCodec(self._records, self._io, self._update, self._pipeline)
         # Closing, collection and interpreter exit all stop the worker and release the state; neither the
@@ -600,8 +620,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._sharding is not None and not self.config.release_grads:
             self._protocol.average_grads()
         if self.config.release_grads:
-            self._pipeline.wait_idle()
-            return self._protocol.grad_norm()
+            if self._protocol.step_in_progress:  # measured by the worker as it takes the gradients
+                self._pipeline.wait_idle()
+            return self._protocol.grad_norm()  # after step(): known, without waiting for updates deferred
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return None
@@ -611,9 +632,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; waits for updates still reading gradients (not with
-        ``delayed_update`` and ``set_to_none``: the queued updates hold the gradients they read)."""
+        ``delayed_update`` and ``set_to_none``, nor with ``release_grads``, whose gradients are None after their
+        hooks: the queued updates hold the gradients they read)."""
         self._check_open()
-        if not (self.config.delayed_update and set_to_none):
+        if not (self.config.delayed_update and set_to_none or self.config.release_grads):
             self._pipeline.wait_idle()
         super().zero_grad(set_to_none)
 
@@ -638,6 +660,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not self.config.release_grads:
             raise ValueError("backward_passes() is for release_grads (parameter streaming); otherwise the count is learned")
         return self._protocol.backward_passes(count)
+
+    @property
+    def defers_updates(self) -> bool:
+        """Whether this step's updates wait for ``step()`` (deferred, see ``defer_updates``), not run in backward."""
+        return self._protocol.defer
 
     @property
     def updates_queued(self) -> bool:

@@ -156,6 +156,7 @@ class DeviceResidency:
         self._ahead = ReadAhead(0, lambda block: block.nbytes, self._start_ahead, self._drop_ahead)
         self._headroom_bytes = 0  # the headroom of the stage() whose read-ahead is starting
         self._copies: dict[Block, Future] = {}  # copies whose host source is still pinned
+        self._updates: dict[Block, list[Future]] = {}  # the optimizer's rewrites of a block's host copy in flight
         self._placements: list[_guard.Placement] = []
         self.grad_wait_s = 0.0  # time spent waiting for the optimizer to free gradients' device memory
         self.io_wait_s = 0.0  # time holds waited for blocks to arrive (on a GPU: their store reads)
@@ -205,6 +206,27 @@ class DeviceResidency:
                         _guard.guard(p)
                 else:
                     self._leave(block)
+
+    def updating(self, block: Block, done: Future) -> None:
+        """The optimizer rewrites part of ``block``'s host copy until ``done`` (an update deferred past
+        ``step()``): a copy of the block to the device starts after it, and fails with its error."""
+        with self._lock:
+            self._updates.setdefault(block, []).append(done)
+
+    def settled(self) -> None:
+        """No update given to :meth:`updating` is in flight any more (the optimizer landed them, or undid them)."""
+        with self._lock:
+            self._updates.clear()
+
+    def updated(self, block: Block) -> Future | None:
+        """A future for the updates of ``block``'s host copy still in flight or failed (None: none is)."""
+        with self._lock:
+            pending = [f for f in self._updates.get(block, ()) if not f.done() or f.exception(0) is not None]
+            if not pending:
+                self._updates.pop(block, None)
+                return None
+            self._updates[block] = pending
+            return pending[0] if len(pending) == 1 else Future.all_of(pending, what=f"the updates of {block}")
 
     def holds(self, block: Block, why: str) -> int:
         with self._lock:
@@ -280,10 +302,13 @@ class DeviceResidency:
             _guard.unguard(p)
 
     def _bring(self, block: Block) -> None:
-        """Give the block's storage its bytes and start the copy from its host copy (after the store read, if one
-        is running); the host copy stays pinned until the copy is done."""
+        """Give the block's storage its bytes and start the copy from its host copy (after the store read and the
+        optimizer's updates of it, if any is running); the host copy stays pinned until the copy is done."""
         block.params[0].untyped_storage().resize_(block.nbytes)
         host, loading = self.cache.pin_loading(block)
+        update = self.updated(block)
+        if update is not None:
+            loading = update if loading is None else Future.all_of([loading, update], what=update.what)
         dst, what = _flat(block), f"the weights of {block}"
         try:
             if loading is None:

@@ -22,7 +22,7 @@ from nvoffload.streaming._host_cache import HostCache
 from nvoffload.streaming._materialize import Materializer
 from nvoffload.streaming._residency import DeviceResidency, GradientLedger
 from nvoffload.streaming._weights import StreamedWeights
-from nvoffload.transfer import TransferEngine
+from nvoffload.transfer import Future, TransferEngine
 
 __all__ = ["ParameterStreamer", "compute_device_of"]
 
@@ -328,6 +328,15 @@ class ParameterStreamer:
 
     def release(self, param: torch.Tensor, *, modified: bool) -> None:
         self._weights.release(param, modified=modified)
+
+    def updating(self, param: torch.Tensor, done: Future) -> None:
+        """The optimizer rewrites the parameter's weights in host memory until the future ``done`` (an update
+        deferred past ``step()``): its block's next copy to the device, and reads of its weights, wait for it."""
+        self._residency.updating(self._weights.block_of(param), done)
+
+    def settled(self) -> None:
+        """Every update given to :meth:`updating` landed or was undone."""
+        self._residency.settled()
 
     # ------------------------------------------------------------------ weights and checkpoints
     def gather(self, param: torch.Tensor) -> torch.Tensor:
