@@ -538,15 +538,17 @@ def test_cuda_streamed_forward_and_backward_match_torch_with_copies_on_the_copy_
 
 
 @pytest.mark.cuda
-def test_cuda_initialize_trains_like_torch_from_one_page_locked_slab(tmp_path):
+@pytest.mark.parametrize("defer", [False, True], ids=["speculative", "deferred"])
+def test_cuda_initialize_trains_like_torch_from_one_page_locked_slab(tmp_path, defer):
     """On a GPU, all three tiers through initialize(): five steps give torch's fused AdamW losses and weights,
-    and the host budget is one page-locked slab whose carves the three transfer engines copy through."""
+    and the host budget is one page-locked slab whose carves the three transfer engines copy through; deferred,
+    each block's copy to the device follows its update, queued by the step before."""
     cfg, ref, model = make_pair("small")
     ref, model = ref.cuda(), model.cuda()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     model, opt = nvoffload.initialize(
         model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1),
-        config(tmp_path, model, offload_activations=True),
+        config(tmp_path, model, offload_activations=True, defer_updates=defer),
     )  # fmt: skip
     session = opt.session
     try:
@@ -564,6 +566,7 @@ def test_cuda_initialize_trains_like_torch_from_one_page_locked_slab(tmp_path):
             opt.zero_grad()
             torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
         assert session._activations.stats().bytes_written > 0
+        assert opt.defers_updates == defer
         got = model.state_dict()
         for name, value in ref.state_dict().items():
             torch.testing.assert_close(got[name].cuda(), value, rtol=1e-4, atol=1e-5, msg=name)
