@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             swap_dirs=[swap], cpu_memory_bytes=8 * MiB, device_memory_bytes=args.device_memory,
             max_grad_norm=max_grad_norm, gradient_accumulation_steps=args.accum, collective_timeout_s=args.timeout,
             bucket_bytes=args.bucket_bytes,
+            defer_updates=False,  # one process speculates as the ranks do (deferral is one process's), same bytes
         )  # fmt: skip
         model, opt = nvoffload.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), config)
     ckpt_dir = args.ckpt
