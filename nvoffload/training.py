@@ -258,7 +258,8 @@ class OffloadSession:
     def settle(self) -> None:
         """What the model's forward pre-hook does before each forward (call it before a forward that does not
         go through the model's ``__call__``): the forward sees every update its previous backward queued
-        (normally ``step()`` already waited; the gradients an earlier micro-batch keeps go on being written
+        (normally ``step()`` already waited; updates deferred by ``step()`` are waited for block by block, as
+        each block is copied to the device; the gradients an earlier micro-batch keeps go on being written
         while the next one computes); after a backward that raised, its step is undone (the next one starts
         from the last ``step()``'s weights); parameters unfrozen since the last forward train from this one on."""
         opt = self.optimizer

@@ -33,10 +33,10 @@ from collections.abc import Callable
 import torch
 
 from nvoffload import trace
+from nvoffload.core.deferred import Deferred
 from nvoffload.optim._chunk_io import ChunkIO
 from nvoffload.optim._layout import Chunk, Slot
 from nvoffload.optim._updates import Request, Update
-from nvoffload.core.deferred import Deferred
 from nvoffload.transfer import WAIT_LIMIT_S, Future, ReadAhead, WriteBehind
 
 THREAD_NAME = "nvoffload-optimizer"

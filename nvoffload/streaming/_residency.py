@@ -209,9 +209,13 @@ class DeviceResidency:
 
     def updating(self, block: Block, done: Future) -> None:
         """The optimizer rewrites part of ``block``'s host copy until ``done`` (an update deferred past
-        ``step()``): a copy of the block to the device starts after it, and fails with its error."""
+        ``step()``): the block's next copy to the device waits for it, and fails with its error. The wait is
+        the training thread's, when the block is held (a block is not staged while its update runs), never the
+        transfer engine's dispatcher: the update may need that one for the host cache's write-backs."""
         with self._lock:
             self._updates.setdefault(block, []).append(done)
+            if block in self._ahead.waiting():
+                self.stage(None)  # staged before its update: copied again when held
 
     def settled(self) -> None:
         """No update given to :meth:`updating` is in flight any more (the optimizer landed them, or undid them)."""
@@ -259,6 +263,8 @@ class DeviceResidency:
         block is copied when it is held)."""
         if block in self._holds:
             return None, 0
+        if self.updated(block) is not None:
+            return None  # copied when held, once its update is done (or raising its failure)
         try:
             self.memory.allocate("device", block.nbytes, f"{block} (read ahead)", headroom_bytes=self._headroom_bytes)
         except MemoryBudgetError:
@@ -288,13 +294,16 @@ class DeviceResidency:
                 self._leave(block)
             raise
         try:
+            start = time.perf_counter()
             if not staged:
+                update = self.updated(block)
+                if update is not None:
+                    update.result()  # the optimizer's update of its weights (deferred past step())
                 self._bring(block)
             copy = self._copies.get(block)  # none when it stayed from its last hold
             if copy is not None:
-                start = time.perf_counter()
                 self.transfer.wait(copy)
-                self.io_wait_s += time.perf_counter() - start
+            self.io_wait_s += time.perf_counter() - start
         except BaseException:
             self._leave(block)
             raise
@@ -302,13 +311,10 @@ class DeviceResidency:
             _guard.unguard(p)
 
     def _bring(self, block: Block) -> None:
-        """Give the block's storage its bytes and start the copy from its host copy (after the store read and the
-        optimizer's updates of it, if any is running); the host copy stays pinned until the copy is done."""
+        """Give the block's storage its bytes and start the copy from its host copy (after the store read, if one
+        is running); the host copy stays pinned until the copy is done."""
         block.params[0].untyped_storage().resize_(block.nbytes)
         host, loading = self.cache.pin_loading(block)
-        update = self.updated(block)
-        if update is not None:
-            loading = update if loading is None else Future.all_of([loading, update], what=update.what)
         dst, what = _flat(block), f"the weights of {block}"
         try:
             if loading is None:
