@@ -344,6 +344,10 @@ def test_recipe_options_are_checked_at_the_boundary(tmp_path):
     for bad in (-1.0, True, math.inf):
         with pytest.raises(ValueError, match="max_grad_norm"):
             nvoffload.OffloadConfig(swap_dirs=[tmp_path], max_grad_norm=bad)
+    with pytest.raises(ValueError, match="defer_updates must be True, False or None"):
+        nvoffload.OffloadConfig(swap_dirs=[tmp_path], defer_updates=1)
+    with pytest.raises(ValueError, match="defer_updates is for release_grads"):
+        nvoffload.optim.OffloadOptimizerConfig(defer_updates=True)
     with pytest.raises(ValueError, match="growth_interval"):
         nvoffload.LossScaling(growth_interval=0)
     with pytest.raises(TypeError, match="LossScaling"):

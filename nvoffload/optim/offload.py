@@ -254,7 +254,7 @@ class OffloadOptimizerConfig:
                 "delayed_update is for parameters that stay on the device; with release_grads (parameter"
                 " streaming) the new weights would need a second copy of every block in the host cache"
             )
-        if self.defer_updates not in (None, True, False):
+        if self.defer_updates is not None and not isinstance(self.defer_updates, bool):
             raise ValueError(f"defer_updates must be True, False or None, got {self.defer_updates!r}")
         if self.defer_updates and not self.release_grads:
             raise ValueError("defer_updates is for release_grads: otherwise the gradients wait in .grad for step()")
@@ -278,7 +278,8 @@ class OffloadOptimizerConfig:
 
     @property
     def keeps_grads(self) -> bool:
-        """Whether gradients are kept in the store: summed over micro-batches, or for a clipped redo."""
+        """Whether gradients are kept in the store: summed over micro-batches, for a clipped redo, or for
+        updates deferred to ``step()``."""
         return self.release_grads and (
             self.gradient_accumulation_steps > 1 or self.max_grad_norm is not None or bool(self.defer_updates)
         )
