@@ -551,9 +551,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._hook_if_trained(rec)
 
     def set_weight_home(self, home: WeightHome | None) -> None:
-        """Read and write the weights of the parameters ``home`` holds through it (parameter streaming)."""
+        """Read and write the weights of the parameters ``home`` holds through it (parameter streaming); updates in
+        flight land first, in the home they write."""
         self._check_open()
         self._pipeline.wait_idle()
+        self._protocol.land()
         self._io.weight_home = home
 
     # ------------------------------------------------------------------ step
