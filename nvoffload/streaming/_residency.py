@@ -232,6 +232,12 @@ class DeviceResidency:
             self._updates[block] = pending
             return pending[0] if len(pending) == 1 else Future.all_of(pending, what=f"the updates of {block}")
 
+    def wait_updated(self, block: Block) -> None:
+        """Wait for the optimizer's updates of ``block``'s host copy in flight (raise their error)."""
+        update = self.updated(block)
+        if update is not None:
+            update.result()
+
     def holds(self, block: Block, why: str) -> int:
         with self._lock:
             return self._holds[block][why] if block in self._holds else 0
@@ -296,9 +302,7 @@ class DeviceResidency:
         try:
             start = time.perf_counter()
             if not staged:
-                update = self.updated(block)
-                if update is not None:
-                    update.result()  # the optimizer's update of its weights (deferred past step())
+                self.wait_updated(block)  # the optimizer's update of its weights (deferred past step())
                 self._bring(block)
             copy = self._copies.get(block)  # none when it stayed from its last hold
             if copy is not None:

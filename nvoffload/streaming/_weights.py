@@ -64,7 +64,7 @@ class StreamedWeights:
     def held(self, param: torch.Tensor):
         """A streamed parameter's current weights in host memory, shaped like it, while its block stays cached."""
         block, j = self._where[param]
-        self._wait_updated(block)
+        self._residency.wait_updated(block)
         with self._cache.pinned(block) as host:
             yield block.view(host, j)
 
@@ -94,15 +94,9 @@ class StreamedWeights:
             return
         self._residency.stage(None)
         block, j = self._where[tensor]
-        self._wait_updated(block)
+        self._residency.wait_updated(block)
         with self._cache.pinned(block, modified=True) as host:
             yield block.view(host, j)
-
-    def _wait_updated(self, block: Block) -> None:
-        """Wait for the optimizer's updates of ``block`` deferred past ``step()`` (raise their error)."""
-        update = self._residency.updated(block)
-        if update is not None:
-            update.result()
 
     def save_checkpoint(self, path, metadata: dict[str, str] | None) -> None:
         """The model's state, as ``state_dict()`` names it, to a safetensors file, one tensor in memory at a time."""
