@@ -21,7 +21,8 @@ keeping the gradients costs when the speculative updates stand); ``accum4``
 over the 4 while on the device). Clipping's two ways (``defer_updates``): ``clip+vertical4``
 takes the rule (speculate, defer the step after one that clipped); ``-speculative`` and
 ``-deferred`` force one, with clipping that bites (``clip+vertical4-...``) and that never
-does (``unbitten+vertical4-...``).
+does (``unbitten+vertical4-...``). ``plain-delayed`` and ``vertical4-delayed`` take the delayed update (not exact
+AdamW: each step's updates run during the next step, which trains on the weights of before them).
 
     python bench/bench_streaming.py [--quick] [--preset gpt2-1.3b] [--cpu-memory-gib 4] [--device-memory-gib 2]
         [--recipe plain --recipe clip+accum ...] [--trace]
@@ -59,20 +60,22 @@ from nvoffload.planner.calibrate import store_bandwidth  # noqa: E402
 from nvoffload.trace import Trace  # noqa: E402
 
 GiB = 1 << 30
-# name: (max_grad_norm, gradient_accumulation_steps, by the vertical schedule, defer_updates)
+# name: (max_grad_norm, gradient_accumulation_steps, by the vertical schedule, defer_updates, delayed_update)
 RECIPES = {
-    "plain": (None, 1, False, None),
-    "clip": (1.0, 1, False, None),
-    "accum": (None, 2, False, None),
-    "clip+accum": (1.0, 2, False, None),
-    "accum+clip-unbitten": (1e9, 2, False, None),
-    "accum4": (None, 4, False, None),
-    "vertical4": (None, 4, True, None),
-    "clip+vertical4": (1.0, 4, True, None),
-    "clip+vertical4-speculative": (1.0, 4, True, False),
-    "clip+vertical4-deferred": (1.0, 4, True, True),
-    "unbitten+vertical4-speculative": (1e9, 4, True, False),
-    "unbitten+vertical4-deferred": (1e9, 4, True, True),
+    "plain": (None, 1, False, None, False),
+    "clip": (1.0, 1, False, None, False),
+    "accum": (None, 2, False, None, False),
+    "clip+accum": (1.0, 2, False, None, False),
+    "accum+clip-unbitten": (1e9, 2, False, None, False),
+    "accum4": (None, 4, False, None, False),
+    "vertical4": (None, 4, True, None, False),
+    "clip+vertical4": (1.0, 4, True, None, False),
+    "clip+vertical4-speculative": (1.0, 4, True, False, False),
+    "clip+vertical4-deferred": (1.0, 4, True, True, False),
+    "unbitten+vertical4-speculative": (1e9, 4, True, False, False),
+    "unbitten+vertical4-deferred": (1e9, 4, True, True, False),
+    "plain-delayed": (None, 1, False, None, True),
+    "vertical4-delayed": (None, 4, True, None, True),
 }
 
 
@@ -107,7 +110,7 @@ def parse_args(argv):
 def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple[list[dict], float, Trace | None]:
     """Train ``args.steps`` steps with ``recipe`` on a fresh model built on the meta device; rows, init time, and
     with ``traced`` the trace of the last step."""
-    max_grad_norm, accum, vertical, defer = RECIPES[recipe]
+    max_grad_norm, accum, vertical, defer, delayed = RECIPES[recipe]
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(cfg)
@@ -121,7 +124,7 @@ def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple
                 swap_dirs=[swap], cpu_memory_bytes=int(args.cpu_memory_gib * GiB),
                 device_memory_bytes=int(args.device_memory_gib * GiB), retain_host_memory=args.retain_host_memory,
                 max_grad_norm=max_grad_norm, gradient_accumulation_steps=accum, device=args.device,
-                defer_updates=defer,
+                defer_updates=defer, delayed_update=delayed,
             ),
             param_init_fn=model.init_weights,
         )  # fmt: skip

@@ -119,7 +119,7 @@ def _run_options(p: argparse.ArgumentParser, *, plan: bool) -> None:
     p.add_argument("--optimizer-state", dest="state_precision", default=d.state_precision, choices=STATE_PRECISIONS, help="how AdamW's state is kept: fp32 (exact, 12 bytes a parameter), bf16-moments (bf16 moments beside the fp32 master, 8 bytes), bf16 (with --dtype bfloat16 also no fp32 master: weights updated by stochastic rounding, 4 bytes); the compact forms are not exact AdamW (default %(default)s)")
     if not plan:
         p.add_argument("--delayed-update-after", type=int, default=d.delayed_update_after, metavar="N", help="with --delayed-update, the steps that update exactly first (default %(default)s)")
-    p.add_argument("--delayed-update", action="store_true", help="run each step's optimizer updates during the next step's forward and backward (weights one step behind, as PipeDream-2BW and ZeRO-Offload's delayed update; not exact AdamW; the model stays on the device, with a second copy of its weights: not with --stream)")
+    p.add_argument("--delayed-update", action="store_true", help="run each step's optimizer updates during the next step's forward and backward (weights one step behind, as PipeDream-2BW and ZeRO-Offload's delayed update; not exact AdamW; a second copy of the trained weights holds the new ones: on the device, or with --stream a twin of each block in host memory and on NVMe)")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="parameter dtype on the device (fp32 master weights on NVMe; float16 with dynamic loss scaling; default %(default)s)")
     p.add_argument("--device", default=d.device, help="cpu or cuda (default %(default)s)" + ("; plan: the profile's device counts" if plan else ""))
     if plan:

@@ -265,16 +265,18 @@ class MemoryManager:
         return tier
 
 
-def resident_state_share(stream_host_bytes: int, block_bytes: list[int], prefetch_blocks: int) -> int:
+def resident_state_share(stream_host_bytes: int, block_bytes: list[int], prefetch_blocks: int, *,
+                         delayed_update: bool = False) -> int:  # fmt: skip
     """Host bytes for resident optimizer state out of ``stream_host_bytes``, the budget left for parameter
     blocks of ``block_bytes`` each: what remains once every block is cached (at least ``2 + prefetch_blocks``
-    of the largest, what streaming needs), in whole 4 KiB pages; 0 when the blocks do not all fit.
+    of the largest, what streaming needs), in whole 4 KiB pages; 0 when the blocks do not all fit. With
+    ``delayed_update`` every block is cached beside its twin (its new weights), and streaming needs two more.
 
     The weights' cache comes first whatever bounds the step: a byte of it saves a block's two reads a
     micro-batch (2 NVMe bytes a step or more) and, once every block is cached, the write-back of the changed
     weights; a byte of resident state saves half a byte read and half a byte written (its two generations,
     24 bytes a parameter, save the 12 read and 12 written). On NVMe reads, writes, their checksums and their
     sum alike the cache saves at least as much, so resident state takes only what the cache cannot use."""
-    pages = [-(-b // 4096) * 4096 for b in block_bytes]
-    cache = max(sum(pages), (2 + prefetch_blocks) * max(pages, default=0))
+    pages = [-(-b // 4096) * 4096 for b in block_bytes] * (2 if delayed_update else 1)
+    cache = max(sum(pages), (2 + prefetch_blocks + (2 if delayed_update else 0)) * max(pages, default=0))
     return max(0, stream_host_bytes - cache) // 4096 * 4096

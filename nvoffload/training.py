@@ -122,6 +122,14 @@ class OffloadConfig:
             forward (True), or by the rule (None, the default: deferred after a
             step whose clipping bit); see
             :class:`~nvoffload.optim.OffloadOptimizerConfig`. Exact either way.
+        delayed_update: each step's updates run during the next step's forward
+            and backward, which read the weights of before them (PipeDream-2BW's
+            and ZeRO-Offload's delayed update; opt-in, not exact AdamW: the
+            weights are AdamW's applied one step late). Each streamed block's new
+            weights wait in a twin of it (host cache, then store) until the next
+            ``step()``; see :class:`~nvoffload.optim.OffloadOptimizerConfig`.
+        delayed_update_after: with ``delayed_update``, the steps that update
+            exactly first.
         gradient_accumulation_steps: backward passes per ``optimizer.step()``;
             their gradients are summed in fp32 in the store (4 bytes per
             parameter written per micro-batch, and read from the second).
@@ -163,6 +171,8 @@ class OffloadConfig:
     collective_timeout_s: float = DEFAULT_TIMEOUT_S
     state_precision: str = "fp32"
     defer_updates: bool | None = None
+    delayed_update: bool = False
+    delayed_update_after: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "swap_dirs", tuple(swap_directories(self.swap_dirs)))
@@ -189,6 +199,7 @@ class OffloadConfig:
             gradient_accumulation_steps=self.gradient_accumulation_steps, loss_scaling=self.loss_scaling,
             bucket_bytes=self.bucket_bytes, collective_timeout_s=self.collective_timeout_s,
             state_precision=self.state_precision, defer_updates=self.defer_updates,
+            delayed_update=self.delayed_update, delayed_update_after=self.delayed_update_after,
         )  # fmt: skip
 
     @property
@@ -374,7 +385,8 @@ def _resident_state_bytes(model: nn.Module, blocks: list[nn.Module], config: Off
     caching every block (:func:`~nvoffload.memory.resident_state_share`, the planner's rule)."""
     pages = [-(-n // ALIGNMENT_BYTES) * ALIGNMENT_BYTES for n in (optimizer_bytes, config.activation_bytes)]
     stream_host = host_left_bytes - sum(pages)
-    return resident_state_share(stream_host, [b.nbytes for b in partition(model, blocks)[0]], config.prefetch_blocks)
+    return resident_state_share(stream_host, [b.nbytes for b in partition(model, blocks)[0]], config.prefetch_blocks,
+                                delayed_update=config.delayed_update)
 
 
 def _pages(nbytes: int) -> int:
@@ -488,6 +500,7 @@ def initialize(
         streamer = ParameterStreamer(
             model, store, memory, device=device, blocks=blocks, prefetch_blocks=config.prefetch_blocks,
             param_init_fn=param_init_fn, checkpoint=checkpoint, transfer=streamer_transfer,
+            delayed_update=config.delayed_update,
         )  # fmt: skip
         for group in optimizer.param_groups:  # parameters built on the meta device were replaced
             group["params"] = [streamer.replaced.get(p, p) for p in group["params"]]

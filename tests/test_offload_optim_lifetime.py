@@ -146,11 +146,11 @@ class StuckHome:
     def holds(self, param):
         return True
 
-    def acquire(self, param):
+    def acquire(self, param, *, staged=False):
         self.free.wait()
         return param.detach().view(-1)
 
-    def release(self, param, *, modified):
+    def release(self, param, *, modified, staged=False):
         pass
 
 

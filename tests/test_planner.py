@@ -33,7 +33,7 @@ from nvoffload.planner.profile import Drive
 def _all_of_the_state_on_nvme(monkeypatch):
     """These tests pin the other terms with the whole optimizer state on NVMe (12 bytes a parameter each way):
     no host budget keeps any of it resident. tests/test_resident_state.py checks the resident share."""
-    monkeypatch.setattr(cost, "resident_state_share", lambda *args: 0)
+    monkeypatch.setattr(cost, "resident_state_share", lambda *args, **kwargs: 0)
 
 
 @pytest.fixture(scope="module")
@@ -331,6 +331,8 @@ def test_plan_takes_a_finetune_command_line_as_it_is(tmp_path, capsys):
                           activations="offload", max_grad_norm=True, state_precision="bf16")  # fmt: skip
     want = plan(request, BUILTIN_PROFILES[profile])
     options = got.pop("state_precision_options")
+    delayed = got.pop("delayed_update_option")  # streamed too: each block's twin holds its new weights
+    assert delayed["step_s"] == delayed_update_option(want, BUILTIN_PROFILES[profile]).step_s
     assert got == want.to_dict()
     assert options.keys() == {"fp32", "bf16-moments"}
     for precision, other in state_precision_options(want, BUILTIN_PROFILES[profile]).items():
@@ -679,8 +681,7 @@ def test_compact_state_moves_its_bytes_and_lifts_a_drive_bound_step(precision, d
 
 def test_the_delayed_update_takes_the_optimizer_off_the_step_and_keeps_the_model_on_the_device():
     """Drive-bound with the model on the device: the state's traffic, which ran beside backward and then as a tail,
-    now runs beside the whole step; the device holds a second copy of the weights; a streamed plan has no such
-    option, and a streamed request with it does not fit."""
+    now runs beside the whole step; the device holds a second copy of the weights."""
     profile = BUILTIN_PROFILES["h100-sxm-512g-4xgen4"]
     request = PlanRequest(ModelShape.named("llama3-8b"), batch_size=4, seq_len=2048, dtype="bfloat16",
                           cpu_memory_bytes=64 << 30, device_memory_bytes=78 << 30, swap_dirs=1, activations="recompute")  # fmt: skip
@@ -698,9 +699,32 @@ def test_the_delayed_update_takes_the_optimizer_off_the_step_and_keeps_the_model
     assert delayed.step_s == pytest.approx(overlapped_s(busy, e["nvme"], profile.compute_with_io, profile.io_with_compute))
     assert delayed_update_option(delayed, profile).step_s == exact.step_s
     assert plan(dataclasses.replace(request, delayed_update=True), profile).step_s == delayed.step_s
-    streamed = plan(dataclasses.replace(request, stream=True), profile)
-    assert delayed_update_option(streamed, profile) is None
-    refused = plan(dataclasses.replace(request, stream=True, delayed_update=True), profile)
-    assert not refused.fits and any("not with streaming" in reason for reason in refused.reasons)
     with pytest.raises(ValueError, match="delayed_update must be a bool"):
         PlanRequest(ModelShape.named("llama3-8b"), batch_size=1, seq_len=16, delayed_update="yes")
+
+
+def test_the_delayed_update_of_a_streamed_model_keeps_its_gradients_and_twins_its_blocks():
+    """Streamed: each gradient is kept in the store for the next step's update (4 bytes a parameter written and read),
+    the host cache holds each block beside its twin (half the blocks, each evicted one read once more to start its
+    twin), the parameters outside the blocks are twice on the device, and the step is the whole step beside the
+    drives. Over several ranks there is no such option."""
+    profile = BUILTIN_PROFILES["h100-sxm-512g-4xgen4"]
+    shape = ModelShape.named("llama2-70b")
+    request = PlanRequest(shape, batch_size=8, seq_len=2048, dtype="bfloat16", cpu_memory_bytes=128 << 30,
+                          device_memory_bytes=78 << 30, swap_dirs=4, stream=True, activations="recompute")  # fmt: skip
+    exact = plan(request, profile)
+    delayed = delayed_update_option(exact, profile)
+    assert exact.fits and delayed.fits and delayed.stream and delayed.request.delayed_update
+    assert 0 < delayed.cached_blocks == exact.cached_blocks // 2 < exact.cached_blocks < shape.n_layer
+    block = shape.block_params * 2
+    evicted_exact, evicted = shape.n_layer - exact.cached_blocks, shape.n_layer - delayed.cached_blocks
+    assert delayed.nvme_written_bytes - exact.nvme_written_bytes == 4 * shape.params
+    assert delayed.nvme_read_bytes - exact.nvme_read_bytes == 4 * shape.params + (3 * evicted - 2 * evicted_exact) * block
+    assert delayed.memory_bytes["device"] - exact.memory_bytes["device"] == shape.resident_params * 2
+    assert "twin" in delayed.placement["parameters"] and "kept in the store" in delayed.placement["gradients"]
+    e = delayed.engine_s
+    busy = max(e["compute"], e["cpu adam"] + e["checksums"], e["copies"])
+    assert delayed.step_s == pytest.approx(overlapped_s(busy, e["nvme"], profile.compute_with_io, profile.io_with_compute))
+    assert delayed_update_option(delayed, profile).step_s == exact.step_s
+    over_ranks = plan(dataclasses.replace(request, ranks=2, batch_size=8), profile)
+    assert delayed_update_option(over_ranks, profile) is None

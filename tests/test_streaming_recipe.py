@@ -237,8 +237,6 @@ def test_a_deferred_step_costs_the_kept_gradient_and_its_block_waits_for_its_upd
         cfg, _, model = pair()
         (tmp_path / str(defer)).mkdir()
         model, opt = streamed(tmp_path / str(defer), model, defer_updates=defer)
-        index = {id(p): i for i, p in enumerate(model.parameters())}
-        block_of = {index[id(p)]: b for b, blk in enumerate(model.blocks) for p in blk.parameters()}
         try:
             for step in range(4):
                 if step == 2:  # count steps 2 and 3, their updates landed
@@ -262,14 +260,7 @@ def test_a_deferred_step_costs_the_kept_gradient_and_its_block_waits_for_its_upd
         finally:
             opt.close()
         if defer:  # the updates of step 2 ran beside step 3's forward, each block's before that block
-            updated, began = {}, {}
-            for track, name, start, end, _ in recorded.spans():
-                if track == "adam" and int(name.split()[1]) in block_of:
-                    b = block_of[int(name.split()[1])]
-                    updated[b] = max(updated.get(b, 0.0), end)
-                elif track == "compute" and name.startswith("forward "):
-                    began[int(name.split()[1])] = start
-            assert set(updated) == set(began) == set(range(cfg.n_layer))
+            updated, began = updates_and_forwards(recorded, model)
             assert all(updated[b] <= began[b] for b in began)
     kept = 4 * sum(p.numel() for p in model.parameters())
     assert per_step[True] == (per_step[False][0] + kept, per_step[False][1] + kept)
@@ -310,13 +301,39 @@ def test_an_io_error_of_a_deferred_update_is_raised_where_it_is_needed_and_train
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.item())
-            opt.synchronize()
-            runs[name] = losses, {k: v.clone() for k, v in model.state_dict().items()}
+            runs[name] = outcome(model, opt, losses)
         finally:
             opt.close()
-    assert runs["faulty"][0] == runs["skipped"][0]
-    for k, v in runs["skipped"][1].items():
-        assert torch.equal(runs["faulty"][1][k], v), k
+    assert_same_runs(runs["faulty"], runs["skipped"])
+
+
+def updates_and_forwards(recorded, model):
+    """From a trace of a step: when the last update of each block's parameters ended, and when each block's forward
+    began (every block has both)."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    block_of = {index[id(p)]: b for b, blk in enumerate(model.blocks) for p in blk.parameters()}
+    updated, began = {}, {}
+    for track, name, start, end, _ in recorded.spans():
+        if track == "adam" and int(name.split()[1]) in block_of:
+            b = block_of[int(name.split()[1])]
+            updated[b] = max(updated.get(b, 0.0), end)
+        elif track == "compute" and name.startswith("forward "):
+            began[int(name.split()[1])] = start
+    assert set(updated) == set(began) == set(range(len(model.blocks)))
+    return updated, began
+
+
+def outcome(model, opt, losses):
+    """A run's losses and its weights once every update landed."""
+    opt.synchronize()
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_runs(run, ref):
+    """Two :func:`outcome` results equal bit for bit."""
+    assert run[0] == ref[0]
+    for k, v in ref[1].items():
+        assert torch.equal(run[1][k], v), k
 
 
 def slowly(update, *args):

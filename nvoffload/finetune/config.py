@@ -52,7 +52,8 @@ class FinetuneConfig:
             4 bytes a parameter); see :class:`~nvoffload.optim.OffloadOptimizerConfig`.
         delayed_update: each step's updates run during the next step's forward and backward (the weights one
             step behind, as PipeDream-2BW's and ZeRO-Offload's delayed update; not exact AdamW; see
-            :class:`~nvoffload.optim.OffloadOptimizerConfig`); not with ``stream``.
+            :class:`~nvoffload.optim.OffloadOptimizerConfig`). With ``stream``, each block's new weights wait
+            in a twin of it in the host cache (and the store) until the next step.
         delayed_update_after: with ``delayed_update``, the steps that update exactly first.
         swap_dir: directory on NVMe; None: :func:`default_swap_root`, reused run
             after run so that what a killed run left there is cleaned up (a fresh
@@ -208,11 +209,6 @@ class FinetuneConfig:
             raise ValueError("state_precision bf16 updates bfloat16 weights; float16 needs an fp32 master (bf16-moments)")
         # the optimizer's own checks of its fields, at this boundary
         OffloadOptimizerConfig(delayed_update=self.delayed_update, delayed_update_after=self.delayed_update_after)
-        if self.delayed_update and self.stream:
-            raise ValueError(
-                "delayed_update keeps the parameters on the device (a second copy holds the new weights): not with"
-                " parameter streaming, whose blocks the updates write in the host cache"
-            )
         if self.model_dir is not None:
             if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
                 raise ValueError(f"model_dir: {self.model_dir} is not a Hugging Face model directory (no config.json)")

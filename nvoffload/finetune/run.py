@@ -254,6 +254,7 @@ def _build(config: FinetuneConfig, swap_dir: str, hf: _HFModel | None) -> tuple[
         max_grad_norm=config.max_grad_norm,
         gradient_accumulation_steps=config.grad_accum_steps, state_precision=config.state_precision,
         loss_scaling=LossScaling() if dtype == torch.float16 else None,
+        delayed_update=config.delayed_update, delayed_update_after=config.delayed_update_after,
     )  # fmt: skip
     start = config.model_dir if hf is not None else config.init_from
     if start is None:

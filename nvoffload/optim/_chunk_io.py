@@ -19,8 +19,9 @@ thread that queued the request when the gradient was final.
 Delayed updates (``delayed_update``): the worker writes an update's new weights into a second copy of the
 parameter on its device (:meth:`ChunkIO.stage`, made on the training thread when the update is
 queued) instead of the parameter, which the next forward and backward still read; ``step()`` copies them in
-(:meth:`ChunkIO.install_staged`) once the updates are done. PipeDream-2BW keeps its two weight versions the
-same way.
+(:meth:`ChunkIO.install_staged`) once the updates are done. A :class:`WeightHome`'s parameters (streamed
+blocks) get theirs from the home (``acquire(staged=True)``), which makes them the weights at ``install_staged``.
+PipeDream-2BW keeps its two weight versions the same way.
 
 Resident state: the chunks that :class:`ResidentState` gave a home (host
 memory, two buffers: generation ``g`` in ``Chunk.home[g % 2]``) are read and
@@ -52,9 +53,24 @@ class WeightHome(Protocol):
 
     def holds(self, param: torch.Tensor) -> bool: ...
 
-    def acquire(self, param: torch.Tensor) -> torch.Tensor: ...
+    def acquire(self, param: torch.Tensor, *, staged: bool = False) -> torch.Tensor:
+        """The parameter's weights (``staged``: the next weights a delayed update writes, which forward and backward
+        do not read until :meth:`install_staged`)."""
+        ...
 
-    def release(self, param: torch.Tensor, *, modified: bool) -> None: ...
+    def release(self, param: torch.Tensor, *, modified: bool, staged: bool = False) -> None: ...
+
+    def staging(self, param: torch.Tensor) -> None:
+        """A delayed update will write the parameter's staged weights (``acquire(staged=True)``)."""
+        ...
+
+    def install_staged(self) -> None:
+        """The delayed updates landed: the staged weights become the parameters' weights."""
+        ...
+
+    def drop_staged(self) -> None:
+        """The delayed updates were undone: forget the staged weights."""
+        ...
 
     def updating(self, param: torch.Tensor, done: Future) -> None:
         """An update deferred past ``step()`` rewrites the parameter's weights until ``done``: uses of them wait."""
@@ -164,11 +180,12 @@ class ChunkIO:
             staged = self.staged[rec.index] if update and self.staged is not None else None
             yield ModelWeights(rec.param.detach().view(-1), False, self.transfer, staged)
             return
-        flat = home.acquire(rec.param)
+        staged = update and self.staged is not None
+        flat = home.acquire(rec.param, staged=staged)  # staged: a copy of the weights, which the update rewrites
         try:
-            yield ModelWeights(flat, True, self.transfer)
+            yield ModelWeights(flat, True, self.transfer, flat if staged else None)
         finally:
-            home.release(rec.param, modified=modify)
+            home.release(rec.param, modified=modify, staged=staged)
 
     def stage(self, records: list[Record]) -> None:
         """Delayed updates: give each of ``records`` the device copy its updates write to (once; on the

@@ -63,8 +63,8 @@ backward, and the norm for clipping is summed over the ranks. The ranks agree on
 error before committing, and after the commit every rank receives the owners'
 new weights.
 
-Delayed updates (``delayed``, held gradients only: PipeDream-2BW's and
-ZeRO-Offload's one-step-late update): nothing is speculative. The hooks only
+Delayed updates (``delayed``: PipeDream-2BW's and ZeRO-Offload's one-step-late
+update): nothing is speculative. The hooks only
 observe; ``step()`` first lands the updates the previous ``step()`` queued
 (:meth:`StepProtocol.land`: waits for them, commits them, copies their staged
 weights into the parameters), then clips, unscales or skips this step's
@@ -74,7 +74,15 @@ run during the next forward and backward, which still see the weights from
 before them, and write the new weights to a staged copy; the next ``step()``
 (or ``synchronize()``, a state dict, a checkpoint, ``close()``) lands them. So
 the weights of step ``t + 1`` are those of torch's AdamW applied with the
-gradients up to step ``t - 1``: each update lands one step late.
+gradients up to step ``t - 1``: each update lands one step late. With released
+gradients the hooks keep every gradient, as when deferring, and ``step()``
+queues the updates from them (clipped and unscaled with the norm known); a
+streamed parameter's new weights go to its block's twin in the weight home
+(``acquire(staged=True)``), which the next forward and backward do not read,
+and landing makes the twins the blocks (``install_staged``). The updates run
+in the worker's order ahead of the next backward's kept gradients, so each is
+read before the next step's overwrites it. An error drops them
+(``drop_staged``) and the gradients kept since: the next ``step()`` raises it.
 """
 
 from __future__ import annotations
@@ -156,7 +164,7 @@ class StepProtocol:
         accumulation_steps: with ``release_grads``, backward passes per ``step()``.
         loss_scale: with ``release_grads``, the dynamic fp16 loss scale (None: no scaling).
         sharding: this rank's share and the collectives, over several ranks (None: one process).
-        delayed: land each step's updates at the next ``step()`` (see the module docs; held gradients, one process).
+        delayed: land each step's updates at the next ``step()`` (see the module docs; one process).
         delayed_after: with ``delayed``, the optimizer steps (the parameters' ``step`` count, which state dicts
             keep) that update in ``step()`` first, before the updates are delayed.
         defer: with released gradients on one process, queue each step's updates in ``step()`` and land them
@@ -186,8 +194,10 @@ class StepProtocol:
         self._delayed = delayed
         self._delayed_after = delayed_after
         self._in_flight: dict[Record, None] = {}  # delayed or deferred: the records whose updates step() queued, in order
+        self._late = False  # the updates in flight are delayed ones (they land at the next step(), not in backward)
         self._defer_rule = defer if release_grads and sharding is None else False
-        self.defer = bool(self._defer_rule)  # this step's updates wait for step() (the hooks keep the gradients)
+        # this step's updates wait for step() (the hooks keep the gradients): deferred, or delayed
+        self.defer = bool(self._defer_rule) or (release_grads and self._delays())
         self.clipped = False  # released gradients: the last step's clipping coefficient was below 1
         self._can_speculate = overlap and not delayed and (max_grad_norm is None or release_grads)
         self.speculate = self._can_speculate  # the hooks queue updates (else they only observe)
@@ -227,7 +237,7 @@ class StepProtocol:
     def _on_released_grad(self, rec: Record) -> None:
         """Keep the gradient of a micro-batch before the step's last; queue the update on the last (when
         deferring, keep that one too)."""
-        if self._in_flight:  # the last step's deferred updates wrote their weights (the forward waited): land them
+        if self._in_flight and not self._late:  # the last step's deferred updates wrote their weights (the forward waited): land them
             try:
                 self.land()
             except BaseException:
@@ -327,7 +337,7 @@ class StepProtocol:
             self.land()
             self._refuse_unsound(records, found_inf, grad_scale)
             if self._release_grads and self.defer:
-                self._finish_deferred(records)
+                self._finish_deferred(records, late=self._delays())
             elif self._release_grads:
                 self._finish_released(records)
             else:
@@ -345,7 +355,7 @@ class StepProtocol:
                 self._averaging.expect([r.index for r in self._records if r.learned_fires])
         self._order_learned = True
         if self._release_grads:  # the next step's mode
-            self.defer = self.clipped if self._defer_rule is None else self._defer_rule
+            self.defer = self._delays() or (self.clipped if self._defer_rule is None else self._defer_rule)
         pipe.set_plan(self.plan())
 
     def _finish_held(self, records: list[Record], found_inf, grad_scale) -> None:
@@ -366,8 +376,7 @@ class StepProtocol:
                 unscale = 1.0
             if with_grad:
                 torch.nn.utils.clip_grad_norm_(with_grad, self._max_grad_norm)
-        if self._delayed and max((r.step for r in self._records), default=0) >= self._delayed_after:
-            # they run during the next forward and backward; the next step() lands them
+        if self._delays():  # they run during the next forward and backward; the next step() lands them
             self._io.stage([r for r in records if r.param.grad is not None])
             try:
                 self._redo_changed(records, unscale)
@@ -375,7 +384,7 @@ class StepProtocol:
                 self._pipeline.wait_idle()
                 self._restore_all(records)
                 raise
-            self._in_flight = dict.fromkeys(r for r in records if r in self._stepped)
+            self._in_flight, self._late = dict.fromkeys(r for r in records if r in self._stepped), True
             return
         clean = self._redo_changed(records, unscale)
         self._pipeline.wait_idle()
@@ -416,25 +425,40 @@ class StepProtocol:
 
         self.sharding.gather_weights([(r.index, r.param) for r in trained], weights)
 
+    def _delays(self) -> bool:
+        """Whether this step's updates are delayed (``delayed``, after the ``delayed_after`` exact steps)."""
+        return self._delayed and max((r.step for r in self._records), default=0) >= self._delayed_after
+
     def land(self) -> None:
-        """Delayed updates: wait for the updates the last ``step()`` queued, commit them and copy their new
-        weights into the parameters. On an error they are dropped and it is raised: the parameters and the
-        committed state stay those from before them."""
+        """Delayed or deferred updates: wait for the updates the last ``step()`` queued, commit them and (delayed)
+        make their new weights the parameters'. On an error they are dropped and it is raised: the parameters
+        and the committed state stay those from before them."""
         flight, self._in_flight = list(self._in_flight), {}
         if not flight:
             return
         self._pipeline.wait_idle()
-        home = self._io.weight_home
+        home = self._io.weight_home if self._release_grads else None
         try:
             self._raise_error(flight)
+        except BaseException:
+            if home is not None and self._late:
+                home.drop_staged()
+            raise
         finally:
-            if home is not None and self._release_grads:
+            if home is not None:
                 home.settled()  # landed, or restored by the error
         self._commit(flight, set(flight))
+        if self._late:
+            self._io.install_staged([r for r in flight if r.chunks and (home is None or not home.holds(r.param))])
+            if home is not None:
+                home.install_staged()
         if self._release_grads:
             self._pipeline.set_plan(self.plan())  # its chunks' state is committed: read on ahead for the next step
-        else:
-            self._io.install_staged([r for r in flight if r.chunks])
+
+    def after_load(self) -> None:
+        """A state dict was loaded (the parameters' ``step`` may have changed): whether the next step is delayed."""
+        if self._release_grads and not self.step_in_progress:
+            self.defer = self._delays() or (self.clipped if self._defer_rule is None else bool(self._defer_rule))
 
     def before_accumulate(self, rec: Record) -> None:
         """Delayed updates: backward is about to add into ``rec``'s gradient (not zeroed to None since the last
@@ -456,9 +480,9 @@ class StepProtocol:
         if self._averaging is not None:
             self._averaging.expect([r.index for r in self._records if r.learned_fires])
 
-    def _finish_deferred(self, records: list[Record]) -> None:
-        """``finish`` of a deferred step: every gradient is kept and measured; queue the updates with the norm
-        and the loss scale known (see the module docs)."""
+    def _finish_deferred(self, records: list[Record], *, late: bool) -> None:
+        """``finish`` of a deferred step (``late``: a delayed one): every gradient is kept and measured; queue the
+        updates with the norm and the loss scale known (see the module docs)."""
         pipe = self._pipeline
         self._raise_error(records)  # a kept gradient's write failed: nothing was updated
         coef = self._clipping_coefficient()
@@ -471,14 +495,20 @@ class StepProtocol:
         updated = [r for r in records if r.fires]
         streamed = [r for r in reversed(updated) if home is not None and home.holds(r.param)]  # in forward order
         resident = [r for r in updated if home is None or not home.holds(r.param)]
-        for rec in resident:  # the device's weights: in step()
+        if late:  # the device's weights too: into a staged copy, the next step() installs it
+            self._io.stage(resident)
+        for rec in resident:  # deferred: the device's weights in step()
             self._submit_kept(rec, scale)
-        pipe.wait_idle()
-        self._raise_error(resident)
+        if not late:
+            pipe.wait_idle()
+            self._raise_error(resident)
         for rec in streamed:
+            if late:
+                home.staging(rec.param)
             self._submit_kept(rec, scale)
-            home.updating(rec.param, _explained(pipe.mark(f"the deferred update of {rec.name}"), rec.name))
-        self._in_flight = dict.fromkeys(resident + streamed)
+            if not late:  # the next forward waits for the block's update; a delayed one reads the old weights
+                home.updating(rec.param, _explained(pipe.mark(f"the deferred update of {rec.name}"), rec.name))
+        self._in_flight, self._late = dict.fromkeys(resident + streamed), late
 
     def _clipping_coefficient(self) -> float | None:
         """The released gradients' norm measured, what clipping multiplies them by (1.0 without clipping, and

@@ -189,10 +189,13 @@ class OffloadOptimizerConfig:
             optimizer and its NVMe traffic are off the step's critical path. The weights a step trains on are
             torch's AdamW applied one step late (the gradients up to the step before last). Clipping and loss
             scaling keep their meaning: the norm and the overflow are those of this step's gradients, known in
-            ``step()`` before any of its updates runs. Costs one more copy of the trained weights in device
-            memory (the staged new weights). ``synchronize()``, ``state_dict()``, a training checkpoint and
-            ``close()`` land the update in flight; call ``synchronize()`` before reading the trained weights.
-            For parameters on the device (not with ``release_grads``), on one process.
+            ``step()`` before any of its updates runs. Costs one more copy of the trained weights (the staged
+            new weights): in device memory for parameters on the device; with ``release_grads`` (parameter
+            streaming), a twin of each streamed block in the host cache and, evicted, in the store, and each
+            gradient kept in the store (4 bytes a parameter written and read a step). ``synchronize()``,
+            ``state_dict()``, a training checkpoint and ``close()`` land the update in flight; call
+            ``synchronize()`` before reading the trained weights or loading weights into the model. On one
+            process.
         defer_updates: with ``release_grads``, when a step's updates run (exact either way; see
             :mod:`nvoffload.optim._protocol`). ``False``: during backward, as each gradient is final
             (speculation: with ``max_grad_norm``, a step whose norm clips runs every update again in ``step()``
@@ -249,11 +252,6 @@ class OffloadOptimizerConfig:
             raise ValueError(f"delayed_update_after must be an int >= 0, got {self.delayed_update_after!r}")
         if self.delayed_update_after and not self.delayed_update:
             raise ValueError("delayed_update_after counts the exact steps before delayed updates: set delayed_update too")
-        if self.delayed_update and self.release_grads:
-            raise ValueError(
-                "delayed_update is for parameters that stay on the device; with release_grads (parameter"
-                " streaming) the new weights would need a second copy of every block in the host cache"
-            )
         if self.defer_updates is not None and not isinstance(self.defer_updates, bool):
             raise ValueError(f"defer_updates must be True, False or None, got {self.defer_updates!r}")
         if self.defer_updates and not self.release_grads:
@@ -279,9 +277,10 @@ class OffloadOptimizerConfig:
     @property
     def keeps_grads(self) -> bool:
         """Whether gradients are kept in the store: summed over micro-batches, for a clipped redo, or for
-        updates deferred to ``step()``."""
+        updates deferred to ``step()`` or delayed."""
         return self.release_grads and (
             self.gradient_accumulation_steps > 1 or self.max_grad_norm is not None or bool(self.defer_updates)
+            or self.delayed_update
         )
 
     @property
@@ -538,7 +537,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not rec.hooks and rec.param.requires_grad:
             ref = weakref.ref(self)
             rec.hooks = (rec.param.register_post_accumulate_grad_hook(_hook_for(ref, rec, StepProtocol.on_grad)),)
-            if self.config.delayed_update:
+            if self.config.delayed_update and not self.config.release_grads:  # released: never accumulated into
                 rec.hooks += (rec.param.register_hook(_hook_for(ref, rec, StepProtocol.before_accumulate)),)
             rec.learned_fires = 1 if self.config.release_grads else 0
 
@@ -748,6 +747,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._codec.load_state_dict(state_dict, self.param_groups, source)
         if self._protocol.loss_scale is not None and "loss_scale" in state_dict:
             self._protocol.loss_scale.load_state_dict(state_dict["loss_scale"])
+        self._protocol.after_load()
         self._pipeline.set_plan(self._protocol.plan())
 
     # ------------------------------------------------------------------ memory

@@ -324,8 +324,11 @@ class PlanRequest:
     and its activations recomputed in backward.
 
     ``delayed_update``: each step's optimizer updates run during the next step's forward and backward
-    (:class:`~nvoffload.optim.OffloadOptimizerConfig`'s ``delayed_update``): the model stays on the device, with
-    a second copy of its trained weights (the new ones, until they land)."""
+    (:class:`~nvoffload.optim.OffloadOptimizerConfig`'s ``delayed_update``), with a second copy of the trained
+    weights (the new ones, until they land): on the device for the model there; streamed, a twin of each block
+    in the host cache beside the block (so the cache holds half as many blocks) and each gradient kept in the
+    store for the next step's update (4 bytes a parameter written and read), and the parameters outside the
+    blocks twice on the device."""
 
     model: ModelShape
     batch_size: int
@@ -446,9 +449,8 @@ def plan(request: PlanRequest, profile: MachineProfile, *, recompute: bool = Tru
     """Predict a step of ``request`` on ``profile``'s machine. With ``stream`` or ``activations`` None, every
     choice (the model on the device or streamed; activations kept, offloaded, or, with ``recompute``,
     recomputed in backward from each block's input) is planned and the fastest that fits is returned (when
-    none fits: the most frugal, whose reasons say what would make it fit). ``delayed_update`` keeps the model
-    on the device."""
-    streams = [request.stream] if request.stream is not None else [False] if request.delayed_update else [False, True]
+    none fits: the most frugal, whose reasons say what would make it fit)."""
+    streams = [request.stream] if request.stream is not None else [False, True]
     if request.activations is not None:
         kinds = [request.activations]
     else:
@@ -473,11 +475,11 @@ def state_precision_options(chosen: Plan, profile: MachineProfile) -> dict[str, 
 
 def delayed_update_option(chosen: Plan, profile: MachineProfile) -> Plan | None:
     """``chosen``'s step with the delayed update switched (on, or from a delayed plan off; same placement, batch
-    and micro-batches); None for a streamed plan, which the delayed update does not take."""
-    if chosen.stream:
+    and micro-batches); None over several ranks, where the delayed update does not run."""
+    if chosen.request.ranks > 1:
         return None
-    r = replace(chosen.request, stream=False, activations=chosen.activations, delayed_update=not chosen.request.delayed_update)
-    return _plan(r, profile, False, chosen.activations)
+    r = replace(chosen.request, stream=chosen.stream, activations=chosen.activations, delayed_update=not chosen.request.delayed_update)
+    return _plan(r, profile, chosen.stream, chosen.activations)
 
 
 def plan_batch(request: PlanRequest, profile: MachineProfile, *, max_tokens_per_step: int = 1 << 20,
@@ -542,8 +544,9 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     changed_block_bytes = (adapters // m.n_layer if lora else m.block_params) * dtype_bytes  # what an update writes
     resident = m.resident_params * dtype_bytes
     resident_trainable = 0 if lora else m.resident_params
-    delayed = r.delayed_update  # the model on the device with a second copy of its trained weights
-    device_needs = (resident + resident_trainable * dtype_bytes + 3 * block_bytes) if stream else weights + (2 if delayed else 1) * trainable * dtype_bytes
+    delayed = r.delayed_update  # a second copy of the trained weights: on the device, or streamed the blocks' twins
+    copies_of_trained = 2 if delayed else 1  # the weights (and the staged new ones) on the device besides gradients
+    device_needs = (resident + copies_of_trained * resident_trainable * dtype_bytes + 3 * block_bytes) if stream else weights + copies_of_trained * trainable * dtype_bytes
     offload = kind == "offload"
     vertical = r.by_vertical_schedule(stream)  # kind: "keep" or "offload" the blocks' inputs, the rest recomputed
     g = r.grad_accum_steps
@@ -569,10 +572,11 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     optimizer_host = int(r.cpu_memory_bytes * r.optimizer_memory_fraction)
     stream_host = r.cpu_memory_bytes - optimizer_host - (activation_host if stream else 0)
     aligned_block = -(-block_bytes // 4096) * 4096
-    cached = min(m.n_layer, stream_host // aligned_block) if stream else m.n_layer
+    # delayed: each cached block beside its twin (the new weights its update writes while the block is read)
+    cached = min(m.n_layer, stream_host // ((2 if delayed else 1) * aligned_block)) if stream else m.n_layer
     # Streaming: what caching every block leaves, with OffloadConfig's default prefetch_blocks (1), which the plan's
     # offload_config keeps; the model on the device: what the optimizer's staging leaves (as finetune gives it).
-    leftover = resident_state_share(stream_host, [block_bytes] * m.n_layer if stream else [], 1)
+    leftover = resident_state_share(stream_host, [block_bytes] * m.n_layer if stream else [], 1, delayed_update=delayed)
     # The vertical schedule's offloaded block inputs (and what the head saves) stay in host memory as far as that
     # leftover holds them, NVMe beyond (OffloadConfig.activation_host_bytes): each byte kept there saves a byte
     # written and a byte read a step, more than a byte of resident optimizer state saves; the rest is for that.
@@ -582,9 +586,9 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     act_io = g * ((block_inputs if vertical else activations) + sum(outside_saved)) if offload else 0
     activations_in_host = min(act_io, leftover) // 4096 * 4096 if vertical and offload and stream else 0
     stream_host -= activations_in_host
-    resident_host = resident_state_share(stream_host, [block_bytes] * m.n_layer if stream else [], 1)
-    if delayed and stream:
-        reasons.append("delayed_update keeps the parameters on the device (a second copy holds the new weights): not with streaming")
+    resident_host = resident_state_share(stream_host, [block_bytes] * m.n_layer if stream else [], 1, delayed_update=delayed)
+    if delayed and n > 1:
+        reasons.append("delayed_update runs on one process: not over several ranks")
     if r.seq_len > m.max_seq_len:
         reasons.append(f"seq_len {r.seq_len} exceeds the model's context of {m.max_seq_len}")
     if r.batch_size % n:
@@ -592,11 +596,13 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
             f"batch_size {r.batch_size} does not split evenly between {n} ranks (each computes batch_size / ranks"
             f" of every micro-batch's sequences): take a multiple of {n}"
         )
-    if stream and stream_host < 3 * aligned_block:  # one block computing, one arriving, one read ahead
-        need = int((3 * aligned_block + activation_host) / (1 - r.optimizer_memory_fraction)) + 1
+    in_host = 5 if delayed else 3  # one block computing, one arriving, one read ahead; a twin and its block
+    if stream and stream_host < in_host * aligned_block:
+        need = int((in_host * aligned_block + activation_host) / (1 - r.optimizer_memory_fraction)) + 1
         reasons.append(
-            f"the host budget left for parameter blocks ({human_size(max(0, stream_host))}) holds fewer than three"
-            f" blocks of {human_size(block_bytes)}: raise cpu_memory_bytes to at least {human_size(need)}"
+            f"the host budget left for parameter blocks ({human_size(max(0, stream_host))}) holds fewer than"
+            f" {'five' if delayed else 'three'} blocks of {human_size(block_bytes)}: raise cpu_memory_bytes to at"
+            f" least {human_size(need)}"
         )
     device_used = device_needs + kept_activations
     if device_used > r.device_memory_bytes:
@@ -613,7 +619,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     state, state_in = on_nvme * state_written, on_nvme * state_read
     # fp32 gradient sums kept between micro-batches; by the vertical schedule none, but with clipping each gradient
     # once, for the redo of a step whose norm clips (read back only then: not counted)
-    kept_grads = shard * 4 if stream and g > 1 and (not vertical or r.max_grad_norm) else 0
+    kept_grads = shard * 4 if stream and (delayed or g > 1 and (not vertical or r.max_grad_norm)) else 0
     nvme_used = (weights if stream else 0) + 2 * state + kept_grads + (activations if offload else 0)
     drives = profile.nvme(r.swap_dirs)
     host_used = r.cpu_memory_bytes + _HOST_OVERHEAD_BYTES + (0 if profile.device == "cuda" else device_used)
@@ -623,13 +629,17 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
 
     # -- bytes moved per step
     evicted = m.n_layer - cached
-    weight_reads = 2 * evicted * block_bytes * passes if stream else 0
+    # delayed: an evicted block is read once more, to start its twin
+    weight_reads = (2 * passes + (1 if delayed else 0)) * evicted * block_bytes if stream else 0
     weight_writes = m.n_layer * changed_block_bytes if (stream and evicted > 0) else 0
     # activation offload moves the blocks' activations and the tensors saved outside them (the loss's log-probabilities):
     # all of them between device and host, to NVMe those not kept in host memory
     act_nvme = act_io - activations_in_host
     kept_io = kept_grads if vertical else (g - 1) * kept_grads
-    read = state_in + weight_reads + act_nvme + (0 if vertical else kept_io)
+    kept_read = kept_io if delayed and stream else (0 if vertical else kept_io)  # delayed: the update reads the sum
+    if delayed and stream and not vertical:  # every micro-batch keeps its gradient, the update reads the sum
+        kept_io = kept_read = g * kept_grads
+    read = state_in + weight_reads + act_nvme + kept_read
     written = state + weight_writes + act_nvme + kept_io
     h2d = (passes * 2 * m.n_layer * block_bytes if stream else shard * dtype_bytes) + act_io  # a rank's updated weights
     d2h = passes * shard * dtype_bytes + act_io  # the gradients of a rank's parameters
@@ -710,7 +720,8 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     if on_cpu and compute + adam + checksums > max(engines.values()):  # compute shares the host's cores
         busiest = max(("compute", compute), ("cpu adam", adam), ("checksums", checksums), key=lambda kv: kv[1])[0]
     if delayed:
-        grads = "device until the next forward and backward copy them out (the delayed update)"
+        grads = "kept in the store for the next step's updates (the delayed update)" if stream else (
+            "device until the next forward and backward copy them out (the delayed update)")
     elif n == 1:
         grads = "consumed during backward" if stream or not held else "device until step()"
     else:
@@ -718,7 +729,8 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
             "device, all-reduced during the last backward" + (", until step()" if held else ", then consumed"))
     placement = {
         "parameters": ("NVMe, streamed block by block through host memory" if stream else "device")
-        + ("; every rank its copy" if n > 1 else "") + ("; a second copy holds the delayed update's new weights" if delayed else ""),
+        + ("; every rank its copy" if n > 1 else "")
+        + (f"; {'a twin of each block' if stream else 'a second copy'} holds the delayed update's new weights" if delayed else ""),
         "optimizer state": f"NVMe ({STATE_WORDS[r.state_precision]}), updated by the CPU" + (f"; each rank 1/{n} of it" if n > 1 else "")
         + (f"; {human_size(resident_host // 2)} of it resident in host memory" if resident_host else ""),
         **({"trainable": f"LoRA adapters of rank {r.lora_rank}, {human_count(trainable)} parameters; the model frozen:"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 import torch
@@ -61,6 +62,10 @@ class Block:
 
     ``params`` may be replaced (a parameter built on the meta device gets a new
     object) until the streamer is set up; the layout does not change.
+
+    A delayed update writes a block's new weights to its :meth:`twin`, which
+    holds them (in the host cache, and its trained parts in store entries of
+    their own) until they land and its ``parts`` become the block's.
     """
 
     def __init__(self, index: int, pos: int, module: nn.Module, params: list[tuple[str, nn.Parameter]]):
@@ -85,6 +90,7 @@ class Block:
                 total += self.param_bytes[j]
             self.parts.append((self.name if not self.parts else f"{self.name}.trainable", start, total))
         self.nbytes = total
+        self.twin_of: Block | None = None  # a twin's block
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -99,6 +105,17 @@ class Block:
         with torch._C.DisableTorchFunctionSubclass():
             return sum(nbytes for p, nbytes in zip(self.params, self.param_bytes) if p.requires_grad)
 
+    def twin(self) -> Block:
+        """A block of the same layout for this block's next weights (a delayed update's): its parts that hold a
+        parameter which requires grad are other store entries (the name with ``.next`` added, or taken off when
+        the block's has it), the others the block's own."""
+        with torch._C.DisableTorchFunctionSubclass():  # requires_grad is no read of the weights
+            trained = {self._part[j] for j, p in enumerate(self.params) if p.requires_grad}
+        twin = copy.copy(self)
+        twin.parts = [(_other_entry(name) if k in trained else name, start, end) for k, (name, start, end) in enumerate(self.parts)]
+        twin.twin_of = self
+        return twin
+
     def part_of(self, j: int) -> int:
         """The index in ``parts`` of the part that holds parameter ``j``."""
         return self._part[j]
@@ -108,7 +125,12 @@ class Block:
         return flat[self.offsets[j] : self.offsets[j] + self.param_bytes[j]].view(self.dtypes[j]).view(self.shapes[j])
 
     def __repr__(self) -> str:
-        return f"parameter block {self.index}"
+        return f"parameter block {self.index}" + (" (the new weights of its delayed update)" if self.twin_of is not None else "")
+
+
+def _other_entry(name: str) -> str:
+    """The store entry a block's twin keeps a part in, given the block's."""
+    return name.removesuffix(".next") if name.endswith(".next") else name + ".next"
 
 
 def partition(model: nn.Module, modules: Iterable[nn.Module]) -> tuple[list[Block], list[tuple[str, nn.Parameter]]]:

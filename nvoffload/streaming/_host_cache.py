@@ -57,6 +57,13 @@ class HostCache:
     changed, and raises from the next call that needs its room, pins it or flushes.
     Thread-safe: the optimizer's worker pins blocks while the training thread brings
     them to the device.
+
+    Delayed updates write a block's new weights to its twin (:meth:`Block.twin`):
+    :meth:`pin_next` makes it from the block's current weights on first use and
+    keeps it like any cached block (evicted, its trained parts are written to the
+    twin's own store entries), while forward and backward still read the block;
+    :meth:`promote` makes every twin the block's weights (the updates landed), and
+    :meth:`drop_next` forgets them (the updates were undone).
     """
 
     def __init__(self, store: TensorStore, transfer: TransferEngine, read_ahead_bytes: int):
@@ -71,6 +78,8 @@ class HostCache:
         # Every write-back, oldest first; its buffer is a cached block's, counted in the slab already. A
         # failed one is raised by the next call that needs its block (_settle_write), not by the queue.
         self._writes = WriteBehind(self.slab.capacity_bytes, "parameter blocks' write-backs", keep_errors=False)
+        # delayed updates: each block to have next weights, and its twin once made, until promote() or drop_next()
+        self._next: dict[Block, Block | None] = {}
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -121,6 +130,81 @@ class HostCache:
             entry.pins -= 1
             if modified:
                 entry.dirty.update(range(len(block.parts)) if part is None else (part,))
+
+    def expect_next(self, block: Block) -> None:
+        """A delayed update will write next weights of ``block`` (its twin is made when it does)."""
+        with self._lock:
+            self._next.setdefault(block, None)
+
+    def pin_next(self, block: Block) -> tuple[Block, torch.Tensor]:
+        """The twin that holds ``block``'s next weights (made from its current weights on first use since the last
+        :meth:`promote` or :meth:`drop_next`) and its host copy's flat bytes, cached until ``unpin(twin, ...)``."""
+        with self._lock:
+            twin = self._next.get(block)
+            if twin is None:
+                twin = block.twin()
+                with self.pinned(block) as current:
+                    host = self._new_buffer(twin)
+                    host.copy_(current)
+                entry = self._lru[twin] = _Entry(host)
+                # its own store entries hold nothing yet: evicted, it writes them
+                entry.dirty = {k for k, part in enumerate(twin.parts) if part[0] != block.parts[k][0]}
+                self._next[block] = twin
+            return twin, self.pin(twin)
+
+    def next_of(self, block: Block) -> Block:
+        """The twin that holds next weights of ``block`` (made by :meth:`pin_next`)."""
+        with self._lock:
+            return self._next[block]
+
+    def expects_next(self, block: Block) -> bool:
+        """Whether a delayed update that has not landed writes (or will write) next weights of ``block``."""
+        with self._lock:
+            return block in self._next
+
+    def promote(self) -> None:
+        """Every twin's weights become its block's (the delayed updates landed): the block's old host copy is
+        dropped, the twin's is the block's, and so are its store entries (the old ones are the next twin's)."""
+        with self._lock:
+            self._check_unpinned()
+            for block, twin in self._next.items():
+                if twin is None:  # expected, never written (a parameter without a gradient): the block stays
+                    continue
+                old, new = self._lru.pop(block, None), self._lru.pop(twin, None)
+                if old is not None:  # the old weights: a read or write-back of them still running ends first
+                    self._ahead.take(block)
+                    for settle in (self._settle_write, self._settle):
+                        with contextlib.suppress(Exception):
+                            settle(old)
+                    self._give_back(block, old.host)
+                if new is not None:
+                    with contextlib.suppress(Exception):  # a failed write-back left its parts changed: written later
+                        self._settle_write(new)  # (it reads the twin's names, which become the block's)
+                    self._lru[block] = new
+                block.parts = twin.parts
+            self._next.clear()
+
+    def drop_next(self) -> None:
+        """Forget every twin (the delayed updates were undone): the blocks keep their weights."""
+        with self._lock:
+            self._check_unpinned()
+            for twin in filter(None, self._next.values()):
+                entry = self._lru.get(twin)
+                if entry is not None:
+                    for settle in (self._settle_write, self._settle):
+                        with contextlib.suppress(Exception):
+                            settle(entry)
+                    self._drop(twin)
+            self._next.clear()
+
+    def _check_unpinned(self) -> None:
+        in_use = [b for b, twin in self._next.items() for x in (b, twin) if x in self._lru and self._lru[x].pins]
+        if in_use:
+            raise RuntimeError(
+                f"nvoffload: the delayed updates cannot land or be undone while {in_use[0]} is in use (on its way to"
+                " the device, or in a forward or backward): land them between steps (optimizer.step() or"
+                " synchronize())"
+            )
 
     @contextlib.contextmanager
     def pinned(self, block: Block, *, modified: bool = False):

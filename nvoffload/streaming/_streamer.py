@@ -82,6 +82,9 @@ class ParameterStreamer:
             in two of them raises ``ValueError``.
         prefetch_blocks: blocks read ahead into host memory beyond the one being
             copied to the device ahead of its use.
+        delayed_update: the optimizer's updates are delayed (its ``delayed_update``): the budgets also hold a
+            block's twin and the block it is made from (host), and the staged new weights of the trained
+            parameters outside the blocks (device, allocated here).
         param_init_fn: called on each module of a meta model to initialize its
             parameters once they have memory, children before parents (default:
             for a Hugging Face ``PreTrainedModel`` its ``_init_weights``, else
@@ -127,6 +130,7 @@ class ParameterStreamer:
         param_init_fn: Callable[[nn.Module], None] | None = None,
         checkpoint=None,
         transfer: TransferEngine | None = None,
+        delayed_update: bool = False,
     ):
         if not isinstance(prefetch_blocks, int) or prefetch_blocks < 0:
             raise ValueError(f"prefetch_blocks must be an int >= 0, got {prefetch_blocks!r}")
@@ -142,7 +146,7 @@ class ParameterStreamer:
         # a transfer engine's whole share (initialize carves the gloo gradient buckets' room from it, as the
         # host tier counted them before: the same budgets pass)
         host_bytes = memory.available_bytes("host") if transfer is None else transfer.slab.capacity_bytes
-        _check_budgets(self._blocks, self._resident, memory, host_bytes, prefetch_blocks)
+        _check_budgets(self._blocks, self._resident, memory, host_bytes, prefetch_blocks, delayed_update)
         materializer = Materializer(model, self.device, param_init_fn=param_init_fn, checkpoint=checkpoint)
         self._owns_transfer = transfer is None
         if transfer is None:
@@ -159,6 +163,8 @@ class ParameterStreamer:
                 memory, self._cache, transfer, self.device, gradients, resident_bytes(self._resident)
             )
             memory.allocate("device", resident_bytes(self._resident), "parameters outside the streamed blocks")
+            if delayed_update:  # their gradients' bytes: the trained ones' weights, once more
+                memory.allocate("device", resident_bytes(self._resident, grads=True), "the delayed update's staged weights")
             materializer.run(self._blocks, self._resident, self._cache, self._residency)
         except BaseException:
             self._close_transfer()
@@ -322,12 +328,26 @@ class ParameterStreamer:
     def holds(self, param: torch.Tensor) -> bool:
         return self._weights.holds(param)
 
-    def acquire(self, param: torch.Tensor) -> torch.Tensor:
-        """The parameter's weights in host memory, flat; stays cached until :meth:`release`."""
-        return self._weights.acquire(param)
+    def acquire(self, param: torch.Tensor, *, staged: bool = False) -> torch.Tensor:
+        """The parameter's weights in host memory, flat (``staged``: its next weights, a delayed update's); stays
+        cached until :meth:`release`."""
+        return self._weights.acquire(param, staged=staged)
 
-    def release(self, param: torch.Tensor, *, modified: bool) -> None:
-        self._weights.release(param, modified=modified)
+    def release(self, param: torch.Tensor, *, modified: bool, staged: bool = False) -> None:
+        self._weights.release(param, modified=modified, staged=staged)
+
+    def staging(self, param: torch.Tensor) -> None:
+        """A delayed update will write the parameter's next weights until :meth:`install_staged` or
+        :meth:`drop_staged` (loading weights into its block is refused meanwhile)."""
+        self._weights.staging(param)
+
+    def install_staged(self) -> None:
+        """The delayed updates landed: the next weights written through ``acquire(staged=True)`` become the weights."""
+        self._weights.install_staged()
+
+    def drop_staged(self) -> None:
+        """The delayed updates were undone: their next weights are forgotten."""
+        self._weights.drop_staged()
 
     def updating(self, param: torch.Tensor, done: Future) -> None:
         """The optimizer rewrites the parameter's weights in host memory until the future ``done`` (an update
@@ -426,16 +446,21 @@ def compute_device_of(model: nn.Module) -> torch.device:
     return _device.concrete("cuda") if _device.cuda_available() else torch.device("cpu")
 
 
-def _check_budgets(blocks: list[Block], resident, memory: MemoryManager, host_bytes: int, prefetch_blocks: int) -> None:
+def _check_budgets(blocks: list[Block], resident, memory: MemoryManager, host_bytes: int, prefetch_blocks: int,
+                   delayed_update: bool) -> None:  # fmt: skip
     """Raise :class:`MemoryBudgetError` when the device budget or the ``host_bytes`` of the host cache are too small."""
     if not blocks:
         raise ValueError("the model has no parameters in its blocks: nothing to stream")
     largest = max(b.nbytes for b in blocks)
     weights, grads = resident_bytes(resident), resident_bytes(resident, grads=True)
+    if delayed_update:  # the staged new weights of the trained ones
+        weights += grads
     # resident weights and their gradients; one block computing, one arriving, its gradients
     device_needed = weights + grads + 3 * largest
-    # in host memory (slab buffers are 4 KiB-aligned): one block computing, one arriving, those read ahead
-    host_needed = (2 + prefetch_blocks) * -(-largest // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+    # in host memory (slab buffers are 4 KiB-aligned): one block computing, one arriving, those read ahead; and
+    # delayed, a twin being written and the block it is made from
+    in_host = 2 + prefetch_blocks + (2 if delayed_update else 0)
+    host_needed = in_host * -(-largest // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
     problems = []
     if memory.limit_bytes("device") < device_needed:
         problems.append(
@@ -445,7 +470,8 @@ def _check_budgets(blocks: list[Block], resident, memory: MemoryManager, host_by
     if host_bytes < host_needed:
         problems.append(
             f"the host budget has {host_bytes} bytes left for parameter blocks; "
-            f"streaming needs at least {host_needed} ({2 + prefetch_blocks} x the largest block's {largest})"
+            f"streaming needs at least {host_needed} ({in_host} x the largest block's {largest}"
+            f"{', two of them for the delayed update' if delayed_update else ''})"
         )
     if problems:
         raise MemoryBudgetError(

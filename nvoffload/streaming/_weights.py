@@ -48,16 +48,35 @@ class StreamedWeights:
         return self._where[param][0]
 
     # ------------------------------------------------------------------ WeightHome
-    def acquire(self, param: torch.Tensor) -> torch.Tensor:
-        """The parameter's weights in host memory, flat and writable; its block stays cached until :meth:`release`."""
+    def acquire(self, param: torch.Tensor, *, staged: bool = False) -> torch.Tensor:
+        """The parameter's weights in host memory, flat and writable; its block stays cached until :meth:`release`.
+        ``staged``: its next weights instead (a delayed update's, in its block's twin; until :meth:`install_staged`
+        the current ones are what forward and backward read)."""
         block, j = self._where[param]
-        return block.view(self._cache.pin(block), j).view(-1)
+        host = self._cache.pin_next(block)[1] if staged else self._cache.pin(block)
+        return block.view(host, j).view(-1)
 
-    def release(self, param: torch.Tensor, *, modified: bool) -> None:
-        """Let the parameter's block go; ``modified``: the parameter's part of it is written back (a LoRA
-        adapter's update leaves the frozen base weights beside it unwritten)."""
+    def release(self, param: torch.Tensor, *, modified: bool, staged: bool = False) -> None:
+        """Let the parameter's block (``staged``: its twin) go; ``modified``: the parameter's part of it is written
+        back (a LoRA adapter's update leaves the frozen base weights beside it unwritten)."""
         block, j = self._where[param]
-        self._cache.unpin(block, modified=modified, part=block.part_of(j))
+        self._cache.unpin(self._cache.next_of(block) if staged else block, modified=modified, part=block.part_of(j))
+
+    def staging(self, param: torch.Tensor) -> None:
+        """A delayed update will write the parameter's next weights (``acquire(staged=True)``) until
+        :meth:`install_staged` or :meth:`drop_staged`: loading weights into its block is refused meanwhile."""
+        self._cache.expect_next(self._where[param][0])
+
+    def install_staged(self) -> None:
+        """The delayed updates landed: every block's next weights become its weights (a block brought to the
+        device ahead of use, with the old ones, is let go first)."""
+        self._residency.stage(None)
+        self._cache.promote()
+
+    def drop_staged(self) -> None:
+        """The delayed updates were undone: forget every block's next weights."""
+        self._residency.stage(None)
+        self._cache.drop_next()
 
     # ------------------------------------------------------------------ reads
     @contextlib.contextmanager
@@ -94,6 +113,7 @@ class StreamedWeights:
             return
         self._residency.stage(None)
         block, j = self._where[tensor]
+        self._check_landed(block)
         self._residency.wait_updated(block)
         with self._cache.pinned(block, modified=True) as host:
             yield block.view(host, j)
@@ -109,6 +129,14 @@ class StreamedWeights:
                     continue
                 with self.held(t) as weights:  # written from the cache, no copy
                     writer.write(name, weights)
+
+    def _check_landed(self, block: Block) -> None:
+        """Refuse to overwrite the weights of a block whose delayed update has not landed (it would undo them)."""
+        if self._cache.expects_next(block):
+            raise RuntimeError(
+                f"nvoffload: the delayed update of {block} has not landed, and would replace the weights loaded now:"
+                " call optimizer.synchronize() before loading weights"
+            )
 
     # ------------------------------------------------------------------ state-dict hooks of one module
     def after_state_dict(self, owned: list[tuple[str, nn.Parameter]], state_dict: dict, prefix: str) -> None:
@@ -126,6 +154,7 @@ class StreamedWeights:
                 "load_state_dict(assign=True) would replace streamed parameters (their weights live in the "
                 "streamer's store): load without assign="
             )
+        self._check_landed(self.block_of(owned[0][1]))
         self._residency.hold(self.block_of(owned[0][1]), "load_state_dict")
 
     def after_load(self, owned: list[tuple[str, nn.Parameter]]) -> None:

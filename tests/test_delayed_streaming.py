@@ -1,0 +1,213 @@
+"""The delayed update with parameter streaming (issue 34): each streamed block's new weights wait in its twin.
+
+Each step's updates run during the next step's forward and backward, which read the weights of before them;
+the next ``step()`` lands them (the twins become the blocks). The weights a step trains on must be exactly
+torch's fused AdamW applied one step late, with the blocks evicted from the host cache, and also when the
+updates are slowed down so that the next forward runs beside them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+from test_streaming import batch
+from test_streaming_recipe import (
+    LR, WD, assert_same_runs, micro_batches, outcome, pair, run_streamed, slowly, streamed, updates_and_forwards,
+)
+
+import nvoffload
+from nvoffload import trace
+from nvoffload.optim import OffloadIOError
+
+STEPS = 6
+
+
+class LateAdamW:
+    """The reference: torch's fused AdamW on ``model``, each step's gradients (the mean over its micro-batches,
+    clipped by ``clip_grad_norm_``) applied at the next step."""
+
+    def __init__(self, model, max_grad_norm=None, fused=True, exact_steps=0):
+        self.model, self.max_grad_norm, self.exact_steps, self.steps = model, max_grad_norm, exact_steps, 0
+        way = {"fused": True} if fused else {"foreach": True}
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, **way)
+        self.pending = None  # the last step's gradients, not applied yet
+
+    def step(self, batches):
+        for x, y in batches:
+            (self.model(x, y) / len(batches)).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf)
+        grads = [p.grad for p in self.model.parameters()]
+        self.flush()
+        self.pending = grads
+        self.steps += 1
+        if self.steps <= self.exact_steps:  # delayed_update_after: applied in its own step
+            self.flush()
+
+    def flush(self):
+        """Apply the pending gradients now (what ``synchronize()`` does)."""
+        if self.pending is not None:
+            for p, g in zip(self.model.parameters(), self.pending):
+                p.grad = g
+            self.opt.step()
+        self.opt.zero_grad()
+        self.pending = None
+
+
+def max_diff(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def assert_weights(model, ref, what, other=None):
+    """``model``'s weights equal ``ref``'s bit for bit; with ``other`` (the reference by torch's other AdamW, for
+    the vertical schedule, which sums the micro-batches' gradients in another order) within twice the two
+    references' difference."""
+    state, expected = model.state_dict(), ref.state_dict()
+    if other is None:
+        for name, p in expected.items():
+            assert torch.equal(state[name], p), (what, name)
+        return
+    torch_diff = max_diff(expected, other.state_dict())
+    assert torch_diff < 1e-4  # a tolerance that still tells a wrong step (~lr) from rounding
+    assert max_diff(state, expected) <= 2 * torch_diff, what
+
+
+@pytest.mark.parametrize(
+    "accum, max_grad_norm, vertical, after",
+    [(1, None, False, 0), (2, 1.0, False, 0), (1, 1e6, False, 0), (4, 1.0, True, 0), (1, 1.0, False, 2)],
+    ids=["plain", "accum2-clip1", "clip-never-bites", "vertical4-clip1", "after2-clip1"],
+)
+def test_streamed_weights_are_adamw_applied_one_step_late(tmp_path, accum, max_grad_norm, vertical, after):
+    """``after``: delayed_update_after, the steps that update exactly first (speculating, or deferred by the
+    rule after a step whose clipping bit)."""
+    cfg, ref, model = pair()
+    other = pair()[1] if vertical else None
+    late = LateAdamW(ref, max_grad_norm, exact_steps=after)
+    late_other = LateAdamW(other, max_grad_norm, fused=False) if vertical else None
+    model, opt = streamed(
+        tmp_path, model, max_grad_norm=max_grad_norm, gradient_accumulation_steps=accum, delayed_update=True,
+        delayed_update_after=after,
+    )
+    try:
+        assert opt.session.memory.limit_bytes("device") < sum(p.numel() * 4 for p in model.parameters())
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        for step in range(STEPS):
+            assert opt.defers_updates == (step >= after or step > 0 and opt.grad_norm() > max_grad_norm)
+            batches = micro_batches(cfg, step, accum)
+            if vertical:
+                nvoffload.vertical_step(opt, batches)
+            else:
+                run_streamed(model, opt, batches)
+            late.step(batches)
+            if vertical:  # compared at the end: one step's rounding is far below the tolerance's own
+                late_other.step(batches)
+            else:
+                assert_weights(model, ref, step)
+            if step == after:  # the first delayed step lands nothing: its update runs during the next step
+                assert all(torch.equal(model.state_dict()[k], v) for k, v in start.items()) == (after == 0)
+        opt.synchronize()  # lands the last step's update
+        late.flush()
+        if vertical:
+            late_other.flush()
+        assert_weights(model, ref, "synchronized", other)
+        steps = {int(s["step"]) for s in opt.state_dict()["state"].values()}
+        assert steps == {STEPS}
+    finally:
+        opt.close()
+
+
+def test_the_next_forward_runs_beside_the_updates_on_the_old_weights(tmp_path):
+    """Step 2's updates are slowed down (a 5 ms sleep around the real kernel): step 3's forward overtakes them, and
+    still trains on the weights of before them (the twins hold the new ones), bit for bit as the reference. After
+    two steps the weights are exact AdamW's after one: not a relabelled exact run."""
+    cfg, ref, model = pair()
+    exact_ref = pair()[1]
+    late, exact = LateAdamW(ref), torch.optim.AdamW(exact_ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    model, opt = streamed(tmp_path, model, delayed_update=True)
+    try:
+        for step in range(5):
+            x, y = batch(cfg, step)
+            if step == 3:
+                trace.start()
+            model(x, y).backward()
+            if step == 3:
+                recorded = trace.stop()
+                pipeline._update = adam
+            if step == 2:
+                pipeline, adam = opt._pipeline, opt._pipeline._update
+                pipeline._update = functools.partial(slowly, adam)
+            opt.step()
+            opt.zero_grad()
+            late.step([(x, y)])
+            assert_weights(model, ref, step)
+            if step == 0:
+                exact_ref(x, y).backward()
+                exact.step()
+            if step == 1:
+                assert_weights(model, exact_ref, "one exact step")
+        opt.synchronize()
+    finally:
+        opt.close()
+    updated, began = updates_and_forwards(recorded, model)  # of step 2's updates, and of step 3's forward
+    assert any(began[b] < updated[b] for b in began)  # the forward did not wait for the block's update
+
+
+def test_an_io_error_of_an_update_in_flight_is_raised_by_the_next_step_and_training_goes_on(tmp_path):
+    """An EIO in step 2's updates (running beside step 3): step 3's step() raises it, the weights are those of
+    before step 2's update (its gradients and step 3's are dropped), and training goes on exactly as a run that
+    landed step 1's update and skipped steps 2 and 3. Every block and its twin fit the host cache, so only the
+    updates touch the store."""
+    runs = {}
+    for name in ("faulty", "skipped"):
+        cfg, _, model = pair()
+        (tmp_path / name).mkdir()
+        model, opt = streamed(tmp_path / name, model, delayed_update=True, cpu_memory_bytes=64 << 20)
+        losses = []
+        try:
+            for step in range(6):
+                x, y = batch(cfg, step)
+                if step in (2, 3) and name == "skipped":
+                    opt.synchronize()
+                    continue
+                loss = model(x, y)
+                loss.backward()
+                if step == 3:
+                    before = {k: v.clone() for k, v in model.state_dict().items()}
+                    with pytest.raises(OffloadIOError, match="Errno"):
+                        opt.step()
+                    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+                    opt.synchronize()  # nothing more to raise
+                    opt.zero_grad()
+                    continue
+                opt.step()
+                opt.zero_grad()
+                if step == 2:  # the updates it queued fail (or, had they all been done, step 3's kept gradients)
+                    opt.session.store.inject_fault("eio", after_ops=0)
+                else:
+                    losses.append(loss.item())
+            runs[name] = outcome(model, opt, losses)
+        finally:
+            opt.close()
+    assert_same_runs(runs["faulty"], runs["skipped"])
+
+
+def test_loading_weights_waits_for_the_update_in_flight_to_land(tmp_path):
+    """A delayed update in flight would replace weights loaded into its block: loading is refused, saying what to
+    do, until synchronize() lands it; then the loaded weights are the model's."""
+    cfg, _, model = pair()
+    model, opt = streamed(tmp_path, model, delayed_update=True)
+    try:
+        x, y = batch(cfg, 0)
+        model(x, y).backward()
+        opt.step()
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(RuntimeError, match="call optimizer.synchronize"):
+            model.load_state_dict(saved)
+        opt.synchronize()
+        assert any(not torch.equal(v, saved[k]) for k, v in model.state_dict().items())  # the update landed
+        model.load_state_dict(saved)
+        assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    finally:
+        opt.close()
