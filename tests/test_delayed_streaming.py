@@ -20,6 +20,7 @@ from test_streaming_recipe import (
 
 import nvoffload
 from nvoffload import trace
+from nvoffload.checkpoint import open_checkpoint
 from nvoffload.optim import OffloadIOError
 
 STEPS = 6
@@ -29,15 +30,16 @@ class LateAdamW:
     """The reference: torch's fused AdamW on ``model``, each step's gradients (the mean over its micro-batches,
     clipped by ``clip_grad_norm_``) applied at the next step."""
 
-    def __init__(self, model, max_grad_norm=None, fused=True, exact_steps=0):
+    def __init__(self, model, max_grad_norm=None, fused=True, exact_steps=0, loss=lambda model, x, y: model(x, y)):
         self.model, self.max_grad_norm, self.exact_steps, self.steps = model, max_grad_norm, exact_steps, 0
+        self.loss = loss
         way = {"fused": True} if fused else {"foreach": True}
         self.opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, **way)
         self.pending = None  # the last step's gradients, not applied yet
 
     def step(self, batches):
-        for x, y in batches:
-            (self.model(x, y) / len(batches)).backward()
+        for b in batches:
+            (self.loss(self.model, *b) / len(batches)).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf)
         grads = [p.grad for p in self.model.parameters()]
         self.flush()
@@ -132,13 +134,13 @@ def test_the_next_forward_runs_beside_the_updates_on_the_old_weights(tmp_path):
             if step == 3:
                 trace.start()
             model(x, y).backward()
-            if step == 3:
-                recorded = trace.stop()
-                pipeline._update = adam
             if step == 2:
                 pipeline, adam = opt._pipeline, opt._pipeline._update
                 pipeline._update = functools.partial(slowly, adam)
-            opt.step()
+            opt.step()  # step 3's lands step 2's updates
+            if step == 3:
+                recorded = trace.stop()
+                pipeline._update = adam
             opt.zero_grad()
             late.step([(x, y)])
             assert_weights(model, ref, step)
@@ -152,6 +154,9 @@ def test_the_next_forward_runs_beside_the_updates_on_the_old_weights(tmp_path):
         opt.close()
     updated, began = updates_and_forwards(recorded, model)  # of step 2's updates, and of step 3's forward
     assert any(began[b] < updated[b] for b in began)  # the forward did not wait for the block's update
+    # the worker took step 3's gradients ahead of step 2's updates still queued (backward did not wait for them)
+    kept = [start for track, name, start, _, _ in recorded.spans() if track == "d2h" and "gradient" in name]
+    assert kept and min(kept) < max(updated.values())  # the forward did not wait for the block's update
 
 
 def test_an_io_error_of_an_update_in_flight_is_raised_by_the_next_step_and_training_goes_on(tmp_path):
@@ -211,3 +216,72 @@ def test_loading_weights_waits_for_the_update_in_flight_to_land(tmp_path):
         assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
     finally:
         opt.close()
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft asks transformers 5
+def test_lora_adapters_are_delayed_and_the_frozen_base_is_never_written(tmp_path):
+    """A PEFT LoRA model over a streamed Llama base: each block's twin versions only its adapters' part (the frozen
+    base weights stay in the block's own store entry), so the streamer writes adapters only, never a base weight,
+    and the adapters are torch's fused AdamW applied one step late."""
+    lora = pytest.importorskip("test_lora")
+    lora.base_model("llama", meta=False).save_pretrained(tmp_path / "base")
+    model = lora.peft.get_peft_model(lora.base_model("llama", meta=True), lora.lora_config("llama"))
+    base = lora.transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    ref = lora.peft.get_peft_model(base, lora.lora_config("llama"))
+    block = lora.block_bytes(model)
+    config = nvoffload.OffloadConfig(  # five blocks: three in flight, a twin and the block it is made from
+        swap_dirs=[tmp_path], cpu_memory_bytes=2 * (5 * block + 64 * lora.KiB), device_memory_bytes=64 * lora.MiB,
+        delayed_update=True,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    with open_checkpoint(tmp_path / "base") as ckpt:
+        model, opt = nvoffload.initialize(model, optimizer, config, checkpoint=ckpt)
+    with opt:
+        ref.load_state_dict(lora.adapters(model.state_dict()), strict=False)
+        late = LateAdamW(ref, loss=lambda m, x: lora.loss_of(m, x))
+        layer = [p for p in nvoffload.streaming.find_blocks(model)[0].parameters() if p.requires_grad]
+        layer_bytes = sum(-(-p.numel() * 4 // 64) * 64 for p in layer)  # one layer's adapters in its block
+        written = []
+        for step in range(lora.STEPS):
+            x = lora.batch(step)
+            opt.session.reset_stats()
+            lora.loss_of(model, x).backward()
+            opt.step()
+            opt.zero_grad()
+            late.step([(x,)])
+            streamed = opt.session.streamer.bytes_written
+            written.append(streamed)
+            assert streamed % layer_bytes == 0  # adapters' parts only, never a base weight
+            state = model.state_dict()
+            for name, value in lora.adapters(ref.state_dict()).items():
+                assert torch.equal(state[name], value), (step, name)
+        assert sum(written) > 0  # twins were evicted: their adapter parts went to their own store entries
+
+
+def test_a_training_checkpoint_lands_the_update_in_flight_and_resumes_exactly(tmp_path):
+    """save_training_checkpoint lands the update in flight (the twins become the blocks) before it saves the model
+    and the state; a streamed run resumed from it ends bit-identical to the uninterrupted one."""
+    cfg = pair()[0]
+    data = [batch(cfg, step) for step in range(6)]
+
+    def train(model, opt, part):
+        for x, y in part:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, opt = streamed(tmp_path / "a", pair()[2], delayed_update=True)
+    with opt:
+        train(first, opt, data[:3])
+        nvoffload.save_training_checkpoint(tmp_path / "ckpt", step=3, model=first, optimizer=opt)
+        saved = {k: v.clone() for k, v in first.state_dict().items()}
+        train(first, opt, data[3:])
+        ended = outcome(first, opt, [])
+    resumed, opt = streamed(tmp_path / "b", pair(seed=1)[2], delayed_update=True)
+    with opt:
+        nvoffload.load_training_checkpoint(tmp_path / "ckpt", model=resumed, optimizer=opt)
+        assert all(torch.equal(v, saved[k]) for k, v in resumed.state_dict().items())
+        train(resumed, opt, data[3:])
+        assert_same_runs(outcome(resumed, opt, []), ended)

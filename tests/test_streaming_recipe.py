@@ -308,13 +308,14 @@ def test_an_io_error_of_a_deferred_update_is_raised_where_it_is_needed_and_train
 
 
 def updates_and_forwards(recorded, model):
-    """From a trace of a step: when the last update of each block's parameters ended, and when each block's forward
-    began (every block has both)."""
+    """From a trace of a step: when each block's parameters' first updates in it (the step before's) ended, and
+    when each block's forward began (every block has both)."""
     index = {id(p): i for i, p in enumerate(model.parameters())}
     block_of = {index[id(p)]: b for b, blk in enumerate(model.blocks) for p in blk.parameters()}
-    updated, began = {}, {}
-    for track, name, start, end, _ in recorded.spans():
-        if track == "adam" and int(name.split()[1]) in block_of:
+    updated, began, seen = {}, {}, set()
+    for track, name, start, end, _ in recorded.spans():  # by start: a chunk's first update comes first
+        if track == "adam" and int(name.split()[1]) in block_of and name not in seen:
+            seen.add(name)
             b = block_of[int(name.split()[1])]
             updated[b] = max(updated.get(b, 0.0), end)
         elif track == "compute" and name.startswith("forward "):

@@ -248,17 +248,17 @@ class ChunkIO:
                 self.written_bytes += part.numel() * part.element_size()
         return Future.all_of(futures)
 
-    def read_kept(self, chunk: Chunk, out: torch.Tensor) -> Future:
-        """Start reading ``chunk``'s kept gradient (fp32) into ``out``."""
+    def read_kept(self, chunk: Chunk, out: torch.Tensor, which: int) -> Future:
+        """Start reading ``chunk``'s kept gradient (fp32; entry ``which``, see :meth:`Chunk.kept_name`) into ``out``."""
         with self._count_lock:
             self.read_bytes += out.numel() * 4
-        return self.store.get(chunk.grad_name, out=out)
+        return self.store.get(chunk.kept_name(which), out=out)
 
-    def write_kept(self, chunk: Chunk, grad: torch.Tensor) -> Future:
-        """Start writing the fp32 ``grad`` as ``chunk``'s kept gradient (replacing the one kept before)."""
+    def write_kept(self, chunk: Chunk, grad: torch.Tensor, which: int) -> Future:
+        """Start writing the fp32 ``grad`` as ``chunk``'s kept gradient ``which`` (replacing the one kept before)."""
         with self._count_lock:
             self.written_bytes += grad.numel() * 4
-        return self.store.put(chunk.grad_name, grad)
+        return self.store.put(chunk.kept_name(which), grad)
 
     def _home(self, chunk: Chunk, gen: int) -> torch.Tensor:
         """The ``(rows, numel)`` rows of generation ``gen`` of the resident ``chunk``."""
@@ -291,6 +291,7 @@ class ChunkIO:
         """Delete every generation of ``chunk`` from the store and forget its state."""
         for gen in {chunk.gen, chunk.pending_gen} - {None}:
             self.delete(chunk, gen)
-        if chunk.grad_name in self.store:
-            self.store.delete(chunk.grad_name)
+        for name in (chunk.kept_name(0), chunk.kept_name(1)):
+            if name in self.store:
+                self.store.delete(name)
         chunk.gen, chunk.pending_gen, chunk.applied, chunk.scalars = None, None, False, {}

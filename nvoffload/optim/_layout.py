@@ -75,10 +75,10 @@ class Chunk:
     def name(self, gen: int) -> str:
         return f"{self.record.prefix}p{self.record.index}.c{self.index}.g{gen}"
 
-    @property
-    def grad_name(self) -> str:
-        """Store entry of the step's gradient kept between micro-batches (released gradients)."""
-        return f"{self.record.prefix}p{self.record.index}.c{self.index}.grad"
+    def kept_name(self, which: int = 0) -> str:
+        """Store entry of the step's gradient kept between micro-batches (released gradients); delayed updates
+        alternate between two (``which`` 0 and 1): one step's is read while the next step's is written."""
+        return f"{self.record.prefix}p{self.record.index}.c{self.index}.grad" + (".1" if which else "")
 
     @property
     def elements(self) -> slice:

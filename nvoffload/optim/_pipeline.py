@@ -16,6 +16,12 @@ reached the model. Reads ahead hold at most ``prefetch_chunks`` of the
 ``prefetch_chunks + 2`` slots, so when none is free a write holds one, and the
 worker waits for the oldest write.
 
+A request that only keeps a gradient (``update=False``) is taken ahead of the
+updates queued before it: its gradient is device memory that backward may be
+waiting for, and what it writes (the step's kept gradient) is not what those
+updates read (delayed updates read the other of a chunk's two kept gradients;
+every other mode has no update queued when a gradient is kept).
+
 No wait on the worker is unbounded: each raises a RuntimeError naming what it
 waited for as soon as the worker thread ends, or when the worker made no
 progress for :data:`~nvoffload.transfer.WAIT_LIMIT_S` (``NVOFFLOAD_WAIT_LIMIT_S``).
@@ -23,6 +29,7 @@ progress for :data:`~nvoffload.transfer.WAIT_LIMIT_S` (``NVOFFLOAD_WAIT_LIMIT_S`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import queue
@@ -60,6 +67,7 @@ class Pipeline:
         self._io = io
         self._update = update
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from a finalizer
+        self._keeps: collections.deque[Request] = collections.deque()  # requests that only keep a gradient, first
         self._free = slots
         self._slot_bytes = io.layout.slot_bytes
         # The slots bound the writes in flight: the budget never holds one back.
@@ -89,7 +97,11 @@ class Pipeline:
         self._check_running()
         with self._lock:
             self._pending += 1
-        self._queue.put(req)
+        if req.update:
+            self._queue.put(req)
+        else:  # taken ahead of the updates queued (see the module docs); the marker wakes an idle worker
+            self._keeps.append(req)
+            self._queue.put(("keep", None))
 
     def set_plan(self, plan: list[Chunk]) -> None:
         """Read ``plan``'s chunks ahead, in this order, from now on (read-ahead so far is dropped)."""
@@ -200,6 +212,8 @@ class Pipeline:
                 self._run_request(item)
                 continue
             kind, arg = item
+            if kind == "keep":
+                continue  # its request was taken already, or is the next item
             if kind == "stop":
                 self._read_ahead.clear()
                 self._writes.drain()
@@ -222,6 +236,8 @@ class Pipeline:
         """The next queued item. While none is queued, read ahead, and when a read waits for a slot, wait for
         the oldest write to free one and read on; idle (waiting for the next item) once reading ahead is done."""
         while True:
+            if self._keeps:
+                return self._keeps.popleft()
             try:
                 return self._queue.get_nowait()
             except queue.Empty:
@@ -401,7 +417,7 @@ class Pipeline:
         chunk, io = req.chunk, self._io
         if req.grad is None:
             kept = slot.kept_grad(chunk.numel)
-            io.read_kept(chunk, kept).result()
+            io.read_kept(chunk, kept, req.kept).result()
             return kept, None
         if req.comm is not None:
             req.comm.wait()
@@ -409,13 +425,13 @@ class Pipeline:
         if req.add_kept or req.keep:
             kept = slot.kept_grad(chunk.numel)
             if req.add_kept:
-                io.read_kept(chunk, kept).result()
+                io.read_kept(chunk, kept, req.kept).result()
                 kept.add_(grad)
             else:
                 kept.copy_(grad)
             grad = kept
         chunk.grad_norm = float(torch.linalg.vector_norm(grad, dtype=torch.float32))
-        return grad, io.write_kept(chunk, grad) if req.keep else None
+        return grad, io.write_kept(chunk, grad, req.kept) if req.keep else None
 
     def _keep_only(self, req: Request) -> None:
         """A micro-batch before the step's last: add the gradient to the kept one, no update."""

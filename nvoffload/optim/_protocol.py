@@ -20,7 +20,7 @@ With released gradients (``release_grads``: parameter streaming, where device
 memory holds no gradient after its hook) the number of micro-batches per step
 is given (``accumulation_steps``), not learned. On each micro-batch before the
 last, the hook adds the gradient to an fp32 copy kept in the store (its
-``grad_name``); on the last, it queues the update with the sum, unscaled by the
+``kept_name``); on the last, it queues the update with the sum, unscaled by the
 loss scale, and frees the gradient. The worker measures every summed
 gradient's norm, so ``step()`` knows the global norm without any gradient in
 memory and then either keeps the updates (the common case: no clipping
@@ -79,10 +79,12 @@ gradients the hooks keep every gradient, as when deferring, and ``step()``
 queues the updates from them (clipped and unscaled with the norm known); a
 streamed parameter's new weights go to its block's twin in the weight home
 (``acquire(staged=True)``), which the next forward and backward do not read,
-and landing makes the twins the blocks (``install_staged``). The updates run
-in the worker's order ahead of the next backward's kept gradients, so each is
-read before the next step's overwrites it. An error drops them
-(``drop_staged``) and the gradients kept since: the next ``step()`` raises it.
+and landing makes the twins the blocks (``install_staged``). The steps
+alternate between each chunk's two kept gradients (``Chunk.kept_name``): the
+updates read one step's while the next backward writes the other, and the
+worker takes those gradients ahead of the updates queued (their device memory
+is what backward waits for). An error drops the updates (``drop_staged``) and
+the gradients kept since: the next ``step()`` raises it.
 """
 
 from __future__ import annotations
@@ -195,6 +197,7 @@ class StepProtocol:
         self._delayed_after = delayed_after
         self._in_flight: dict[Record, None] = {}  # delayed or deferred: the records whose updates step() queued, in order
         self._late = False  # the updates in flight are delayed ones (they land at the next step(), not in backward)
+        self._kept = 0  # which of each chunk's two kept gradients this step's hooks write (delayed updates alternate)
         self._defer_rule = defer if release_grads and sharding is None else False
         # this step's updates wait for step() (the hooks keep the gradients): deferred, or delayed
         self.defer = bool(self._defer_rule) or (release_grads and self._delays())
@@ -311,7 +314,9 @@ class StepProtocol:
         for chunk in rec.chunks:
             if kinds.get("comm") is not None:
                 kinds["comm"].hold()  # the worker releases it once it copied the gradient out
-            self._pipeline.submit(Request(chunk, flat[chunk.elements], hp, rec.step + 1, grad_scale, ready, **kinds))
+            self._pipeline.submit(
+                Request(chunk, flat[chunk.elements], hp, rec.step + 1, grad_scale, ready, kept=self._kept, **kinds)
+            )
 
     def _submit_kept(self, rec: Record, grad_scale: float) -> None:
         """Queue ``rec``'s update from its kept gradient, from the committed generation."""
@@ -322,7 +327,7 @@ class StepProtocol:
             if chunk.pending_gen is not None and chunk.pending_gen != chunk.gen:
                 self._io.delete(chunk, chunk.pending_gen)
             chunk.pending_gen = None
-            self._pipeline.submit(Request(chunk, None, hp, rec.step + 1, grad_scale, ready))
+            self._pipeline.submit(Request(chunk, None, hp, rec.step + 1, grad_scale, ready, kept=self._kept))
 
     # ------------------------------------------------------------------ step()
     def finish(self, *, found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None) -> None:
@@ -509,6 +514,8 @@ class StepProtocol:
             if not late:  # the next forward waits for the block's update; a delayed one reads the old weights
                 home.updating(rec.param, _explained(pipe.mark(f"the deferred update of {rec.name}"), rec.name))
         self._in_flight, self._late = dict.fromkeys(resident + streamed), late
+        if late:  # the next step's gradients go to the other kept entries while these updates read theirs
+            self._kept ^= 1
 
     def _clipping_coefficient(self) -> float | None:
         """The released gradients' norm measured, what clipping multiplies them by (1.0 without clipping, and

@@ -35,18 +35,20 @@ class Request:
     (``keep``, for the next micro-batch or a redone update), and ``update`` may be False (a micro-batch
     before the last: the gradient is only kept). Every request that reads a device gradient measures the
     norm of the resulting gradient into ``chunk.grad_norm``. A gradient reduced over ranks is read once
-    ``comm.wait()`` returned (see :mod:`nvoffload.distributed`).
+    ``comm.wait()`` returned (see :mod:`nvoffload.distributed`). ``kept``: which of the chunk's two kept
+    gradients (:meth:`~nvoffload.optim._layout.Chunk.kept_name`) it reads or writes.
     """
 
-    __slots__ = ("chunk", "grad", "hparams", "step", "grad_scale", "ready", "add_kept", "keep", "update", "comm")
+    __slots__ = ("chunk", "grad", "hparams", "step", "grad_scale", "ready", "add_kept", "keep", "update", "comm", "kept")
 
     def __init__(self, chunk: Chunk, grad: torch.Tensor | None, hparams: dict, step: int, grad_scale: float,
                  ready: Event | None, *, add_kept: bool = False, keep: bool = False, update: bool = True,
-                 comm=None):  # fmt: skip
+                 comm=None, kept: int = 0):  # fmt: skip
         self.chunk, self.grad, self.hparams, self.step, self.grad_scale = chunk, grad, hparams, step, grad_scale
         self.ready = ready
         self.add_kept, self.keep, self.update = add_kept, keep, update
         self.comm = comm
+        self.kept = kept
 
 
 def for_optimizer(optimizer: torch.optim.Optimizer, state_precision: str = "fp32") -> Update:
