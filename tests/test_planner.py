@@ -721,6 +721,8 @@ def test_the_delayed_update_of_a_streamed_model_keeps_its_gradients_and_twins_it
     assert delayed.nvme_written_bytes - exact.nvme_written_bytes == 4 * shape.params
     assert delayed.nvme_read_bytes - exact.nvme_read_bytes == 4 * shape.params + (3 * evicted - 2 * evicted_exact) * block
     assert delayed.memory_bytes["device"] - exact.memory_bytes["device"] == shape.resident_params * 2
+    # on NVMe: the twins (bf16 weights once more) and two kept fp32 gradients a parameter
+    assert delayed.memory_bytes["nvme"] - exact.memory_bytes["nvme"] == shape.params * 2 + 2 * 4 * shape.params
     assert "twin" in delayed.placement["parameters"] and "kept in the store" in delayed.placement["gradients"]
     e = delayed.engine_s
     busy = max(e["compute"], e["cpu adam"] + e["checksums"], e["copies"])

@@ -620,7 +620,9 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     # fp32 gradient sums kept between micro-batches; by the vertical schedule none, but with clipping each gradient
     # once, for the redo of a step whose norm clips (read back only then: not counted)
     kept_grads = shard * 4 if stream and (delayed or g > 1 and (not vertical or r.max_grad_norm)) else 0
-    nvme_used = (weights if stream else 0) + 2 * state + kept_grads + (activations if offload else 0)
+    # delayed: two kept gradients a parameter (one step's read by its updates while the next step's is written),
+    # and each block's twin
+    nvme_used = (weights * (2 if delayed else 1) if stream else 0) + 2 * state + kept_grads * (2 if delayed else 1) + (activations if offload else 0)
     drives = profile.nvme(r.swap_dirs)
     host_used = r.cpu_memory_bytes + _HOST_OVERHEAD_BYTES + (0 if profile.device == "cuda" else device_used)
     if host_used > profile.host_memory_bytes:
