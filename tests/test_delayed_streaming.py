@@ -285,3 +285,36 @@ def test_a_training_checkpoint_lands_the_update_in_flight_and_resumes_exactly(tm
         assert all(torch.equal(v, saved[k]) for k, v in resumed.state_dict().items())
         train(resumed, opt, data[3:])
         assert_same_runs(outcome(resumed, opt, []), ended)
+
+
+def test_landing_inside_a_forward_is_refused_and_the_update_lands_at_the_next_step(tmp_path):
+    """synchronize() called while a forward holds a block (from a forward hook) would leave that block's device copy
+    with the old weights: it raises, commits nothing and keeps the update in flight; the next step() lands it, and
+    the weights stay torch's AdamW one step late, bit for bit."""
+    cfg, ref, model = pair()
+    late = LateAdamW(ref)
+    model, opt = streamed(tmp_path, model, delayed_update=True)
+    refused = []
+
+    def land_inside(module, args):
+        if not refused:
+            with pytest.raises(RuntimeError, match="held on the device") as raised:
+                opt.synchronize()
+            refused.append(raised.value)
+
+    try:
+        for step in range(4):
+            x, y = batch(cfg, step)
+            if step == 1:  # step 0's update is in flight
+                handle = model.blocks[3].register_forward_pre_hook(land_inside)
+            model(x, y).backward()
+            if step == 1:
+                handle.remove()
+                assert refused and {int(s["step"]) for s in opt.state_dict()["state"].values()} == {1}
+            opt.step()
+            opt.zero_grad()
+            late.step([(x, y)])
+            assert_weights(model, ref, step)
+        opt.synchronize()
+    finally:
+        opt.close()

@@ -438,7 +438,7 @@ class StepProtocol:
         """Delayed or deferred updates: wait for the updates the last ``step()`` queued, commit them and (delayed)
         make their new weights the parameters'. On an error they are dropped and it is raised: the parameters
         and the committed state stay those from before them."""
-        flight, self._in_flight = list(self._in_flight), {}
+        flight = list(self._in_flight)
         if not flight:
             return
         self._pipeline.wait_idle()
@@ -446,17 +446,19 @@ class StepProtocol:
         try:
             self._raise_error(flight)
         except BaseException:
+            self._in_flight = {}
             if home is not None and self._late:
                 home.drop_staged()
             raise
         finally:
             if home is not None:
                 home.settled()  # landed, or restored by the error
+        if self._late and home is not None:
+            home.install_staged()  # first: a block in use refuses it, and the updates stay in flight, uncommitted
+        self._in_flight = {}
         self._commit(flight, set(flight))
         if self._late:
             self._io.install_staged([r for r in flight if r.chunks and (home is None or not home.holds(r.param))])
-            if home is not None:
-                home.install_staged()
         if self._release_grads:
             self._pipeline.set_plan(self.plan())  # its chunks' state is committed: read on ahead for the next step
 

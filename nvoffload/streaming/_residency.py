@@ -238,6 +238,11 @@ class DeviceResidency:
         if update is not None:
             update.result()
 
+    def held(self) -> list[Block]:
+        """The blocks held on the device now (a forward or a backward is running them)."""
+        with self._lock:
+            return list(self._holds)
+
     def holds(self, block: Block, why: str) -> int:
         with self._lock:
             return self._holds[block][why] if block in self._holds else 0

@@ -464,8 +464,9 @@ def _check_budgets(blocks: list[Block], resident, memory: MemoryManager, host_by
     problems = []
     if memory.limit_bytes("device") < device_needed:
         problems.append(
-            f"device_memory_bytes must be at least {device_needed} (resident parameters and their gradients: "
-            f"{weights + grads}, plus 3 x the largest block's {largest})"
+            f"device_memory_bytes must be at least {device_needed} (resident parameters and their gradients"
+            f"{' and staged new weights' if delayed_update else ''}: {weights + grads}, plus 3 x the largest block's"
+            f" {largest})"
         )
     if host_bytes < host_needed:
         problems.append(

@@ -69,14 +69,25 @@ class StreamedWeights:
 
     def install_staged(self) -> None:
         """The delayed updates landed: every block's next weights become its weights (a block brought to the
-        device ahead of use, with the old ones, is let go first)."""
+        device ahead of use, with the old ones, is let go first). Refused, changing nothing, while a forward or
+        backward holds a block (its device copy has the old weights)."""
+        self._check_between_passes()
         self._residency.stage(None)
         self._cache.promote()
 
     def drop_staged(self) -> None:
-        """The delayed updates were undone: forget every block's next weights."""
+        """The delayed updates were undone: forget every block's next weights (the staged block lets go of its
+        host copy first)."""
         self._residency.stage(None)
         self._cache.drop_next()
+
+    def _check_between_passes(self) -> None:
+        held = self._residency.held()
+        if held:
+            raise RuntimeError(
+                f"nvoffload: the delayed updates cannot land while {held[0]} is held on the device (a forward or"
+                " backward is running): land them between steps (optimizer.step() or synchronize())"
+            )
 
     # ------------------------------------------------------------------ reads
     @contextlib.contextmanager
