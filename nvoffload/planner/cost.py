@@ -637,10 +637,11 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     # activation offload moves the blocks' activations and the tensors saved outside them (the loss's log-probabilities):
     # all of them between device and host, to NVMe those not kept in host memory
     act_nvme = act_io - activations_in_host
-    kept_io = kept_grads if vertical else (g - 1) * kept_grads
-    kept_read = kept_io if delayed and stream else (0 if vertical else kept_io)  # delayed: the update reads the sum
-    if delayed and stream and not vertical:  # every micro-batch keeps its gradient, the update reads the sum
-        kept_io = kept_read = g * kept_grads
+    if delayed:  # every micro-batch keeps its gradient (its pass's sum), the next step's update reads the sum
+        kept_io = kept_read = passes * kept_grads
+    else:  # the micro-batches before the last keep theirs, read back by the next
+        kept_io = kept_grads if vertical else (g - 1) * kept_grads
+        kept_read = 0 if vertical else kept_io
     read = state_in + weight_reads + act_nvme + kept_read
     written = state + weight_writes + act_nvme + kept_io
     h2d = (passes * 2 * m.n_layer * block_bytes if stream else shard * dtype_bytes) + act_io  # a rank's updated weights

@@ -136,9 +136,9 @@ class HostCache:
         with self._lock:
             self._next.setdefault(block, None)
 
-    def pin_next(self, block: Block) -> tuple[Block, torch.Tensor]:
-        """The twin that holds ``block``'s next weights (made from its current weights on first use since the last
-        :meth:`promote` or :meth:`drop_next`) and its host copy's flat bytes, cached until ``unpin(twin, ...)``."""
+    def pin_next(self, block: Block) -> torch.Tensor:
+        """The flat bytes of the twin that holds ``block``'s next weights (made from its current weights on first
+        use since the last :meth:`promote` or :meth:`drop_next`), cached until ``unpin(next_of(block), ...)``."""
         with self._lock:
             twin = self._next.get(block)
             if twin is None:
@@ -150,7 +150,7 @@ class HostCache:
                 # its own store entries hold nothing yet: evicted, it writes them
                 entry.dirty = {k for k, part in enumerate(twin.parts) if part[0] != block.parts[k][0]}
                 self._next[block] = twin
-            return twin, self.pin(twin)
+            return self.pin(twin)
 
     def next_of(self, block: Block) -> Block:
         """The twin that holds next weights of ``block`` (made by :meth:`pin_next`)."""
@@ -173,9 +173,7 @@ class HostCache:
                 old, new = self._lru.pop(block, None), self._lru.pop(twin, None)
                 if old is not None:  # the old weights: a read or write-back of them still running ends first
                     self._ahead.take(block)
-                    for settle in (self._settle_write, self._settle):
-                        with contextlib.suppress(Exception):
-                            settle(old)
+                    self._settle_quietly(old)
                     self._give_back(block, old.host)
                 if new is not None:
                     with contextlib.suppress(Exception):  # a failed write-back left its parts changed: written later
@@ -191,9 +189,7 @@ class HostCache:
             for twin in filter(None, self._next.values()):
                 entry = self._lru.get(twin)
                 if entry is not None:
-                    for settle in (self._settle_write, self._settle):
-                        with contextlib.suppress(Exception):
-                            settle(entry)
+                    self._settle_quietly(entry)
                     self._drop(twin)
             self._next.clear()
 
@@ -242,10 +238,7 @@ class HostCache:
         with self._lock:
             self._ahead.clear()
             for block, entry in list(self._lru.items()):
-                with contextlib.suppress(Exception):
-                    self._settle_write(entry)
-                with contextlib.suppress(Exception):
-                    self._settle(entry)
+                self._settle_quietly(entry)
                 self._drop(block)
 
     # ------------------------------------------------------------------ internals (caller holds the lock)
@@ -266,6 +259,12 @@ class HostCache:
         entry = self._lru[block] = _Entry(host, reads[0] if len(reads) == 1 else Future.all_of(reads, what=str(block)))
         self.bytes_read += sum(end - start for _, start, end in block.parts)
         return entry
+
+    def _settle_quietly(self, entry: _Entry) -> None:
+        """Let the entry's write-back and read end, whatever they raise (its buffer is given up next)."""
+        for settle in (self._settle_write, self._settle):
+            with contextlib.suppress(Exception):
+                settle(entry)
 
     @staticmethod
     def _settle(entry: _Entry) -> None:

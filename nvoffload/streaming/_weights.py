@@ -53,7 +53,7 @@ class StreamedWeights:
         ``staged``: its next weights instead (a delayed update's, in its block's twin; until :meth:`install_staged`
         the current ones are what forward and backward read)."""
         block, j = self._where[param]
-        host = self._cache.pin_next(block)[1] if staged else self._cache.pin(block)
+        host = self._cache.pin_next(block) if staged else self._cache.pin(block)
         return block.view(host, j).view(-1)
 
     def release(self, param: torch.Tensor, *, modified: bool, staged: bool = False) -> None:
