@@ -318,3 +318,33 @@ def test_landing_inside_a_forward_is_refused_and_the_update_lands_at_the_next_st
         opt.synchronize()
     finally:
         opt.close()
+
+
+def cuda_late_run(tmp_path, device):
+    """Five delayed steps of the streamed model on ``device``, clipped, beside torch's fused AdamW one step late
+    (on a GPU it rounds a little differently from the host kernel: compared within 1e-5)."""
+    cfg, ref, model = pair()
+    ref, model = ref.to(device), model.to(device)
+    late = LateAdamW(ref, max_grad_norm=1.0)
+    model, opt = streamed(tmp_path, model, max_grad_norm=1.0, delayed_update=True)
+    try:
+        assert opt.session.memory.limit_bytes("device") < sum(p.numel() * 4 for p in model.parameters())
+        for step in range(5):
+            batches = [tuple(t.to(device) for t in b) for b in micro_batches(cfg, step, 1)]
+            run_streamed(model, opt, batches)
+            late.step(batches)
+            for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
+                torch.testing.assert_close(p.to(q.device), q, rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
+        opt.synchronize()
+        late.flush()
+        for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
+            torch.testing.assert_close(p.to(q.device), q, rtol=1e-5, atol=1e-6, msg=f"synchronized: {name}")
+    finally:
+        opt.close()
+
+
+@pytest.mark.cuda
+def test_cuda_streamed_weights_are_adamw_applied_one_step_late(tmp_path):
+    """On a GPU: the blocks' twins (host) are copied in on the copy stream once installed, and the parameters outside
+    the blocks take their staged device copy; the weights are torch's fused CUDA AdamW one step late."""
+    cuda_late_run(tmp_path, "cuda")
