@@ -9,8 +9,9 @@ On ~200M parameters, laid out as a few large tensors and as many 4M tensors:
   vs the same work in PyTorch ops (convert the gradients to fp32, fused AdamW
   step, copy the weights out to bf16);
 - the compact state forms (not exact AdamW, opt-in): bf16 moments beside the fp32 master (with the bf16 copy),
-  and bf16 weights rounded stochastically with bf16 moments (no master), against the same bandwidth at their
-  own bytes (20 and 14 a parameter) and against the exact kernel's time;
+  bf16 weights rounded stochastically with bf16 moments (no master), and bf16 weights with 8-bit moments,
+  against the same bandwidth at their own bytes (20, 14 and 10 a parameter) and against the exact kernel's
+  time;
 - all vs the bandwidth limit, measured in the same run by
   ``kernels.bandwidth_probe``: the update's exact memory traffic (read param,
   exp_avg, exp_avg_sq and grad, write the three back, plus the bf16 copy) with
@@ -46,8 +47,9 @@ BYTES_PER_PARAM = {
     "bf16+out": 4 * 3 + 2 + 4 * 3 + 2,
     "bf16 moments": (4 + 2 + 2) + 2 + (4 + 2 + 2) + 2,  # p, m, v and the gradient read; p, m, v and the copy written
     "bf16 weights": 2 * 3 + 2 + 2 * 3,  # p, m, v (bf16) and the gradient read; p, m, v written
+    "8bit moments": (2 + 1 + 1) + 2 + (2 + 1 + 1),  # p (bf16), m, v (a byte each) and the gradient read; p, m, v written
 }
-COMPACT = ("bf16 moments", "bf16 weights")
+COMPACT = ("bf16 moments", "bf16 weights", "8bit moments")
 
 
 class Buffers:
@@ -64,6 +66,8 @@ class Buffers:
         self.m16 = [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]  # compact state
         self.v16 = [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]
         self.p16 = [p.detach().bfloat16() for p in self.params]
+        self.codes = [torch.zeros(2, n, dtype=torch.uint8) for n in sizes]  # 8-bit moments and their scales
+        self.exponents = [torch.zeros(2 * kernels.fp8_blocks(n), dtype=torch.int8) for n in sizes]
         self.numel = sum(sizes)
 
     def torch_adamw(self, grads: list[torch.Tensor], **flags) -> torch.optim.AdamW:
@@ -113,17 +117,19 @@ def kernel_pass(b: Buffers, bf16: bool) -> Callable[[], None]:
 
 def compact_pass(b: Buffers, form: str) -> Callable[[], None]:
     """The kernel on a compact state: bf16 moments beside the fp32 master (with the bf16 copy), or bf16 weights
-    (stochastic rounding) and moments."""
+    (stochastic rounding) with bf16 or 8-bit moments."""
     step = [10]
 
     def run() -> None:
         step[0] += 1
         for i, p in enumerate(b.params):
             weights = p.data if form == "bf16 moments" else b.p16[i]
+            m, v = (b.codes[i][0], b.codes[i][1]) if form == "8bit moments" else (b.m16[i], b.v16[i])
             kernels.adam_step(
-                weights, b.grad16[i], b.m16[i], b.v16[i], step=step[0], lr=HYPER["lr"], beta1=0.9, beta2=0.999,
+                weights, b.grad16[i], m, v, step=step[0], lr=HYPER["lr"], beta1=0.9, beta2=0.999,
                 eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
                 param_out=b.out16[i] if form == "bf16 moments" else None, sr_seed=i << 32 | step[0],
+                moment_exponents=b.exponents[i] if form == "8bit moments" else None,
             )
 
     return run
@@ -251,7 +257,8 @@ def main(argv: list[str] | None = None) -> Path:
         "vs_pytorch: fp32 rows against torch AdamW(fused=True), bf16 rows (the compact ones too) against the torch"
         " convert+fused+copy sequence (the exact update). The compact rows' of_bandwidth is the bf16+out probe's"
         " bandwidth at their bytes: 20/param with bf16 moments (read p 4, m 2, v 2, g 2; write p, m, v, copy 2),"
-        " 14/param with bf16 weights (read p, m, v, g 2 each; write p, m, v)."
+        " 14/param with bf16 weights (read p, m, v, g 2 each; write p, m, v), 10/param with 8-bit moments (read p 2,"
+        " m 1, v 1, g 2; write p, m, v; their scales, 4 bytes a block of 256, not counted)."
     )
     settings = {
         "params": total,

@@ -3,10 +3,10 @@
 Two parts, every case in the same run:
 
 - **The optimizer alone** on GPT-2 124M's parameters in bfloat16 (random gradients, the same each case):
-  ``NVMeAdamW`` with ``state_precision`` ``fp32`` (exact AdamW), ``bf16-moments`` and ``bf16``. For each: the
+  ``NVMeAdamW`` with ``state_precision`` ``fp32`` (exact AdamW), ``bf16-moments``, ``bf16`` and ``8bit``. For each: the
   bytes the state takes in the store per parameter, the store bytes read and written a step per parameter (the
   optimizer's counters) and the median step time, with their ratio to exact AdamW's.
-- **Convergence**: ``nvoffload finetune --dtype bfloat16`` with ``--optimizer-state`` each of the three, and
+- **Convergence**: ``nvoffload finetune --dtype bfloat16`` with ``--optimizer-state`` each of the four, and
   with ``--delayed-update`` (exact state, each step's updates landing one step late; and the same after 30 exact
   steps, ``--delayed-update-after 30``), on ``--preset gpt2-124m``
   (the shipped corpus) and on a small Hugging Face Llama built here from its config (random weights, bytes as
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import RESULTS_DIR, markdown_table, nvoffload_command, save_report  # noqa: E402
 
-PRECISIONS = ("fp32", "bf16-moments", "bf16")
+PRECISIONS = ("fp32", "bf16-moments", "bf16", "8bit")
 # the convergence part's cases: finetune's optimizer flags
 DELAYED_AFTER = 30  # the exact steps before the delayed updates of the last case
 OPTIONS = {p: ["--optimizer-state", p] for p in PRECISIONS} | {
@@ -162,13 +162,14 @@ def main(argv=None) -> Path:
             })  # fmt: skip
     for row in convergence:
         print(row)
-    bf16 = next(r for r in rows if r["case"] == "bf16")
-    moments = next(r for r in rows if r["case"] == "bf16-moments")
+    case = {r["case"]: r for r in rows}
+    moments, bf16, eight = case["bf16-moments"], case["bf16"], case["8bit"]
     notes = (
         f"The optimizer alone on {args.preset}'s {exact['params']:,} parameters (bf16 weights and gradients),"
         f" {args.optimizer_steps} steps a case, the first not timed: bf16 moments move"
         f" {moments['bytes_vs_exact']:.2f}x exact AdamW's store bytes in {moments['step_vs_exact']:.2f}x its step time,"
-        f" bf16 weights without an fp32 master {bf16['bytes_vs_exact']:.2f}x in {bf16['step_vs_exact']:.2f}x"
+        f" bf16 weights without an fp32 master {bf16['bytes_vs_exact']:.2f}x in {bf16['step_vs_exact']:.2f}x, and"
+        f" with 8-bit moments {eight['bytes_vs_exact']:.2f}x in {eight['step_vs_exact']:.2f}x"
         " (the delayed update moves exact AdamW's bytes: its step time is bench_offload_optim's full_delayed)."
         f" Convergence (finetune --dtype bfloat16, --batch-size {args.batch_size} --seq-len {args.seq_len}, loss averaged"
         f" over {WINDOW} steps):\n\n" + markdown_table(convergence)

@@ -403,16 +403,16 @@ def test_native_checks_sizes_and_hyperparameters():
     from nvoffload.optim import _adam
 
     with pytest.raises(ValueError, match="null pointer"):
-        _adam.adam_step(0, 0, 0, 0, 0, 0, 8, 8, 0, 3, 0, 0, 0, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1.0, False)
+        _adam.adam_step(0, 0, 0, 0, 0, 0, 0, 8, 8, 0, 3, 0, 0, 0, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1.0, False)
     p = torch.zeros(8)
     with pytest.raises(ValueError, match="lr must be finite"):
-        _adam.adam_step(p.data_ptr(), p.data_ptr(), p.data_ptr(), p.data_ptr(), 0, 0, 8, 8, 0, 3, 0, 0, 0, 1,
+        _adam.adam_step(p.data_ptr(), p.data_ptr(), p.data_ptr(), p.data_ptr(), 0, 0, 0, 8, 8, 0, 3, 0, 0, 0, 1,
                         float("nan"), 0.9, 0.999, 1e-8, 0.0, True, 1.0, False)
     with pytest.raises(ValueError, match="invalid grad dtype"):
-        _adam.adam_step(p.data_ptr(), p.data_ptr(), p.data_ptr(), p.data_ptr(), 0, 0, 8, 8, 7, 3, 0, 0, 0, 1, 1e-3,
+        _adam.adam_step(p.data_ptr(), p.data_ptr(), p.data_ptr(), p.data_ptr(), 0, 0, 0, 8, 8, 7, 3, 0, 0, 0, 1, 1e-3,
                         0.9, 0.999, 1e-8, 0.0, True, 1.0, False)
     with pytest.raises(ValueError, match="invalid state code"):
-        _adam.adam_step(p.data_ptr(), p.data_ptr(), p.data_ptr(), p.data_ptr(), 0, 0, 8, 8, 0, 3, 5, 0, 0, 1, 1e-3,
+        _adam.adam_step(p.data_ptr(), p.data_ptr(), p.data_ptr(), p.data_ptr(), 0, 0, 0, 8, 8, 0, 3, 9, 0, 0, 1, 1e-3,
                         0.9, 0.999, 1e-8, 0.0, True, 1.0, False)
 
 

@@ -1,4 +1,4 @@
-"""Compact optimizer state (issue 34): bf16 moments, and bf16 weights without an fp32 master.
+"""Compact optimizer state (issue 34): bf16 moments, bf16 weights without an fp32 master, and 8-bit moments.
 
 The offloaded optimizer, its state cut into chunks and moved through the store,
 must give exactly what the fused kernel gives on whole tensors in memory (the
@@ -13,7 +13,7 @@ import torch
 from test_streaming import config as streaming_config
 from torch import nn
 
-from nvoffload.optim.kernels import adam_step
+from nvoffload.optim.kernels import adam_step, decode_moment, fp8_blocks
 from nvoffload.optim.offload import NVMeAdamW, OffloadOptimizer
 from nvoffload.training_checkpoint import load_training_checkpoint, save_training_checkpoint
 
@@ -49,20 +49,30 @@ class Reference:
         self.precision = precision
         self.step_count = 0
         self.state = []
+        self.exponents = []  # 8-bit moments: each parameter's blocks' scale exponents
         for p in self.params:
-            masterless = precision == "bf16" and p.dtype == torch.bfloat16
+            masterless = precision in ("bf16", "8bit") and p.dtype == torch.bfloat16
             master = None if masterless or p.dtype == torch.float32 else p.detach().float().reshape(-1).clone()
-            moments = torch.float32 if precision == "fp32" else torch.bfloat16
+            moments = {"fp32": torch.float32, "8bit": torch.uint8}.get(precision, torch.bfloat16)
             self.state.append((master, torch.zeros(p.numel(), dtype=moments), torch.zeros(p.numel(), dtype=moments)))
+            self.exponents.append(torch.zeros(2, fp8_blocks(p.numel()), dtype=torch.int8) if precision == "8bit" else None)
 
     def step(self, grad_scale=1.0):
         self.step_count += 1
-        for i, (p, (master, m, v)) in enumerate(zip(self.params, self.state)):
+        for i, (p, (master, m, v), exponents) in enumerate(zip(self.params, self.state, self.exponents)):
             weights = p.data.view(-1) if master is None else master
             adam_step(weights, p.grad.reshape(-1).contiguous(), m, v, step=self.step_count, lr=LR, beta1=0.9,
                       beta2=0.999, eps=1e-8, weight_decay=WD, grad_scale=grad_scale, sr_seed=i << 32 | self.step_count,
-                      param_out=None if master is None else p.data.view(-1))  # fmt: skip
+                      param_out=None if master is None else p.data.view(-1),
+                      moment_exponents=None if exponents is None else exponents.view(-1))  # fmt: skip
             p.grad = None
+
+    def moments(self, i):
+        """Parameter ``i``'s moments as fp32 values (as a state dict holds them)."""
+        _, m, v = self.state[i]
+        if self.exponents[i] is None:
+            return m.float(), v.float()
+        return decode_moment(m, self.exponents[i][0]), decode_moment(v, self.exponents[i][1], root=True)
 
 
 def run(model, opt, data):
@@ -84,7 +94,7 @@ def offloaded(model, tmp_path, precision, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("precision", ["bf16-moments", "bf16"])
+@pytest.mark.parametrize("precision", ["bf16-moments", "bf16", "8bit"])
 def test_offloaded_compact_state_equals_the_kernel_on_whole_tensors(tmp_path, dtype, precision):
     torch.manual_seed(0)
     base = Net().to(dtype)
@@ -95,9 +105,10 @@ def test_offloaded_compact_state_equals_the_kernel_on_whole_tensors(tmp_path, dt
     for a, b in zip(off_model.parameters(), ref_model.parameters()):
         assert torch.equal(a, b)
     sd = opt.state_dict()["state"]
-    for i, (master, m, v) in enumerate(ref.state):
+    for i, (master, _, _) in enumerate(ref.state):
         assert sd[i]["state_precision"] == precision
-        assert torch.equal(sd[i]["exp_avg"].view(-1), m.float()) and torch.equal(sd[i]["exp_avg_sq"].view(-1), v.float())
+        m, v = ref.moments(i)
+        assert torch.equal(sd[i]["exp_avg"].view(-1), m) and torch.equal(sd[i]["exp_avg_sq"].view(-1), v)
         assert sd[i]["exp_avg"].dtype == torch.float32  # as torch's state dict has it
         if master is None:
             assert "master_param" not in sd[i]
@@ -106,12 +117,13 @@ def test_offloaded_compact_state_equals_the_kernel_on_whole_tensors(tmp_path, dt
     opt.close()
 
 
-def test_compact_state_follows_exact_adamw_closely(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16-moments", "8bit"])
+def test_compact_state_follows_exact_adamw_closely(tmp_path, precision):
     torch.manual_seed(0)
     base = Net()
     exact, compact = copy.deepcopy(base), copy.deepcopy(base)
     opt_exact = torch.optim.AdamW(exact.parameters(), lr=LR, weight_decay=WD, fused=True)
-    opt_compact = offloaded(compact, tmp_path / "swap", "bf16-moments")
+    opt_compact = offloaded(compact, tmp_path / "swap", precision)
     data = batches(10, torch.float32)
     losses_exact, losses_compact = run(exact, opt_exact, data), run(compact, opt_compact, data)
     assert losses_exact != losses_compact  # not exact ...
@@ -147,7 +159,29 @@ def test_store_bytes_per_step_are_the_state_bytes_per_parameter(tmp_path, dtype,
     opt.close()
 
 
-@pytest.mark.parametrize("precision", ["bf16-moments", "bf16"])
+@pytest.mark.parametrize("dtype, weight_bytes", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_8bit_moments_move_two_bytes_a_parameter_and_their_scales(tmp_path, dtype, weight_bytes):
+    """The store reads each chunk's codes and its blocks' exponents (2 bytes an element, 2 a block of 256), and writes
+    them with the new weights (fp32 parameters' master, or the bf16 weights themselves)."""
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    opt = offloaded(model, tmp_path / "swap", "8bit")
+    data = batches(3, dtype)
+    run(model, opt, data[:1])
+    chunk_numel = CHUNK // 4
+    moments = sum(2 * n + 2 * fp8_blocks(n) for p in model.parameters()
+                  for n in [min(chunk_numel, p.numel() - s) for s in range(0, p.numel(), chunk_numel)])  # fmt: skip
+    numel = sum(p.numel() for p in model.parameters())
+    assert moments < 2.01 * numel
+    for x, y in data[1:]:
+        opt.reset_io_stats()
+        run(model, opt, [(x, y)])
+        stats = opt.memory_stats()
+        assert (stats.read_bytes, stats.written_bytes) == (moments, moments + weight_bytes * numel)
+    opt.close()
+
+
+@pytest.mark.parametrize("precision", ["bf16-moments", "bf16", "8bit"])
 def test_clipped_redo_with_released_grads_equals_the_reference(tmp_path, precision):
     # release_grads applies each update during backward and redoes it in step() once the norm says clip:
     # the committed weights come back from the store (the bf16 copy without an fp32 master).
@@ -173,7 +207,7 @@ def test_clipped_redo_with_released_grads_equals_the_reference(tmp_path, precisi
     opt.close()
 
 
-@pytest.mark.parametrize("precision", ["bf16-moments", "bf16"])
+@pytest.mark.parametrize("precision", ["bf16-moments", "bf16", "8bit"])
 def test_a_checkpoint_resumes_exactly_and_loads_only_into_its_precision(tmp_path, precision):
     torch.manual_seed(0)
     base = Net().to(torch.bfloat16)

@@ -334,7 +334,7 @@ def test_plan_takes_a_finetune_command_line_as_it_is(tmp_path, capsys):
     delayed = got.pop("delayed_update_option")  # streamed too: each block's twin holds its new weights
     assert delayed["step_s"] == delayed_update_option(want, BUILTIN_PROFILES[profile]).step_s
     assert got == want.to_dict()
-    assert options.keys() == {"fp32", "bf16-moments"}
+    assert options.keys() == {"fp32", "bf16-moments", "8bit"}
     for precision, other in state_precision_options(want, BUILTIN_PROFILES[profile]).items():
         assert options[precision]["step_s"] == other.step_s and options[precision]["bottleneck"] == other.bottleneck
     assert os.listdir(tmp_path) == []  # nothing read or created
@@ -659,7 +659,8 @@ def test_the_planner_chooses_the_fewest_tokens_a_step_that_make_it_bound_by_comp
 
 @pytest.mark.parametrize(
     "precision,dtype,read,written",
-    [("bf16-moments", "bfloat16", 8, 8), ("bf16", "bfloat16", 4, 6), ("bf16", "float32", 8, 8)],
+    [("bf16-moments", "bfloat16", 8, 8), ("bf16", "bfloat16", 4, 6), ("bf16", "float32", 8, 8), ("8bit", "bfloat16", 2, 4),
+     ("8bit", "float32", 6, 6)],
 )
 def test_compact_state_moves_its_bytes_and_lifts_a_drive_bound_step(precision, dtype, read, written):
     """The optimizer state's NVMe bytes a step are the compact state's (tests/test_compact_state.py counts the
@@ -677,6 +678,28 @@ def test_compact_state_moves_its_bytes_and_lifts_a_drive_bound_step(precision, d
     assert exact.nvme_written_bytes - compact.nvme_written_bytes == (12 - written) * shape.params
     assert exact.bottleneck == "nvme" and compact.step_s < exact.step_s
     assert state_precision_options(compact, profile)["fp32"].step_s == exact.step_s
+
+
+def test_8bit_moments_cost_their_bytes_on_a_server_and_their_arithmetic_on_few_cores():
+    """The 8-bit kernel moves 10 of the exact update's 28 bytes a parameter but does more arithmetic: on the built-in
+    64-core server (the profile's rate is the memory's) it takes 10/28 of the exact update's time; on two cores the
+    arithmetic binds it, at the measured rate a core."""
+    from nvoffload.planner.cost import _FP8_PARAMS_PER_CORE_S
+
+    server = BUILTIN_PROFILES["h100-sxm-512g-4xgen4"]
+    request = PlanRequest(ModelShape.named("gpt3-175b"), batch_size=8, seq_len=2048, dtype="bfloat16",
+                          cpu_memory_bytes=448 << 30, device_memory_bytes=78 << 30, swap_dirs=4, stream=True,
+                          activations="recompute", state_precision="bf16")  # fmt: skip
+    bf16 = plan(request, server)
+    eight = state_precision_options(bf16, server)["8bit"]
+    assert eight.engine_s["cpu adam"] == pytest.approx(bf16.engine_s["cpu adam"] * 10 / 28, rel=1e-3)
+    assert eight.step_s < bf16.step_s and eight.bottleneck == "nvme"
+    two_cores = dataclasses.replace(server, cpu_cores=2)
+    bf16 = plan(request, two_cores)
+    eight = state_precision_options(bf16, two_cores)["8bit"]
+    params = request.model.params
+    assert eight.engine_s["cpu adam"] == pytest.approx(params / (2 * _FP8_PARAMS_PER_CORE_S), rel=0.05)
+    assert eight.engine_s["cpu adam"] > bf16.engine_s["cpu adam"]
 
 
 def test_the_delayed_update_takes_the_optimizer_off_the_step_and_keeps_the_model_on_the_device():

@@ -25,7 +25,23 @@ enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
 // weights are bf16, updated in place and rounded stochastically (the bits of
 // a hash of sr_seed and the element's index in its tensor), so that updates
 // smaller than half a bf16 ulp still move the weights on average.
-enum class State : int { kFp32 = 0, kBf16Moments = 1, kBf16 = 2 };
+//
+// kFp8Moments (fp32 master) and kFp8 (bf16 weights, as kBf16) keep each moment
+// in one byte an element: float8 e4m3 bits (torch.float8_e4m3fn: sign, 4
+// exponent bits of bias 7, 3 mantissa bits, subnormals, 448 the largest,
+// 0x7f NaN) of the value divided by its block's scale, a power of two 2^k
+// (k one signed byte per block of kFp8Block elements from the buffer's
+// start). exp_avg_sq is kept as its square root, whose range an 8-bit format
+// covers twice as well. The update runs on the decoded moments with the exact
+// arithmetic (its vector loop's formula for every element); each block's new
+// scale is the smallest power of two that brings its largest magnitude to at
+// most 448, and the values are rounded stochastically (16 random bits from
+// sr_seed and the element's index, as the bf16 weights'), so the moments'
+// small increments are kept on average; a nonzero root never rounds to zero
+// (its square is a denominator).
+enum class State : int { kFp32 = 0, kBf16Moments = 1, kBf16 = 2, kFp8Moments = 3, kFp8 = 4 };
+
+constexpr size_t kFp8Block = 256;
 
 // Per-call constants, already rounded to fp32 exactly where torch rounds them,
 // so every variant reproduces the arithmetic of torch's fused CPU Adam(W)
@@ -45,17 +61,19 @@ enum class State : int { kFp32 = 0, kBf16Moments = 1, kBf16 = 2 };
 // Every multiply-add the compiler could fuse would change a rounding: the
 // kernel is built with -ffp-contract=off, and its FMAs are the explicit ones.
 struct AdamArgs {
-  void* param;            // fp32, or bf16 with State::kBf16
+  void* param;            // fp32, or bf16 with State::kBf16 and State::kFp8
   const void* grad;
-  void* exp_avg;          // fp32, or bf16 with a compact State
+  void* exp_avg;          // fp32, bf16 with a bf16 State, float8 e4m3 bits with an 8-bit one
   void* exp_avg_sq;       // as exp_avg
   float* max_exp_avg_sq;  // nullptr unless amsgrad (State::kFp32 only)
+  int8_t* moment_exponents;  // the 8-bit forms: each block's k, exp_avg's blocks then exp_avg_sq's (nullptr else)
+  size_t nblocks;            // blocks of kFp8Block elements (the last may be partial)
   void* param_out;        // nullptr unless out_dtype != kNone (never with State::kBf16)
   DType grad_dtype;
   DType out_dtype;
   State state;
-  uint64_t sr_seed;       // State::kBf16: the stochastic rounding's seed (one per tensor and step)
-  uint64_t first_index;   // State::kBf16: the index in its tensor of element 0 (the rounding hashes it)
+  uint64_t sr_seed;       // bf16 weights, 8-bit moments: the stochastic rounding's seed (one per tensor and step)
+  uint64_t first_index;   // the index in its tensor of element 0 (the stochastic rounding hashes it)
   float grad_scale;
   bool maximize;
   int weight_decay_mode;  // 0: none, 1: decoupled (param *= decay), 2: L2 (g += l2 * p)

@@ -16,6 +16,7 @@
 #pragma GCC target("avx512f")
 // GCC 12 false positive inside avx512fintrin.h (_mm512_undefined_* placeholders).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 namespace {

@@ -13,6 +13,7 @@
 // and the linker can never substitute one variant's code for another's.
 #pragma once
 
+#include <cmath>
 #include <cstring>
 
 #include "adam.h"
@@ -187,6 +188,47 @@ __attribute__((always_inline)) inline void store_stochastic(unsigned char* out, 
 // the other multiplication of exp_avg_sq's update into the multiply-add.
 enum class Part { kBody, kTail };
 
+// The update's arithmetic on registers (see adam.h), shared by every state form. The gradient as used (scaled,
+// negated with maximize):
+template <class V>
+inline typename V::R scaled_grad(const Consts<V>& c, typename V::R g) {
+  g = V::mul(g, c.grad_scale);
+  return c.maximize ? V::neg(g) : g;
+}
+
+// Weight decay: decoupled (p shrinks) or L2 (g grows by l2 * p).
+template <class V>
+inline void decay(const Consts<V>& c, typename V::R& p, typename V::R& g) {
+  if (c.weight_decay_mode == 1) {
+    p = V::mul(p, c.decay);
+  } else if (c.weight_decay_mode == 2) {
+    g = V::fma(p, c.l2, g);
+  }
+}
+
+// exp_avg after the step: torch's lerp, in its fma form.
+template <class V>
+inline typename V::R next_exp_avg(const Consts<V>& c, typename V::R g, typename V::R m) {
+  return c.lerp_small ? V::fma(c.lerp_weight, V::sub(g, m), m) : V::fma(V::neg(V::sub(g, m)), c.one_minus_lerp, g);
+}
+
+// exp_avg_sq after the step, by torch's formula for part P.
+template <class V, Part P>
+inline typename V::R next_exp_avg_sq(const Consts<V>& c, typename V::R g, typename V::R v) {
+  if constexpr (P == Part::kBody) {
+    return V::fma(V::mul(c.one_minus_beta2, g), g, V::mul(v, c.beta2));
+  } else {
+    return V::fma(v, c.beta2, V::mul(V::mul(c.one_minus_beta2, g), g));
+  }
+}
+
+// The weights after the step, from the new exp_avg and the square root of the new exp_avg_sq.
+template <class V>
+inline typename V::R stepped(const Consts<V>& c, typename V::R p, typename V::R m, typename V::R root) {
+  const typename V::R denom = V::add(V::div(root, c.bc2_sqrt), c.eps);
+  return V::add(p, V::div(V::mul(c.neg_step_size, m), denom));
+}
+
 // One register's worth of elements at the given (already offset) pointers;
 // `index` is the first one's index in its tensor (for the stochastic rounding).
 // Returns the updated weights (before any rounding to bf16) for the
@@ -197,27 +239,12 @@ inline typename V::R update(const Consts<V>& c, unsigned char* p_ptr, const unsi
   using R = typename V::R;
   constexpr bool kBf16Moments = S != State::kFp32;
   constexpr bool kBf16Param = S == State::kBf16;
-  R g = V::mul(load_grad<V, G>(g_ptr), c.grad_scale);
-  if (c.maximize) g = V::neg(g);
+  R g = scaled_grad(c, load_grad<V, G>(g_ptr));
   R p = load_as_float<V, kBf16Param>(p_ptr);
-  if (c.weight_decay_mode == 1) {
-    p = V::mul(p, c.decay);
-  } else if (c.weight_decay_mode == 2) {
-    g = V::fma(p, c.l2, g);
-  }
-  R m = load_as_float<V, kBf16Moments>(m_ptr);
-  if (c.lerp_small) {
-    m = V::fma(c.lerp_weight, V::sub(g, m), m);
-  } else {
-    m = V::fma(V::neg(V::sub(g, m)), c.one_minus_lerp, g);
-  }
+  decay(c, p, g);
+  const R m = next_exp_avg(c, g, load_as_float<V, kBf16Moments>(m_ptr));
   store_rounded<V, kBf16Moments>(m_ptr, m);
-  R v;
-  if constexpr (P == Part::kBody) {
-    v = V::fma(V::mul(c.one_minus_beta2, g), g, V::mul(load_as_float<V, kBf16Moments>(v_ptr), c.beta2));
-  } else {
-    v = V::fma(load_as_float<V, kBf16Moments>(v_ptr), c.beta2, V::mul(V::mul(c.one_minus_beta2, g), g));
-  }
+  R v = next_exp_avg_sq<V, P>(c, g, load_as_float<V, kBf16Moments>(v_ptr));
   store_rounded<V, kBf16Moments>(v_ptr, v);
   if constexpr (S == State::kFp32) {
     if (vmax_ptr != nullptr) {
@@ -225,8 +252,7 @@ inline typename V::R update(const Consts<V>& c, unsigned char* p_ptr, const unsi
       V::store(vmax_ptr, v);
     }
   }
-  const R denom = V::add(V::div(V::sqrt(v), c.bc2_sqrt), c.eps);
-  p = V::add(p, V::div(V::mul(c.neg_step_size, m), denom));
+  p = stepped(c, p, m, V::sqrt(v));
   if constexpr (kBf16Param) {
     store_stochastic<V>(p_ptr, p, c, index);
   } else {
@@ -320,6 +346,269 @@ void adam_range_typed(const AdamArgs& a, size_t begin, size_t end) {
   adam_registers<V, G, O, S, Part::kTail>(a, c, tail, end);
 }
 
+// ---- 8-bit moments (State::kFp8Moments, State::kFp8; see adam.h)
+
+// Each moment's rounding bits come from a seed of its own: sr_seed xor one of these (the weights' is sr_seed).
+constexpr uint64_t kExpAvgSalt = 0x243f6a8885a308d3ull;  // digits of pi
+constexpr uint64_t kRootSalt = 0x13198a2e03707344ull;
+
+// The exponent k of a block's scale 2^k: the smallest that brings `absmax` to at most 448 (so the largest value is
+// in (224, 448], and a decoded block gets the same k or a smaller one, at which its values are exact). 0 for a block
+// of zeros or a NaN; at least -126, so that 2^k and 2^-k are normal floats.
+inline int8_t fp8_exponent(float absmax) {
+  if (!(absmax > 0.0f) || !(absmax <= 3.4028234663852886e38f)) return 0;
+  int e = 0;
+  std::frexp(absmax, &e);  // absmax = f 2^e, f in [0.5, 1)
+  int k = e - 9;           // absmax 2^-k in [256, 512)
+  if (std::ldexp(absmax, -k) > 448.0f) ++k;
+  return static_cast<int8_t>(k < -126 ? -126 : k);
+}
+
+// The compiler's generic vectors of W floats and W signed ints, beside Lanes<W>'s unsigned ones.
+template <size_t W>
+struct FloatLanes {
+  typedef float F __attribute__((vector_size(W * 4)));
+  typedef int32_t I __attribute__((vector_size(W * 4)));
+  typedef uint8_t B __attribute__((vector_size(W)));
+};
+
+// The values of W codes (the first n, zeros after them) times `scale`, W lanes at a time: a normal code's exponent
+// rebiased (7 -> 127) and mantissa moved up, a subnormal's mantissa times 2^-9 (exact in fp32), 0x7f (and 0xff)
+// NaN.
+template <size_t W>
+__attribute__((always_inline)) inline void fp8_decode(const uint8_t* codes, size_t n, float scale, float* out) {
+  using U = typename Lanes<W>::U;
+  using F = typename FloatLanes<W>::F;
+  using I = typename FloatLanes<W>::I;
+  typename FloatLanes<W>::B bytes = {};
+  if (n >= W) {
+    std::memcpy(&bytes, codes, W);
+  } else {
+    std::memcpy(&bytes, codes, n);
+  }
+  const U code = __builtin_convertvector(bytes, U);
+  const U sign = (code & 0x80u) << 24;
+  const U exponent = (code >> 3) & 15u, mantissa = code & 7u;
+  const F subnormal = __builtin_convertvector((I)mantissa, F) * 0x1p-9f;
+  U low;
+  std::memcpy(&low, &subnormal, sizeof(low));
+  const U normal = ((exponent + 120u) << 23) | (mantissa << 20);
+  U u = sign | (exponent == 0u ? low : normal);
+  u = (code & 0x7fu) == 0x7fu ? (sign | 0x7fc00000u) : u;
+  F f;
+  std::memcpy(&f, &u, sizeof(f));
+  f *= scale;
+  std::memcpy(out, &f, sizeof(f));
+}
+
+// W values times `inverse` (each then at most 448, or not finite) to float8 e4m3 codes, rounded stochastically:
+// `bits` (16 random bits a lane) added at the top of the bits dropped, then truncated; from 2^-6, the smallest
+// normal, 3 of fp32's 23 mantissa bits are kept, below it |x| 2^9 is taken in fixed point with 16 fractional bits
+// (8 is the smallest normal's code). NaN and infinities become NaN (e4m3fn has none). `root`: a nonzero value never
+// becomes the code 0. The first n (at most W) codes are written.
+template <size_t W>
+__attribute__((always_inline)) inline void fp8_encode(const float* values, float inverse, typename Lanes<W>::U bits, bool root, size_t n,
+                       uint8_t* codes) {
+  using U = typename Lanes<W>::U;
+  using F = typename FloatLanes<W>::F;
+  using I = typename FloatLanes<W>::I;
+  F x;
+  std::memcpy(&x, values, sizeof(x));
+  x *= inverse;
+  U u;
+  std::memcpy(&u, &x, sizeof(u));
+  const U sign = (u >> 24) & 0x80u;
+  const U magnitude = u & 0x7fffffffu;
+  const U r = magnitude + (bits << 4);
+  U normal = (((r >> 23) - 120u) << 3) | ((r >> 20) & 7u);
+  normal = normal > 0x7eu ? U{} + 0x7eu : normal;
+  F a;
+  std::memcpy(&a, &magnitude, sizeof(a));
+  a = a < 0x1p-6f ? a : F{} + 0x1p-6f;
+  const U subnormal = ((U)__builtin_convertvector(a * 0x1p25f, I) + bits) >> 16;
+  U code = magnitude >= 0x3c800000u ? normal : subnormal;
+  code = magnitude >= 0x7f800000u ? U{} + 0x7fu : code;
+  code |= sign;
+  if (root) code = (code == 0u) & (x > 0.0f) ? U{} + 1u : code;
+  const typename FloatLanes<W>::B bytes = __builtin_convertvector(code, typename FloatLanes<W>::B);
+  if (n >= W) {
+    std::memcpy(codes, &bytes, W);
+  } else {
+    std::memcpy(codes, &bytes, n);
+  }
+}
+
+// One updated block's new moments waiting to be rounded to codes (the next block's updates interleave with it, so
+// that the rounding's integer work runs beside their divisions): the values, where and at which scales.
+struct Fp8Block {
+  alignas(64) float m[kFp8Block];
+  alignas(64) float r[kFp8Block];
+  size_t start = 0, n = 0;  // the block's first element (of the buffers) and its elements
+  uint64_t first = 0;       // its first element's index in its tensor (the rounding bits hash it)
+  float inverse_m = 0.0f, inverse_r = 0.0f;
+  uint32_t key_m = 0, key_r = 0;  // rounding_key of the first index: the block's, when one_key
+  bool one_key = false;           // every element's index has the same high 32 bits
+  bool pending = false;
+};
+
+// The rounding bits of W lanes from `first` on (rounding_bits, lane by lane).
+template <size_t W>
+__attribute__((always_inline)) inline typename Lanes<W>::U fp8_bits(uint64_t seed, uint64_t first, uint32_t key, bool one_key) {
+  using U = typename Lanes<W>::U;
+  U bits;
+  if (one_key) {
+    std::memcpy(&bits, kLaneIndex, sizeof(bits));
+    return (((bits + static_cast<uint32_t>(first)) ^ key) * kFibonacci) >> 16;
+  }
+  for (size_t k = 0; k < W; ++k) bits[k] = rounding_bits(static_cast<uint32_t>(first + k), rounding_key(seed, first + k));
+  return bits;
+}
+
+// Round register j (elements j .. j + W) of the waiting block `b` to codes.
+template <size_t W>
+__attribute__((always_inline)) inline void fp8_round_register(const Fp8Block& b, size_t j, uint64_t seed_m, uint64_t seed_r, uint8_t* codes_m,
+                               uint8_t* codes_r) {
+  const uint64_t index = b.first + j;
+  const size_t n = b.n - j;
+  fp8_encode<W>(b.m + j, b.inverse_m, fp8_bits<W>(seed_m, index, b.key_m, b.one_key), false, n, codes_m + b.start + j);
+  fp8_encode<W>(b.r + j, b.inverse_r, fp8_bits<W>(seed_r, index, b.key_r, b.one_key), true, n, codes_r + b.start + j);
+}
+
+// One register's elements: the moments decoded (codes cm, cr at scales 2^k), the update, its new weights stored
+// (bf16 ones stochastically) and returned; the new exp_avg and root of exp_avg_sq to m_new and r_new, their largest
+// magnitudes into max_m and max_r.
+template <class V, DType G, bool Bf16Param>
+__attribute__((always_inline)) inline typename V::R fp8_update(const Consts<V>& c, unsigned char* p_ptr, const unsigned char* g_ptr,
+                                const uint8_t* cm, const uint8_t* cr, size_t n, float scale_m, float scale_r,
+                                float* m_new, float* r_new, typename V::R& max_m, typename V::R& max_r,
+                                uint64_t index) {
+  using R = typename V::R;
+  alignas(64) float m_old[V::W], r_old[V::W];
+  fp8_decode<V::W>(cm, n, scale_m, m_old);
+  fp8_decode<V::W>(cr, n, scale_r, r_old);
+  R g = scaled_grad(c, load_grad<V, G>(g_ptr));
+  R p = load_as_float<V, Bf16Param>(p_ptr);
+  decay(c, p, g);
+  const R m = next_exp_avg(c, g, V::load(m_old));
+  const R root_old = V::load(r_old);
+  const R root = V::sqrt(next_exp_avg_sq<V, Part::kBody>(c, g, V::mul(root_old, root_old)));
+  V::store(m_new, m);
+  V::store(r_new, root);
+  max_m = V::max_nan(max_m, V::max_nan(m, V::neg(m)));
+  max_r = V::max_nan(max_r, root);
+  p = stepped(c, p, m, root);
+  if constexpr (Bf16Param) {
+    store_stochastic<V>(p_ptr, p, c, index);
+  } else {
+    V::store(reinterpret_cast<float*>(p_ptr), p);
+  }
+  return p;
+}
+
+inline float horizontal_max(const float* x, size_t n) {  // NaN-propagating
+  float best = 0.0f;
+  for (size_t i = 0; i < n; ++i) best = (std::isnan(x[i]) || x[i] > best) ? x[i] : best;
+  return best;
+}
+
+// Elements [begin, end) block by block (begin is a block's first element: the tasks are whole blocks). A block's
+// moments are decoded as its registers are updated; its new moments wait (two buffers) and are rounded to codes
+// register by register during the next block's updates, the last block's after the loop.
+template <class V, DType G, DType O, bool Bf16Param>
+void adam_range_fp8(const AdamArgs& a, size_t begin, size_t end) {
+  constexpr size_t W = V::W;
+  constexpr size_t gs = dtype_size(G);
+  constexpr size_t os = dtype_size(O);
+  constexpr size_t ps = Bf16Param ? 2 : 4;
+  static_assert(kFp8Block % W == 0, "registers tile a block");
+  using R = typename V::R;
+  const Consts<V> c(a);
+  auto* const param = static_cast<unsigned char*>(a.param);
+  auto* const codes_m = static_cast<uint8_t*>(a.exp_avg);
+  auto* const codes_r = static_cast<uint8_t*>(a.exp_avg_sq);
+  int8_t* const exponents = a.moment_exponents;
+  const auto* const grad = static_cast<const unsigned char*>(a.grad);
+  auto* const out = static_cast<unsigned char*>(a.param_out);
+  const uint64_t seed_m = a.sr_seed ^ kExpAvgSalt, seed_r = a.sr_seed ^ kRootSalt;
+  Fp8Block blocks[2];
+  alignas(64) float lanes[W];
+  int current = 0;
+  for (size_t start = begin; start < end; start += kFp8Block, current ^= 1) {
+    Fp8Block& now = blocks[current];
+    const Fp8Block& waiting = blocks[current ^ 1];
+    const size_t n = end - start < kFp8Block ? end - start : kFp8Block;
+    const size_t block = start / kFp8Block;
+    const float scale_m = std::ldexp(1.0f, exponents[block]);
+    const float scale_r = std::ldexp(1.0f, exponents[a.nblocks + block]);
+    R max_m = V::set1(0.0f), max_r = V::set1(0.0f);
+    size_t j = 0;
+    for (; j + 2 * W <= n; j += 2 * W) {  // two registers at a time: two chains of divisions in flight
+      const size_t i = start + j, k = i + W;
+      const R p0 = fp8_update<V, G, Bf16Param>(c, param + i * ps, grad + i * gs, codes_m + i, codes_r + i, W, scale_m,
+                                               scale_r, now.m + j, now.r + j, max_m, max_r, a.first_index + i);
+      const R p1 = fp8_update<V, G, Bf16Param>(c, param + k * ps, grad + k * gs, codes_m + k, codes_r + k, W, scale_m,
+                                               scale_r, now.m + j + W, now.r + j + W, max_m, max_r, a.first_index + k);
+      if constexpr (O != DType::kNone) store_out_pair<V, O>(out + i * os, p0, p1);
+      if (waiting.pending) {
+        fp8_round_register<W>(waiting, j, seed_m, seed_r, codes_m, codes_r);
+        fp8_round_register<W>(waiting, j + W, seed_m, seed_r, codes_m, codes_r);
+      }
+    }
+    for (; j + W <= n; j += W) {
+      const size_t i = start + j;
+      const R p = fp8_update<V, G, Bf16Param>(c, param + i * ps, grad + i * gs, codes_m + i, codes_r + i, W, scale_m,
+                                              scale_r, now.m + j, now.r + j, max_m, max_r, a.first_index + i);
+      if constexpr (O != DType::kNone) store_out<V, O>(out + i * os, p);
+      if (waiting.pending) fp8_round_register<W>(waiting, j, seed_m, seed_r, codes_m, codes_r);
+    }
+    if (j < n) {  // the last partial register, through zero-padded copies (zeros leave the maxima as they are)
+      const size_t rest = n - j, i = start + j;
+      alignas(64) unsigned char pb[W * 4] = {}, gb[W * 4] = {}, ob[W * 4] = {};
+      std::memcpy(pb, param + i * ps, rest * ps);
+      std::memcpy(gb, grad + i * gs, rest * gs);
+      const R p = fp8_update<V, G, Bf16Param>(c, pb, gb, codes_m + i, codes_r + i, rest, scale_m, scale_r, now.m + j,
+                                              now.r + j, max_m, max_r, a.first_index + i);
+      std::memcpy(param + i * ps, pb, rest * ps);
+      if constexpr (O != DType::kNone) {
+        store_out<V, O>(ob, p);
+        std::memcpy(out + i * os, ob, rest * os);
+      }
+    }
+    if (waiting.pending) {  // a partial block (the range's last): the waiting one's registers past its whole ones
+      for (size_t k = j; k < waiting.n; k += W) fp8_round_register<W>(waiting, k, seed_m, seed_r, codes_m, codes_r);
+    }
+    V::store(lanes, max_m);
+    const int8_t k_m = fp8_exponent(horizontal_max(lanes, W));
+    V::store(lanes, max_r);
+    const int8_t k_r = fp8_exponent(horizontal_max(lanes, W));
+    exponents[block] = k_m;
+    exponents[a.nblocks + block] = k_r;
+    now.start = start;
+    now.n = n;
+    now.first = a.first_index + start;
+    now.inverse_m = std::ldexp(1.0f, -k_m);
+    now.inverse_r = std::ldexp(1.0f, -k_r);
+    now.one_key = (now.first >> 32) == ((now.first + n - 1) >> 32);
+    now.key_m = rounding_key(seed_m, now.first);
+    now.key_r = rounding_key(seed_r, now.first);
+    now.pending = true;
+    blocks[current ^ 1].pending = false;
+  }
+  const Fp8Block& last = blocks[current ^ 1];
+  if (last.pending) {
+    for (size_t k = 0; k < last.n; k += W) fp8_round_register<W>(last, k, seed_m, seed_r, codes_m, codes_r);
+  }
+}
+
+template <class V, DType G>
+void adam_range_fp8_out(const AdamArgs& a, size_t begin, size_t end) {
+  switch (a.out_dtype) {
+    case DType::kBFloat16: return adam_range_fp8<V, G, DType::kBFloat16, false>(a, begin, end);
+    case DType::kFloat16: return adam_range_fp8<V, G, DType::kFloat16, false>(a, begin, end);
+    default: return adam_range_fp8<V, G, DType::kNone, false>(a, begin, end);
+  }
+}
+
 template <class V, DType G, DType O>
 void probe_range_typed(const ProbeArgs& a, size_t begin, size_t end) {
   constexpr size_t W = V::W;
@@ -365,6 +654,8 @@ void adam_range_grad(const AdamArgs& a, size_t begin, size_t end) {
   switch (a.state) {
     case State::kBf16Moments: return adam_range_out<V, G, State::kBf16Moments>(a, begin, end);
     case State::kBf16: return adam_range_typed<V, G, DType::kNone, State::kBf16>(a, begin, end);  // no copy: p is bf16
+    case State::kFp8Moments: return adam_range_fp8_out<V, G>(a, begin, end);
+    case State::kFp8: return adam_range_fp8<V, G, DType::kNone, true>(a, begin, end);  // no copy: p is bf16
     default: return adam_range_out<V, G, State::kFp32>(a, begin, end);
   }
 }

@@ -25,7 +25,8 @@ namespace {
 
 // Elements per task handed to a thread: 64K floats (256 KiB of each fp32
 // array) keep the hardware prefetchers streaming and let idle cores steal work.
-constexpr size_t kTaskElems = size_t{1} << 16;
+constexpr size_t kTaskElems = size_t{1} << 16;  // whole blocks of the 8-bit forms (kFp8Block)
+static_assert(kTaskElems % kFp8Block == 0, "a task never splits a block");
 
 using AdamFn = void (*)(const AdamArgs&, size_t, size_t);
 using ProbeFn = void (*)(const ProbeArgs&, size_t, size_t);
@@ -147,7 +148,7 @@ T* pointer(uintptr_t address, const char* name, size_t numel) {
 }
 
 void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t max_exp_avg_sq,
-               uintptr_t param_out, size_t numel, size_t tail_from, int grad_dtype, int out_dtype, int state,
+               uintptr_t moment_exponents, uintptr_t param_out, size_t numel, size_t tail_from, int grad_dtype, int out_dtype, int state,
                uint64_t sr_seed, uint64_t first_index, int64_t step, double lr, double beta1, double beta2, double eps,
                double weight_decay, bool decoupled_weight_decay, double grad_scale, bool maximize) {
   if (step < 1) throw std::invalid_argument("step must be >= 1 (1-based, as in torch), got " + std::to_string(step));
@@ -160,7 +161,7 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
   require_finite(eps, "eps");
   require_finite(weight_decay, "weight_decay");
   require_finite(grad_scale, "grad_scale");
-  if (state < static_cast<int>(State::kFp32) || state > static_cast<int>(State::kBf16)) {
+  if (state < static_cast<int>(State::kFp32) || state > static_cast<int>(State::kFp8)) {
     throw std::invalid_argument("invalid state code " + std::to_string(state));
   }
   AdamArgs a{};
@@ -173,10 +174,13 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
   if (a.max_exp_avg_sq != nullptr && a.state != State::kFp32) {
     throw std::invalid_argument("amsgrad (max_exp_avg_sq) needs the fp32 state");
   }
+  const bool eight_bit = a.state == State::kFp8Moments || a.state == State::kFp8;
+  a.nblocks = (numel + kFp8Block - 1) / kFp8Block;
+  a.moment_exponents = eight_bit ? pointer<int8_t>(moment_exponents, "moment_exponents", numel) : nullptr;
   a.grad_dtype = dtype_from(grad_dtype, "grad", false);
   a.out_dtype = dtype_from(out_dtype, "param_out", true);
   if (a.out_dtype == DType::kFloat32) throw std::invalid_argument("param_out must be bfloat16 or float16");
-  if (a.out_dtype != DType::kNone && a.state == State::kBf16) {
+  if (a.out_dtype != DType::kNone && (a.state == State::kBf16 || a.state == State::kFp8)) {
     throw std::invalid_argument("param_out with bf16 weights: the weights are their own copy");
   }
   a.param_out = a.out_dtype == DType::kNone ? nullptr : pointer<void>(param_out, "param_out", numel);
@@ -268,8 +272,11 @@ PYBIND11_MODULE(_adam, m) {
   m.attr("STATE_FP32") = static_cast<int>(State::kFp32);
   m.attr("STATE_BF16_MOMENTS") = static_cast<int>(State::kBf16Moments);
   m.attr("STATE_BF16") = static_cast<int>(State::kBf16);
+  m.attr("STATE_FP8_MOMENTS") = static_cast<int>(State::kFp8Moments);
+  m.attr("STATE_FP8") = static_cast<int>(State::kFp8);
+  m.attr("FP8_BLOCK") = kFp8Block;
   m.def("adam_step", &adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
-        py::arg("max_exp_avg_sq"), py::arg("param_out"), py::arg("numel"), py::arg("tail_from"), py::arg("grad_dtype"),
+        py::arg("max_exp_avg_sq"), py::arg("moment_exponents"), py::arg("param_out"), py::arg("numel"), py::arg("tail_from"), py::arg("grad_dtype"),
         py::arg("out_dtype"), py::arg("state"), py::arg("sr_seed"), py::arg("first_index"), py::arg("step"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("decoupled_weight_decay"), py::arg("grad_scale"), py::arg("maximize"),

@@ -47,9 +47,10 @@ class FinetuneConfig:
         grad_accum_steps: micro-batches per optimizer step.
         max_grad_norm: clip the global gradient norm (the updates then run in ``step()``).
         state_precision: how the optimizer keeps AdamW's state: ``"fp32"`` (exact, the default),
-            ``"bf16-moments"`` (bf16 moments beside the fp32 master: 8 bytes a parameter) or ``"bf16"``
+            ``"bf16-moments"`` (bf16 moments beside the fp32 master: 8 bytes a parameter), ``"bf16"``
             (with ``dtype`` bfloat16 also no fp32 master: the weights are updated by stochastic rounding,
-            4 bytes a parameter); see :class:`~nvoffload.optim.OffloadOptimizerConfig`.
+            4 bytes a parameter) or ``"8bit"`` (as ``"bf16"`` with 8-bit moments: 2 bytes a parameter); see
+            :class:`~nvoffload.optim.OffloadOptimizerConfig`.
         delayed_update: each step's updates run during the next step's forward and backward (the weights one
             step behind, as PipeDream-2BW's and ZeRO-Offload's delayed update; not exact AdamW; see
             :class:`~nvoffload.optim.OffloadOptimizerConfig`). With ``stream``, each block's new weights wait

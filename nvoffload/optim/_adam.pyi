@@ -7,6 +7,9 @@ NONE: int
 STATE_FP32: int
 STATE_BF16_MOMENTS: int
 STATE_BF16: int
+STATE_FP8_MOMENTS: int
+STATE_FP8: int
+FP8_BLOCK: int
 
 def adam_step(
     param: int,
@@ -14,6 +17,7 @@ def adam_step(
     exp_avg: int,
     exp_avg_sq: int,
     max_exp_avg_sq: int,
+    moment_exponents: int,
     param_out: int,
     numel: int,
     tail_from: int,

@@ -86,13 +86,13 @@ class StateCodec:
                 keys = self._row_keys(rec)
                 for c in rec.chunks:
                     self._io.read(c, c.gen, slot).result()
-                    views = self._io.layout.chunk_state(c, self._io.layout.chunk_rows(c, slot)).views
-                    for key, view in zip(keys, views):
+                    values = self._io.layout.chunk_state(c, self._io.layout.chunk_rows(c, slot)).values()
+                    for key, value in zip(keys, values):
                         if key is not None:
-                            sink(st[key], c.elements, view.float())  # a compact state's bf16 moments, widened
+                            sink(st[key], c.elements, value)  # a compact state's moments widened or decoded
 
     def _row_keys(self, rec: Record) -> list[str | None]:
-        """The state dict key of each of ``rec``'s chunks' :attr:`ChunkState.views` (None: the weights of a
+        """The state dict key of each of ``rec``'s chunks' :meth:`ChunkState.values` (None: the weights of a
         parameter whose master is its own weights: fp32, or bf16 without an fp32 master)."""
         nrows = self._io.layout.rows(rec)
         master = None if self._io.layout.split(rec) else "master_param"
@@ -143,25 +143,19 @@ class StateCodec:
             rows = self._io.layout.chunk_rows(c, slot)
             rows.zero_()
             state = self._io.layout.chunk_state(c, rows)
-            for t, view in zip(tensors, state.moments):
-                _fill(source, t, c.elements, view)
+            for index, t in enumerate(tensors):
+                if state.moments[index].dtype == torch.float32:
+                    source(t, c.elements, state.moments[index])
+                else:  # a compact state's: rounded from fp32 values
+                    values = torch.empty(c.numel, dtype=torch.float32)
+                    source(t, c.elements, values)
+                    state.set_moment(index, values)
             if master is not None:
-                _fill(source, master, c.elements, state.weights)
+                source(master, c.elements, state.weights)  # a master is fp32
             else:  # the model's current weights are the master
                 with self._io.model_weights(rec, modify=False) as weights:
                     weights.read(c.elements, state.weights, slot)
             self._io.write_first(c, rows, dict(scalars))
-
-
-def _fill(source: Source, tensor: torch.Tensor, elements: slice, view: torch.Tensor) -> None:
-    """``source`` into ``view``: directly when it is fp32, else through fp32 values rounded to nearest (a compact
-    state's bf16 moments)."""
-    if view.dtype == torch.float32:
-        source(tensor, elements, view)
-    else:
-        values = torch.empty(view.shape, dtype=torch.float32)
-        source(tensor, elements, values)
-        view.copy_(values)
 
 
 def _copy_elements(tensor: torch.Tensor, elements: slice, out: torch.Tensor) -> None:

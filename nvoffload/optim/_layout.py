@@ -6,8 +6,10 @@ state is a block of fp32 *rows* of ``numel`` elements each: row 0 is the
 master weights, the others the optimizer's per-element state (Adam's moments).
 Compact Adam state (see :data:`STATE_PRECISIONS`) keeps both moments as bf16 in
 row 1 (``exp_avg`` in its first half of bytes, ``exp_avg_sq`` in its second),
-and without an fp32 master the bf16 weights in the first half of row 0;
-:class:`ChunkState` gives the typed views.
+or as 8-bit codes (``exp_avg``'s, ``exp_avg_sq``'s, then the int8 exponents of
+their blocks' scales: the first half of row 1 and a little more), and without
+an fp32 master the bf16 weights in the first half of row 0; :class:`ChunkState`
+gives the typed views, and the store holds only the bytes used.
 Every update writes a new *generation* of a chunk (at most two coexist: the
 committed one and the step's); its store entries are named
 ``opt<N>.p<param>.c<chunk>.g<generation>`` (plus ``.w`` for the master row of
@@ -19,10 +21,13 @@ step's micro-batches is kept as ``opt<N>.p<param>.c<chunk>.grad`` (see
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+
+from nvoffload.optim.kernels import FP8_BLOCK, decode_moment, encode_moment, fp8_blocks
 
 _MIB = 1 << 20
 ALIGN_NUMEL = 1024  # chunk boundaries on 4 KiB of fp32, for O_DIRECT
@@ -30,8 +35,10 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 MAX_GENERIC_ROWS = 5  # master + up to four param-shaped state tensors of a generic optimizer
 _MAX_CHUNK_NUMEL = 16 * _MIB // 4  # fp32 elements: 16 MiB of master weights
 # How Adam's state is kept: "fp32" is exact AdamW; "bf16-moments" keeps an fp32 master and bf16 moments;
-# "bf16" also drops the fp32 master of bf16 parameters (their bf16 weights are updated by stochastic rounding).
-STATE_PRECISIONS = ("fp32", "bf16-moments", "bf16")
+# "bf16" also drops the fp32 master of bf16 parameters (their bf16 weights are updated by stochastic rounding);
+# "8bit" is "bf16" with both moments in 8 bits (see nvoffload.optim.kernels).
+STATE_PRECISIONS = ("fp32", "bf16-moments", "bf16", "8bit")
+MASTERLESS = ("bf16", "8bit")  # the precisions that update bf16 weights without an fp32 master
 
 
 class ChunkState(NamedTuple):
@@ -42,11 +49,22 @@ class ChunkState(NamedTuple):
     rows: torch.Tensor
     weights: torch.Tensor
     moments: tuple[torch.Tensor, ...]
+    exponents: torch.Tensor | None = None  # 8-bit moments: their blocks' scale exponents (2, blocks), int8
 
-    @property
-    def views(self) -> tuple[torch.Tensor, ...]:
-        """``weights`` then ``moments``: in the order of the state dict keys of the codec."""
-        return (self.weights, *self.moments)
+    def values(self) -> list[torch.Tensor]:
+        """``weights`` then the moments as fp32 values (decoded, widened): in the order of the codec's state dict
+        keys."""
+        if self.exponents is None:
+            return [view.float() for view in (self.weights, *self.moments)]
+        moments = [decode_moment(c, e, root=i == 1) for i, (c, e) in enumerate(zip(self.moments, self.exponents))]
+        return [self.weights.float(), *moments]
+
+    def set_moment(self, index: int, values: torch.Tensor) -> None:
+        """Moment ``index`` from fp32 ``values`` (rounded to nearest: bf16, or 8-bit at the kernel's scales)."""
+        if self.exponents is None:
+            self.moments[index].copy_(values)
+        else:
+            encode_moment(values, self.moments[index], self.exponents[index], root=index == 1)
 
 
 class Chunk:
@@ -188,7 +206,7 @@ class Layout:
         if not self.adam:
             return MAX_GENERIC_ROWS
         if self.state_precision != "fp32":
-            return 2  # the master (or the bf16 weights), both bf16 moments
+            return 2  # the master (or the bf16 weights), both compact moments
         if record is None:
             amsgrad = any(g.get("amsgrad", False) for g in self._groups)
         else:
@@ -233,18 +251,19 @@ class Layout:
     def state_bytes(self) -> int:
         """Store bytes of one generation of the state of every trained parameter's owned elements (frozen ones,
         a LoRA model's base weights, have none)."""
-        return sum(_aligned(n) * self.bytes_per_element(p) for p, n in self._owned())
+        return sum(math.ceil(_aligned(n) * self.bytes_per_element(p)) for p, n in self._owned())
 
-    def bytes_per_element(self, param: torch.Tensor, record: Record | None = None) -> int:
+    def bytes_per_element(self, param: torch.Tensor, record: Record | None = None) -> float:
         """Store bytes of one generation of one element's state of ``param`` (of ``record``'s group, or the
-        most any group needs)."""
+        most any group needs); with 8-bit moments their scales' share too."""
         if self.state_precision == "fp32" or not self.adam:
             return self.rows(record) * 4
-        return 4 + (2 if self.masterless(param) else 4)
+        weights = 2 if self.masterless(param) else 4
+        return weights + (2 + 2 / FP8_BLOCK if self.state_precision == "8bit" else 4)
 
     def masterless(self, param: torch.Tensor) -> bool:
-        """Whether ``param``'s state has no fp32 master: its own bf16 weights are updated (``"bf16"`` state)."""
-        return self.state_precision == "bf16" and param.dtype == torch.bfloat16
+        """Whether ``param``'s state has no fp32 master: its own bf16 weights are updated (``"bf16"`` and ``"8bit"``)."""
+        return self.state_precision in MASTERLESS and param.dtype == torch.bfloat16
 
     def kept_grad_bytes(self) -> int:
         """Store bytes of the kept gradients (0 without ``kept_grads``)."""
@@ -276,9 +295,18 @@ class Layout:
         n = chunk.numel
         if not self.adam or self.state_precision == "fp32":
             return ChunkState(rows, rows[0], tuple(rows[1:]))
-        moments = rows[1].view(torch.bfloat16)
         weights = rows[0].view(torch.bfloat16)[:n] if self.masterless(chunk.record.param) else rows[0]
+        if self.state_precision == "8bit":
+            codes = rows[1].view(torch.uint8)
+            exponents = codes[2 * n : 2 * n + 2 * fp8_blocks(n)].view(torch.int8).view(2, -1)
+            return ChunkState(rows, weights, (codes[:n], codes[n : 2 * n]), exponents)
+        moments = rows[1].view(torch.bfloat16)
         return ChunkState(rows, weights, (moments[:n], moments[n:]))
+
+    def _moment_bytes(self, chunk: Chunk, rows: torch.Tensor) -> torch.Tensor:
+        """The part of row 1 that holds ``chunk``'s moments (and with 8 bits their exponents), as bytes."""
+        used = 2 * chunk.numel + 2 * fp8_blocks(chunk.numel) if self.state_precision == "8bit" else 4 * chunk.numel
+        return rows[1].view(torch.uint8)[:used]
 
     def split(self, rec: Record) -> bool:
         """fp32 parameters keep their master row in its own store entry: it equals the model's weights
@@ -296,7 +324,7 @@ class Layout:
             return [(chunk.name(gen), rows)]
         entries = []
         if state:
-            entries.append((chunk.name(gen), rows[1:]))
+            entries.append((chunk.name(gen), rows[1:] if self.state_precision == "fp32" else self._moment_bytes(chunk, rows)))
         if master:
             entries.append((chunk.name(gen) + ".w", self.chunk_state(chunk, rows).weights))
         return entries

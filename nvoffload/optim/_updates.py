@@ -15,7 +15,7 @@ from collections import defaultdict
 import torch
 
 from nvoffload.device import Event
-from nvoffload.optim._layout import LOW_PRECISION, MAX_GENERIC_ROWS, Chunk, ChunkState, Record
+from nvoffload.optim._layout import LOW_PRECISION, MASTERLESS, MAX_GENERIC_ROWS, Chunk, ChunkState, Record
 from nvoffload.optim.kernels import adam_step
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -125,10 +125,10 @@ class AdamUpdate(Update):
             raise ValueError("differentiable=True cannot be offloaded")
         if self.state_precision != "fp32" and group.get("amsgrad", False):
             raise ValueError(f"amsgrad needs the fp32 state; state_precision={self.state_precision!r} keeps no fp32 maximum")
-        if self.state_precision == "bf16" and any(p.dtype == torch.float16 for p in group["params"]):
+        if self.state_precision in MASTERLESS and any(p.dtype == torch.float16 for p in group["params"]):
             raise ValueError(
-                "state_precision='bf16' updates bf16 weights by stochastic rounding; fp16 parameters need an fp32"
-                " master: use state_precision='bf16-moments'"
+                f"state_precision={self.state_precision!r} updates bf16 weights by stochastic rounding; fp16"
+                " parameters need an fp32 master: use state_precision='bf16-moments'"
             )
 
     def _step(self, req: Request, state: ChunkState, grad: torch.Tensor, out: torch.Tensor | None) -> None:
@@ -145,6 +145,7 @@ class AdamUpdate(Update):
             max_exp_avg_sq=state.moments[2] if hp.get("amsgrad", False) else None,
             offset=req.chunk.start, tensor_numel=rec.param.numel(),
             sr_seed=rec.index << 32 | req.step,  # one per parameter and step: a redone update draws the same bits
+            moment_exponents=None if state.exponents is None else state.exponents.view(-1),
         )  # fmt: skip
 
     def row_keys(self, rec: Record, nrows: int) -> tuple[str, ...]:

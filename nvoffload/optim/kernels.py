@@ -24,6 +24,11 @@ updated in place and rounded *stochastically*: up with probability the
 fraction of a bf16 ulp dropped, from a hash of ``sr_seed`` and the element's
 index in its tensor, so that updates smaller than half an ulp still move the
 weights on average, and a step is reproducible whatever the threads or chunks.
+With uint8 ``exp_avg``/``exp_avg_sq`` (and ``moment_exponents``) the moments take one
+byte each: float8 e4m3 codes of the value (of ``exp_avg_sq``'s square root) over
+a power-of-two scale per block of :data:`FP8_BLOCK` elements, rounded
+stochastically after each update (see :func:`decode_moment`); the weights are
+fp32 or bf16 as above.
 
 The instruction set (AVX-512, AVX2+FMA+F16C, NEON or scalar) is chosen at run
 time from the CPU's features; the work runs on a persistent native thread pool
@@ -53,9 +58,13 @@ from torch.autograd.graph import increment_version
 from nvoffload.optim import _adam
 
 __all__ = [
+    "FP8_BLOCK",
     "adam_step",
     "bandwidth_probe",
     "current_isa",
+    "decode_moment",
+    "encode_moment",
+    "fp8_blocks",
     "get_num_threads",
     "set_isa",
     "set_num_threads",
@@ -67,12 +76,17 @@ _GRAD_DTYPES = {torch.float32: _adam.FLOAT32, torch.bfloat16: _adam.BFLOAT16, to
 _TORCH_VECTOR_FLOATS = 8
 _OUT_DTYPES = {torch.bfloat16: _adam.BFLOAT16, torch.float16: _adam.FLOAT16}
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
 # (weights, moments) -> the kernel's state form
 _STATE_FORMS = {
     (torch.float32, torch.float32): _adam.STATE_FP32,
     (torch.float32, torch.bfloat16): _adam.STATE_BF16_MOMENTS,
     (torch.bfloat16, torch.bfloat16): _adam.STATE_BF16,
+    (torch.float32, torch.uint8): _adam.STATE_FP8_MOMENTS,
+    (torch.bfloat16, torch.uint8): _adam.STATE_FP8,
 }
+FP8_BLOCK: int = _adam.FP8_BLOCK  # elements per scale of the 8-bit moments
+_FP8_MAX = 448.0  # float8 e4m3fn's largest value
 
 
 def _check_buffer(name: str, t: object, dtypes: dict | tuple, numel: int | None) -> torch.Tensor:
@@ -100,6 +114,7 @@ def _check_buffers(
     exp_avg_sq: torch.Tensor,
     param_out: torch.Tensor | None,
     max_exp_avg_sq: torch.Tensor | None,
+    moment_exponents: torch.Tensor | None,
 ) -> dict[str, torch.Tensor]:
     """Validate the buffers of one update (fp32 everywhere, or a compact state form); returns them by name."""
     fp32 = (torch.float32,)
@@ -108,11 +123,19 @@ def _check_buffers(
     buffers = {
         "param": param,
         "grad": _check_buffer("grad", grad, _GRAD_DTYPES, n),
-        "exp_avg": _check_buffer("exp_avg", exp_avg, _STATE_DTYPES, n),
+        "exp_avg": _check_buffer("exp_avg", exp_avg, _MOMENT_DTYPES, n),
         "exp_avg_sq": _check_buffer("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n),
     }
     if (param.dtype, exp_avg.dtype) not in _STATE_FORMS:
-        raise TypeError("bf16 weights need bf16 exp_avg and exp_avg_sq (the compact state without an fp32 master)")
+        raise TypeError(
+            "bf16 weights need bf16 or uint8 (8-bit) exp_avg and exp_avg_sq (the compact states without an fp32 master)"
+        )
+    if exp_avg.dtype == torch.uint8:
+        if moment_exponents is None:
+            raise ValueError("8-bit moments need moment_exponents (int8, 2 x fp8_blocks(numel): the blocks' scales)")
+        buffers["moment_exponents"] = _check_buffer("moment_exponents", moment_exponents, (torch.int8,), 2 * fp8_blocks(n))
+    elif moment_exponents is not None:
+        raise ValueError("moment_exponents is for 8-bit (uint8) moments")
     if param_out is not None:
         if param.dtype != torch.float32:
             raise ValueError("param_out is for fp32 weights (bf16 weights are updated in place)")
@@ -165,12 +188,14 @@ def adam_step(
     offset: int = 0,
     tensor_numel: int | None = None,
     sr_seed: int = 0,
+    moment_exponents: torch.Tensor | None = None,
 ) -> None:
     """One fused Adam/AdamW update of ``param``, ``exp_avg`` and ``exp_avg_sq`` in place.
 
     Args:
         param, exp_avg, exp_avg_sq: contiguous CPU tensors of equal numel: all fp32 (exact AdamW), fp32
-            weights with bf16 moments, or all bf16 (the weights rounded stochastically; see the module docs).
+            weights with bf16 moments, or all bf16 (the weights rounded stochastically); or 8-bit moments (uint8)
+            beside fp32 or bf16 weights (see the module docs).
         grad: contiguous CPU fp32, bf16 or fp16 tensor of the same numel; the
             gradient used is ``grad * grad_scale`` (negated if ``maximize``).
         step: the 1-based step count used for bias correction (torch's
@@ -189,8 +214,11 @@ def adam_step(
             of ``tensor_numel`` elements (default: the whole tensor), so that the tensor's last
             ``tensor_numel % 8`` elements get the arithmetic torch gives them (and bf16 weights the random
             bits of their index in the tensor).
-        sr_seed: bf16 weights: the stochastic rounding's seed (an unsigned 64-bit int; one per tensor and
-            step, so that no two updates of an element draw the same bits).
+        sr_seed: bf16 weights and 8-bit moments: the stochastic rounding's seed (an unsigned 64-bit int; one per
+            tensor and step, so that no two updates of an element draw the same bits).
+        moment_exponents: with uint8 (8-bit) ``exp_avg`` and ``exp_avg_sq``: each block's scale exponent
+            (int8, ``exp_avg``'s :func:`fp8_blocks` then ``exp_avg_sq``'s), read and rewritten in place. Blocks
+            count from the buffers' first element.
 
     Raises:
         TypeError: a buffer is not a tensor or has the wrong dtype.
@@ -198,7 +226,7 @@ def adam_step(
             size or overlapping another; a hyperparameter is NaN/inf or out of range;
             ``offset``/``tensor_numel`` that cannot hold the buffers.
     """
-    buffers = _check_buffers(param, grad, exp_avg, exp_avg_sq, param_out, max_exp_avg_sq)
+    buffers = _check_buffers(param, grad, exp_avg, exp_avg_sq, param_out, max_exp_avg_sq, moment_exponents)
     n = param.numel()
     try:
         step = operator.index(step)
@@ -228,6 +256,7 @@ def adam_step(
         exp_avg.data_ptr(),
         exp_avg_sq.data_ptr(),
         0 if max_exp_avg_sq is None else max_exp_avg_sq.data_ptr(),
+        0 if moment_exponents is None else moment_exponents.data_ptr(),
         0 if param_out is None else param_out.data_ptr(),
         n,
         tail_from,
@@ -251,6 +280,41 @@ def adam_step(
     increment_version([t for name, t in buffers.items() if name != "grad"])
 
 
+def fp8_blocks(numel: int) -> int:
+    """Scale blocks of one 8-bit moment of ``numel`` elements (the last may be partial)."""
+    return -(-numel // FP8_BLOCK)
+
+
+def decode_moment(codes: torch.Tensor, exponents: torch.Tensor, *, root: bool = False) -> torch.Tensor:
+    """The fp32 values of one 8-bit moment: ``codes`` (uint8, float8 e4m3fn bits) times each block's
+    ``2 ** exponents`` (int8, one per :data:`FP8_BLOCK` elements), squared for ``exp_avg_sq`` (``root``: the
+    codes hold its square root). Every value is exact in fp32."""
+    values = codes.view(torch.float8_e4m3fn).float()
+    scales = torch.ldexp(torch.ones(exponents.numel()), exponents.float())
+    values.mul_(scales.repeat_interleave(FP8_BLOCK)[: values.numel()])
+    return values.mul_(values) if root else values
+
+
+def encode_moment(values: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor, *, root: bool = False) -> None:
+    """Write fp32 ``values`` of one moment into ``codes`` and ``exponents`` (as :func:`decode_moment` reads them;
+    ``root``: ``exp_avg_sq``, kept as its square root), with the kernel's scales and rounded to nearest even:
+    values decoded from codes are encoded back to the same values."""
+    x = values.float().sqrt() if root else values.float()
+    n = x.numel()
+    blocks = torch.zeros(fp8_blocks(n) * FP8_BLOCK)
+    blocks[:n] = x.abs().reshape(-1)
+    absmax = blocks.view(-1, FP8_BLOCK).amax(dim=1)
+    k = torch.frexp(absmax).exponent - 9  # absmax 2^-k in [256, 512)
+    k = torch.where(torch.ldexp(absmax, -k.float()) > _FP8_MAX, k + 1, k).clamp_(min=-126)
+    k = torch.where((absmax > 0) & torch.isfinite(absmax), k, torch.zeros_like(k))
+    exponents.copy_(k)
+    inverse = torch.ldexp(torch.ones(k.numel()), -k.float()).repeat_interleave(FP8_BLOCK)[:n]
+    encoded = (x.reshape(-1) * inverse).to(torch.float8_e4m3fn).view(torch.uint8)
+    if root:  # a nonzero root never rounds to zero (its square is a denominator)
+        encoded = torch.where((encoded == 0) & (x.reshape(-1) > 0), torch.ones_like(encoded), encoded)
+    codes.copy_(encoded.view(codes.shape))
+
+
 def bandwidth_probe(
     param: torch.Tensor,
     exp_avg: torch.Tensor,
@@ -265,7 +329,7 @@ def bandwidth_probe(
     update's access pattern, measured by the same threads and instruction set.
     Overwrites the contents of every buffer (benchmark use only).
     """
-    _check_buffers(param, grad, exp_avg, exp_avg_sq, param_out, None)
+    _check_buffers(param, grad, exp_avg, exp_avg_sq, param_out, None, None)
     if param.dtype != torch.float32 or exp_avg.dtype != torch.float32:
         raise TypeError("bandwidth_probe moves the fp32 state's bytes: param, exp_avg and exp_avg_sq must be fp32")
     n = param.numel()

@@ -181,8 +181,12 @@ class OffloadOptimizerConfig:
             ``"bf16-moments"``: the same fp32 arithmetic with both moments stored as bf16 (8 bytes);
             ``"bf16"``: also no fp32 master for bf16 parameters, whose own weights are updated in place with
             stochastic rounding (4 bytes of state, plus a 2-byte copy of the weights each generation; fp32
-            parameters keep their weights as the master, fp16 ones are refused). A state dict or checkpoint
-            records the precision and loads only into an optimizer of the same one; amsgrad needs ``"fp32"``.
+            parameters keep their weights as the master, fp16 ones are refused);
+            ``"8bit"``: as ``"bf16"``, with each moment in one byte (float8 e4m3 over a power-of-two scale per 256
+            elements, the second moment as its square root, rounded stochastically: 2 bytes of state, see
+            :mod:`nvoffload.optim.kernels`). A state dict holds the moments as fp32 values whatever the
+            precision; it or a checkpoint records the precision and loads only into an optimizer of the same
+            one; amsgrad needs ``"fp32"``.
         delayed_update: run each step's updates during the next forward and backward instead of inside
             ``step()`` (PipeDream-2BW's and ZeRO-Offload's delayed update; opt-in, not exact AdamW): ``step()``
             lands the updates the previous ``step()`` queued, then queues this step's and returns, so the
@@ -527,7 +531,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         rec = self._layout.new_record(len(self._records), p, group)
         if p.requires_grad:
             for c in rec.chunks:
-                self._resident.offer(c, c.numel * self._layout.bytes_per_element(p, rec))
+                self._resident.offer(c, math.ceil(c.numel * self._layout.bytes_per_element(p, rec)))
         self._records.append(rec)
         self._hook_if_trained(rec)
 

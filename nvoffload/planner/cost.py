@@ -7,7 +7,7 @@ A step of ``G`` micro-batches of ``B`` sequences of ``S`` tokens does, per engin
 - **CPU Adam**: every parameter once, at the kernel's rate for the gradients' dtype;
 - **NVMe**: the optimizer state (fp32 master and two moments: 12 bytes a parameter; compact state, as
   ``state_precision`` asks: 8 with bf16 moments, and without an fp32 master 4 read and 6 written, the moments
-  and a bf16 copy of the weights) read and written once a step; with accumulation and released gradients, the fp32 gradient kept between micro-batches; with
+  and a bf16 copy of the weights, or with 8-bit moments 2 read and 4 written) read and written once a step; with accumulation and released gradients, the fp32 gradient kept between micro-batches; with
   streaming, every block the host cache cannot hold read in forward and again in backward and every block
   written back once it changed; with activation offload, every saved activation written and read once;
 - **copies** (PCIe): streamed blocks to the device, gradients from it, activations both ways.
@@ -67,8 +67,16 @@ __all__ = ["ModelShape", "Plan", "PlanRequest", "block_flops", "human_count", "h
 # Bytes of the optimizer state a parameter, (store read, store written, host memory a resident generation takes) per
 # step, by state precision: exact (fp32 master and two moments), bf16 moments beside the fp32 master, and for bf16
 # weights no master (the moments read; the moments and a bf16 copy of the weights written; resident, the copy takes
-# an fp32 row's room). An fp32 model's master is its weights, so it reads 4 bytes less (not modelled).
-_STATE_BYTES = {"fp32": (12, 12, 12), "bf16-moments": (8, 8, 8), "bf16": (4, 6, 8)}
+# an fp32 row's room), with bf16 or 8-bit moments (their scales, 2 bytes a block of 256, not modelled). An fp32
+# model's master is its weights, so it reads 4 bytes less (not modelled).
+_STATE_BYTES = {"fp32": (12, 12, 12), "bf16-moments": (8, 8, 8), "bf16": (4, 6, 8), "8bit": (2, 4, 8)}
+_WITH_MASTER = {"bf16": (8, 8, 8), "8bit": (6, 6, 8)}  # the masterless forms on other weights: an fp32 master
+# The 8-bit moments' kernel: the exact update's arithmetic plus decoding, rounding and drawing bits for two moments.
+# It moves 10 bytes a parameter with bf16 weights (14 with an fp32 master) against the exact update's 28, which the
+# profile's rate is (memory-bound on a server), and updates 0.35e9 parameters a second a core when compute binds
+# it (one thread, in cache, AVX-512: bench/results/adam_compact_state/adam.md), which it does on few cores.
+_FP8_BYTES_VS_EXACT = {"bfloat16": 10 / 28, "float32": 14 / 28}
+_FP8_PARAMS_PER_CORE_S = 0.35e9
 
 
 # What each state precision keeps, as the plan's placement and finetune's header say it.
@@ -76,14 +84,15 @@ STATE_WORDS = {
     "fp32": "fp32 master and moments",
     "bf16-moments": "fp32 master, bf16 moments: not exact AdamW",
     "bf16": "bf16 moments, no fp32 master for bfloat16 weights (stochastic rounding): not exact AdamW",
+    "8bit": "8-bit moments, no fp32 master for bfloat16 weights (stochastic rounding): not exact AdamW",
 }
 
 
 def state_bytes_per_param(state_precision: str, dtype: str) -> tuple[int, int, int]:
     """Bytes of one parameter's optimizer state a step: (store read, store written, host bytes of one resident
     generation)."""
-    if state_precision == "bf16" and dtype != "bfloat16":  # other weights keep a master (fp32: the weights)
-        return _STATE_BYTES["bf16-moments"]
+    if state_precision in _WITH_MASTER and dtype != "bfloat16":  # other weights keep a master (fp32: the weights)
+        return _WITH_MASTER[state_precision]
     return _STATE_BYTES[state_precision]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -665,6 +674,9 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     compute = g * per_micro_batch * (4 / 3 if kind == "recompute" or vertical else 1)
     # the updates' work, and each of a rank's tensors' fixed time (its requests to the store, the worker's hand-offs)
     adam = shard / profile.adam_params_per_s["float32" if r.dtype == "float32" else "bfloat16"]
+    if r.state_precision == "8bit":  # fewer bytes than the exact update's, more arithmetic
+        bytes_share = _FP8_BYTES_VS_EXACT["bfloat16" if r.dtype == "bfloat16" else "float32"]
+        adam = max(adam * bytes_share, shard / (profile.cpu_cores * _FP8_PARAMS_PER_CORE_S))
     adam += -(-r.trainable_tensors // n) * profile.optimizer_tensor_s
     # Activation offload: each saved tensor's fixed work (its pack and unpack on the training thread, its store
     # requests), half in forward and half in backward; and the share of its bytes that compute waits for. Its staging
