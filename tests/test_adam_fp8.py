@@ -90,6 +90,19 @@ def test_8bit_moments_are_the_exact_update_rounded_stochastically(isa, n, bf16_w
         assert_rounded(codes[1], exponents[1], want_v, root=True)
 
 
+def test_a_block_across_two_to_the_32_elements(isa):
+    """A slice whose blocks straddle the 2**32nd element: each element's rounding bits come from its own index (the
+    key changes with the index's high word), and every value is still one of its two codes."""
+    n, offset = 600, 2**32 - 300
+    p, codes, exponents, g = fp8_state(n, seed=4, bf16_weights=True)
+    want_p, want_m, want_v = reference(p, codes, exponents, g, step=3, **HYPER)
+    adam_step(p, g, codes[0], codes[1], moment_exponents=exponents.view(-1), sr_seed=8, step=3, offset=offset,
+              tensor_numel=offset + n + (-n % 8), **HYPER)  # fmt: skip
+    assert torch.equal(p, stochastic_bf16(want_p, 8, offset))
+    assert_rounded(codes[0], exponents[0], want_m)
+    assert_rounded(codes[1], exponents[1], want_v, root=True)
+
+
 def test_every_instruction_set_gives_the_same_bytes():
     results = []
     for name in ISAS:
