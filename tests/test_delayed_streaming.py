@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 from test_streaming import batch
+from test_vertical import torch_spread
 from test_streaming_recipe import (
     LR, WD, assert_same_runs, micro_batches, outcome, pair, run_streamed, slowly, streamed, updates_and_forwards,
 )
@@ -28,17 +29,18 @@ STEPS = 6
 
 class LateAdamW:
     """The reference: torch's fused AdamW on ``model``, each step's gradients (the mean over its micro-batches,
-    clipped by ``clip_grad_norm_``) applied at the next step."""
+    clipped by ``clip_grad_norm_``) applied at the next step; ``reverse``: the micro-batches summed in reverse."""
 
-    def __init__(self, model, max_grad_norm=None, fused=True, exact_steps=0, loss=lambda model, x, y: model(x, y)):
+    def __init__(self, model, max_grad_norm=None, fused=True, exact_steps=0, loss=lambda model, x, y: model(x, y),
+                 reverse=False):  # fmt: skip
         self.model, self.max_grad_norm, self.exact_steps, self.steps = model, max_grad_norm, exact_steps, 0
-        self.loss = loss
+        self.loss, self.reverse = loss, reverse
         way = {"fused": True} if fused else {"foreach": True}
         self.opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, **way)
         self.pending = None  # the last step's gradients, not applied yet
 
     def step(self, batches):
-        for b in batches:
+        for b in batches[::-1] if self.reverse else batches:
             (self.loss(self.model, *b) / len(batches)).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf)
         grads = [p.grad for p in self.model.parameters()]
@@ -58,22 +60,18 @@ class LateAdamW:
         self.pending = None
 
 
-def max_diff(a, b):
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-def assert_weights(model, ref, what, other=None):
-    """``model``'s weights equal ``ref``'s bit for bit; with ``other`` (the reference by torch's other AdamW, for
-    the vertical schedule, which sums the micro-batches' gradients in another order) within twice the two
-    references' difference."""
+def assert_weights(model, ref, what, others=()):
+    """``model``'s weights equal ``ref``'s bit for bit; with ``others`` (for the vertical schedule, which sums the
+    micro-batches' gradients in another order: the references by torch's foreach AdamW and summing in reverse)
+    within twice torch's spread (test_vertical.torch_spread)."""
     state, expected = model.state_dict(), ref.state_dict()
-    if other is None:
+    if not others:
         for name, p in expected.items():
             assert torch.equal(state[name], p), (what, name)
         return
-    torch_diff = max_diff(expected, other.state_dict())
+    torch_diff = torch_spread(ref, *others)
     assert torch_diff < 1e-4  # a tolerance that still tells a wrong step (~lr) from rounding
-    assert max_diff(state, expected) <= 2 * torch_diff, what
+    assert max(float((state[k] - p).abs().max()) for k, p in expected.items()) <= 2 * torch_diff, what
 
 
 @pytest.mark.parametrize(
@@ -85,9 +83,9 @@ def test_streamed_weights_are_adamw_applied_one_step_late(tmp_path, accum, max_g
     """``after``: delayed_update_after, the steps that update exactly first (speculating, or deferred by the
     rule after a step whose clipping bit)."""
     cfg, ref, model = pair()
-    other = pair()[1] if vertical else None
+    others = (pair()[1], pair()[1]) if vertical else ()
     late = LateAdamW(ref, max_grad_norm, exact_steps=after)
-    late_other = LateAdamW(other, max_grad_norm, fused=False) if vertical else None
+    late_others = [LateAdamW(m, max_grad_norm, fused=not i, reverse=bool(i)) for i, m in enumerate(others)]
     model, opt = streamed(
         tmp_path, model, max_grad_norm=max_grad_norm, gradient_accumulation_steps=accum, delayed_update=True,
         delayed_update_after=after,
@@ -104,7 +102,8 @@ def test_streamed_weights_are_adamw_applied_one_step_late(tmp_path, accum, max_g
                 run_streamed(model, opt, batches)
             late.step(batches)
             if vertical:  # compared at the end: one step's rounding is far below the tolerance's own
-                late_other.step(batches)
+                for other in late_others:
+                    other.step(batches)
             else:
                 assert_weights(model, ref, step)
             if step == after:  # the first delayed step lands nothing: its update runs during the next step
@@ -112,8 +111,9 @@ def test_streamed_weights_are_adamw_applied_one_step_late(tmp_path, accum, max_g
         opt.synchronize()  # lands the last step's update
         late.flush()
         if vertical:
-            late_other.flush()
-        assert_weights(model, ref, "synchronized", other)
+            for other in late_others:
+                other.flush()
+        assert_weights(model, ref, "synchronized", others)
         steps = {int(s["step"]) for s in opt.state_dict()["state"].values()}
         assert steps == {STEPS}
     finally:

@@ -364,7 +364,7 @@ inline int8_t fp8_exponent(float absmax) {
   return static_cast<int8_t>(k < -126 ? -126 : k);
 }
 
-// The compiler's generic vectors of W floats and W signed ints, beside Lanes<W>'s unsigned ones.
+// The compiler's generic vectors of W floats, W signed ints and W bytes, beside Lanes<W>'s unsigned ints.
 template <size_t W>
 struct FloatLanes {
   typedef float F __attribute__((vector_size(W * 4)));
