@@ -73,10 +73,10 @@ _STATE_BYTES = {"fp32": (12, 12, 12), "bf16-moments": (8, 8, 8), "bf16": (4, 6, 
 _WITH_MASTER = {"bf16": (8, 8, 8), "8bit": (6, 6, 8)}  # the masterless forms on other weights: an fp32 master
 # The 8-bit moments' kernel: the exact update's arithmetic plus decoding, rounding and drawing bits for two moments.
 # It moves 10 bytes a parameter with bf16 weights (14 with an fp32 master) against the exact update's 28, which the
-# profile's rate is (memory-bound on a server), and updates 0.35e9 parameters a second a core when compute binds
-# it (one thread, in cache, AVX-512: bench/results/adam_compact_state/adam.md), which it does on few cores.
+# profile's rate is (memory-bound on a server), and updates 0.28e9 parameters a second a core when compute binds
+# it, which it does on few cores (2 threads, AVX-512, 200M parameters: bench/results/adam_compact_state/adam.md).
 _FP8_BYTES_VS_EXACT = {"bfloat16": 10 / 28, "float32": 14 / 28}
-_FP8_PARAMS_PER_CORE_S = 0.35e9
+_FP8_PARAMS_PER_CORE_S = 0.28e9
 
 
 # What each state precision keeps, as the plan's placement and finetune's header say it.
