@@ -47,7 +47,7 @@ BYTES_PER_PARAM = {
     "bf16+out": 4 * 3 + 2 + 4 * 3 + 2,
     "bf16 moments": (4 + 2 + 2) + 2 + (4 + 2 + 2) + 2,  # p, m, v and the gradient read; p, m, v and the copy written
     "bf16 weights": 2 * 3 + 2 + 2 * 3,  # p, m, v (bf16) and the gradient read; p, m, v written
-    "8bit moments": (2 + 1 + 1) + 2 + (2 + 1 + 1),  # p (bf16), m, v (a byte each) and the gradient read; p, m, v written
+    "8bit moments": (2 + 1 + 1) + 2 + (2 + 1 + 1),  # p (bf16), m, v (a byte each) and g read; p, m, v written
 }
 COMPACT = ("bf16 moments", "bf16 weights", "8bit moments")
 

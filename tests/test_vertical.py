@@ -188,7 +188,9 @@ def check_equals_torch(tmp_path, G, max_grad_norm, **offload):
         torch_diff = torch_spread(fused, foreach, backwards)
         assert 0 < torch_diff < 1e-4  # a tolerance that still tells a wrong step (~lr) from rounding
         assert _max_diff(model.state_dict(), fused.state_dict()) <= 2 * torch_diff  # G = 1: 0 (bit-exact); 2, 4: ~1x
-        loss_tol = 2 * max(abs(a - b) for key in ("foreach", "reversed") for a, b in zip(ref_losses["fused"], ref_losses[key]))
+        loss_tol = 2 * max(
+            abs(a - b) for key in ("foreach", "reversed") for a, b in zip(ref_losses["fused"], ref_losses[key])
+        )
         assert max(abs(a - b) for a, b in zip(losses, ref_losses["fused"])) <= max(loss_tol, 2 * torch_diff)
         assert {int(s["step"]) for s in opt.state_dict()["state"].values()} == {STEPS}
     finally:

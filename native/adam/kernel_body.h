@@ -407,8 +407,8 @@ __attribute__((always_inline)) inline void fp8_decode(const uint8_t* codes, size
 // (8 is the smallest normal's code). NaN and infinities become NaN (e4m3fn has none). `root`: a nonzero value never
 // becomes the code 0. The first n (at most W) codes are written.
 template <size_t W>
-__attribute__((always_inline)) inline void fp8_encode(const float* values, float inverse, typename Lanes<W>::U bits, bool root, size_t n,
-                       uint8_t* codes) {
+__attribute__((always_inline)) inline void fp8_encode(const float* values, float inverse, typename Lanes<W>::U bits,
+                                                      bool root, size_t n, uint8_t* codes) {
   using U = typename Lanes<W>::U;
   using F = typename FloatLanes<W>::F;
   using I = typename FloatLanes<W>::I;
@@ -453,21 +453,24 @@ struct Fp8Block {
 
 // The rounding bits of W lanes from `first` on (rounding_bits, lane by lane).
 template <size_t W>
-__attribute__((always_inline)) inline typename Lanes<W>::U fp8_bits(uint64_t seed, uint64_t first, uint32_t key, bool one_key) {
+__attribute__((always_inline)) inline typename Lanes<W>::U fp8_bits(uint64_t seed, uint64_t first, uint32_t key,
+                                                                    bool one_key) {
   using U = typename Lanes<W>::U;
   U bits;
   if (one_key) {
     std::memcpy(&bits, kLaneIndex, sizeof(bits));
     return (((bits + static_cast<uint32_t>(first)) ^ key) * kFibonacci) >> 16;
   }
-  for (size_t k = 0; k < W; ++k) bits[k] = rounding_bits(static_cast<uint32_t>(first + k), rounding_key(seed, first + k));
+  for (size_t k = 0; k < W; ++k) {
+    bits[k] = rounding_bits(static_cast<uint32_t>(first + k), rounding_key(seed, first + k));
+  }
   return bits;
 }
 
 // Round register j (elements j .. j + W) of the waiting block `b` to codes.
 template <size_t W>
-__attribute__((always_inline)) inline void fp8_round_register(const Fp8Block& b, size_t j, uint64_t seed_m, uint64_t seed_r, uint8_t* codes_m,
-                               uint8_t* codes_r) {
+__attribute__((always_inline)) inline void fp8_round_register(const Fp8Block& b, size_t j, uint64_t seed_m,
+                                                              uint64_t seed_r, uint8_t* codes_m, uint8_t* codes_r) {
   const uint64_t index = b.first + j;
   const size_t n = b.n - j;
   fp8_encode<W>(b.m + j, b.inverse_m, fp8_bits<W>(seed_m, index, b.key_m, b.one_key), false, n, codes_m + b.start + j);
@@ -478,10 +481,12 @@ __attribute__((always_inline)) inline void fp8_round_register(const Fp8Block& b,
 // (bf16 ones stochastically) and returned; the new exp_avg and root of exp_avg_sq to m_new and r_new, their largest
 // magnitudes into max_m and max_r.
 template <class V, DType G, bool Bf16Param>
-__attribute__((always_inline)) inline typename V::R fp8_update(const Consts<V>& c, unsigned char* p_ptr, const unsigned char* g_ptr,
-                                const uint8_t* cm, const uint8_t* cr, size_t n, float scale_m, float scale_r,
-                                float* m_new, float* r_new, typename V::R& max_m, typename V::R& max_r,
-                                uint64_t index) {
+__attribute__((always_inline)) inline typename V::R fp8_update(const Consts<V>& c, unsigned char* p_ptr,
+                                                              const unsigned char* g_ptr, const uint8_t* cm,
+                                                              const uint8_t* cr, size_t n, float scale_m,
+                                                              float scale_r, float* m_new, float* r_new,
+                                                              typename V::R& max_m, typename V::R& max_r,
+                                                              uint64_t index) {
   using R = typename V::R;
   alignas(64) float m_old[V::W], r_old[V::W];
   fp8_decode<V::W>(cm, n, scale_m, m_old);
@@ -575,7 +580,9 @@ void adam_range_fp8(const AdamArgs& a, size_t begin, size_t end) {
       }
     }
     if (waiting.pending) {  // a partial block (the range's last): the waiting one's registers past its whole ones
-      for (size_t k = j; k < waiting.n; k += W) fp8_round_register<W>(waiting, k, seed_m, seed_r, codes_m, codes_r);
+      for (size_t k = j; k < waiting.n; k += W) {
+        fp8_round_register<W>(waiting, k, seed_m, seed_r, codes_m, codes_r);
+      }
     }
     V::store(lanes, max_m);
     const int8_t k_m = fp8_exponent(horizontal_max(lanes, W));

@@ -148,9 +148,10 @@ T* pointer(uintptr_t address, const char* name, size_t numel) {
 }
 
 void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t max_exp_avg_sq,
-               uintptr_t moment_exponents, uintptr_t param_out, size_t numel, size_t tail_from, int grad_dtype, int out_dtype, int state,
-               uint64_t sr_seed, uint64_t first_index, int64_t step, double lr, double beta1, double beta2, double eps,
-               double weight_decay, bool decoupled_weight_decay, double grad_scale, bool maximize) {
+               uintptr_t moment_exponents, uintptr_t param_out, size_t numel, size_t tail_from, int grad_dtype,
+               int out_dtype, int state, uint64_t sr_seed, uint64_t first_index, int64_t step, double lr, double beta1,
+               double beta2, double eps, double weight_decay, bool decoupled_weight_decay, double grad_scale,
+               bool maximize) {
   if (step < 1) throw std::invalid_argument("step must be >= 1 (1-based, as in torch), got " + std::to_string(step));
   if (tail_from > numel) {
     throw std::invalid_argument("tail_from " + std::to_string(tail_from) + " is past numel " + std::to_string(numel));
@@ -276,9 +277,9 @@ PYBIND11_MODULE(_adam, m) {
   m.attr("STATE_FP8") = static_cast<int>(State::kFp8);
   m.attr("FP8_BLOCK") = kFp8Block;
   m.def("adam_step", &adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
-        py::arg("max_exp_avg_sq"), py::arg("moment_exponents"), py::arg("param_out"), py::arg("numel"), py::arg("tail_from"), py::arg("grad_dtype"),
-        py::arg("out_dtype"), py::arg("state"), py::arg("sr_seed"), py::arg("first_index"), py::arg("step"),
-        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("max_exp_avg_sq"), py::arg("moment_exponents"), py::arg("param_out"), py::arg("numel"),
+        py::arg("tail_from"), py::arg("grad_dtype"), py::arg("out_dtype"), py::arg("state"), py::arg("sr_seed"),
+        py::arg("first_index"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("decoupled_weight_decay"), py::arg("grad_scale"), py::arg("maximize"),
         "One fused Adam/AdamW step over numel elements at the given addresses, those from tail_from on with the"
         " arithmetic of torch's scalar tail (GIL released).");

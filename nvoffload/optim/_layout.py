@@ -262,7 +262,7 @@ class Layout:
         return weights + (2 + 2 / FP8_BLOCK if self.state_precision == "8bit" else 4)
 
     def masterless(self, param: torch.Tensor) -> bool:
-        """Whether ``param``'s state has no fp32 master: its own bf16 weights are updated (``"bf16"`` and ``"8bit"``)."""
+        """Whether ``param``'s state has no fp32 master: its own bf16 weights are updated (``"bf16"``, ``"8bit"``)."""
         return self.state_precision in MASTERLESS and param.dtype == torch.bfloat16
 
     def kept_grad_bytes(self) -> int:
@@ -324,7 +324,8 @@ class Layout:
             return [(chunk.name(gen), rows)]
         entries = []
         if state:
-            entries.append((chunk.name(gen), rows[1:] if self.state_precision == "fp32" else self._moment_bytes(chunk, rows)))
+            moments = rows[1:] if self.state_precision == "fp32" else self._moment_bytes(chunk, rows)
+            entries.append((chunk.name(gen), moments))
         if master:
             entries.append((chunk.name(gen) + ".w", self.chunk_state(chunk, rows).weights))
         return entries

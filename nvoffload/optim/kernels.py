@@ -133,7 +133,8 @@ def _check_buffers(
     if exp_avg.dtype == torch.uint8:
         if moment_exponents is None:
             raise ValueError("8-bit moments need moment_exponents (int8, 2 x fp8_blocks(numel): the blocks' scales)")
-        buffers["moment_exponents"] = _check_buffer("moment_exponents", moment_exponents, (torch.int8,), 2 * fp8_blocks(n))
+        exponents = 2 * fp8_blocks(n)
+        buffers["moment_exponents"] = _check_buffer("moment_exponents", moment_exponents, (torch.int8,), exponents)
     elif moment_exponents is not None:
         raise ValueError("moment_exponents is for 8-bit (uint8) moments")
     if param_out is not None:
