@@ -70,7 +70,9 @@ __all__ = ["ModelShape", "Plan", "PlanRequest", "block_flops", "human_count", "h
 # an fp32 row's room), with bf16 or 8-bit moments (their scales, 2 bytes a block of 256, not modelled). An fp32
 # model's master is its weights, so it reads 4 bytes less (not modelled).
 _STATE_BYTES = {"fp32": (12, 12, 12), "bf16-moments": (8, 8, 8), "bf16": (4, 6, 8), "8bit": (2, 4, 8)}
-_WITH_MASTER = {"bf16": (8, 8, 8), "8bit": (6, 6, 8)}  # the masterless forms on other weights: an fp32 master
+# The masterless forms on other weights keep an fp32 master: bf16 is then bf16-moments; 8bit reads and writes its
+# moments' 2 bytes and the master's 4.
+_WITH_MASTER = {"bf16": _STATE_BYTES["bf16-moments"], "8bit": (2 + 4, 2 + 4, 8)}
 # The 8-bit moments' kernel: the exact update's arithmetic plus decoding, rounding and drawing bits for two moments.
 # It moves 10 bytes a parameter with bf16 weights (14 with an fp32 master) against the exact update's 28, which the
 # profile's rate is (memory-bound on a server), and updates 0.28e9 parameters a second a core when compute binds
