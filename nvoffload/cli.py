@@ -324,7 +324,10 @@ def _print_options(result, options: dict) -> None:
     the flags that ask for it to its plan."""
     print("optimizer options (predicted; the compact states and the delayed update are not exact AdamW):")
     for flags, o in options.items():
-        change = "lifts the bottleneck" if o.bottleneck != result.bottleneck else "same bottleneck"
+        if o.bottleneck == result.bottleneck:
+            change = "same bottleneck"
+        else:  # moved: lifted when the step is shorter, else the option binds elsewhere first
+            change = "lifts the bottleneck" if o.step_s < result.step_s else "a new bottleneck"
         fits = "" if o.fits else ", does not fit"
         print(f"  {flags:34} step {o.step_s:.3g} s ({result.step_s / o.step_s:.2f}x the tokens/s),"
               f" {o.tflops:.3g} TFLOP/s, bottleneck {o.bottleneck} ({change}){fits}")

@@ -163,6 +163,32 @@ def test_blocks_of_zeros_and_a_tiny_root_beside_a_large_one():
     assert torch.isfinite(p).all() and p.abs().max() < 1.0
 
 
+def test_a_nan_or_an_infinity_takes_its_block_not_the_others(isa):
+    """A non-finite gradient makes its element's moments NaN codes (e4m3fn has no infinity) and its block's scale
+    2^0 (the largest magnitude is not a number); the other elements of the block are rounded at that scale, and the
+    other blocks are untouched by it."""
+    n = 3 * FP8_BLOCK
+    p, codes, exponents, g = fp8_state(n, seed=5)
+    g[3] = float("nan")
+    g[FP8_BLOCK + 9] = float("inf")
+    _, want_m, want_v = reference(p, codes, exponents, g, step=2, **HYPER)
+    adam_step(p, g, codes[0], codes[1], moment_exponents=exponents.view(-1), sr_seed=3, step=2, **HYPER)
+    for moment, (want, root) in enumerate(((want_m, False), (want_v, True))):
+        assert exponents[moment, :2].tolist() == [0, 0]
+        bad = ~torch.isfinite(want)
+        assert bad.nonzero().flatten().tolist() == [3, FP8_BLOCK + 9]
+        assert ((codes[moment][bad] & 0x7F) == 0x7F).all()
+        expected_codes, expected_exponents = torch.empty_like(codes[moment]), torch.empty_like(exponents[moment])
+        encode_moment(want, expected_codes, expected_exponents, root=root)
+        assert torch.equal(exponents[moment], expected_exponents)
+        assert_rounded(codes[moment][2 * FP8_BLOCK :], exponents[moment][2:], want[2 * FP8_BLOCK :], root=root)
+        good = ~bad[: 2 * FP8_BLOCK]
+        got = codes[moment][: 2 * FP8_BLOCK][good].view(torch.float8_e4m3fn).float()
+        low, high = neighbours((want.sqrt() if root else want)[: 2 * FP8_BLOCK][good])  # at the scale 2^0
+        assert ((got.abs() == low) | (got.abs() == high)).all()
+    assert torch.isnan(p[[3, FP8_BLOCK + 9]]).all() and torch.isfinite(p[2 * FP8_BLOCK :]).all()
+
+
 def test_8bit_moments_refuse_what_they_cannot_hold():
     n = 64
     p32, g = torch.zeros(n), torch.zeros(n)

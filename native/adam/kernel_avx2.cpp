@@ -54,6 +54,14 @@ struct Avx2Vec {
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits(x0), bf16_bits(x1)), 0xd8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
   }
+  static R load_u8(const uint8_t* p) {
+    return _mm256_castsi256_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void store_u8(uint8_t* p, R x) {  // lanes hold bytes: the saturating packs keep them
+    const __m256i u = _mm256_castps_si256(x);
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(words, words));
+  }
   static R load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }

@@ -54,6 +54,12 @@ struct Avx512Vec {
     store_bf16(p, x0);
     store_bf16(p + W, x1);
   }
+  static R load_u8(const uint8_t* p) {
+    return _mm512_castsi512_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void store_u8(uint8_t* p, R x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_castps_si512(x)));
+  }
   static R load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }

@@ -6,7 +6,8 @@
 //   load, store, set1, add, sub, mul, div, sqrt, fma(a, b, c) = a * b + c,
 //   neg, max_nan (NaN-propagating maximum), load_bf16, load_f16, store_bf16,
 //   store_f16, store_bf16_pair (two registers; round to nearest even; NaN
-//   stays NaN).
+//   stays NaN), load_u8 (W bytes zero-extended to W 32-bit integer lanes, in
+//   a register's bits), store_u8 (the low byte of each 32-bit lane: W bytes).
 //
 // Everything here has internal linkage (anonymous namespace): each
 // translation unit gets its own copy compiled for its own instruction set,
@@ -364,38 +365,42 @@ inline int8_t fp8_exponent(float absmax) {
   return static_cast<int8_t>(k < -126 ? -126 : k);
 }
 
-// The compiler's generic vectors of W floats, W signed ints and W bytes, beside Lanes<W>'s unsigned ints.
+// The compiler's generic vectors of W floats and W signed ints, beside Lanes<W>'s unsigned ints. (Bytes widen and
+// narrow through V::load_u8 and V::store_u8: GCC 12 lowers a conversion of a vector of bytes lane by lane.)
 template <size_t W>
 struct FloatLanes {
   typedef float F __attribute__((vector_size(W * 4)));
   typedef int32_t I __attribute__((vector_size(W * 4)));
-  typedef uint8_t B __attribute__((vector_size(W)));
 };
 
-// The values of W codes (the first n, zeros after them) times `scale`, W lanes at a time: a normal code's exponent
-// rebiased (7 -> 127) and mantissa moved up, a subnormal's mantissa times 2^-9 (exact in fp32), 0x7f (and 0xff)
-// NaN.
-template <size_t W>
+// The values of W codes (the first n, zeros after them) times `scale`, W lanes at a time. A code's magnitude bits
+// under fp32's exponent, rebiased (7 -> 127), are its value when normal; a subnormal one's (exponent 0: 2^-6 m/8)
+// is twice that less 2^-6, exactly. 0x7f (and 0xff) NaN.
+template <class V>
 __attribute__((always_inline)) inline void fp8_decode(const uint8_t* codes, size_t n, float scale, float* out) {
+  constexpr size_t W = V::W;
   using U = typename Lanes<W>::U;
   using F = typename FloatLanes<W>::F;
-  using I = typename FloatLanes<W>::I;
-  typename FloatLanes<W>::B bytes = {};
+  U code;
   if (n >= W) {
-    std::memcpy(&bytes, codes, W);
+    const typename V::R r = V::load_u8(codes);
+    std::memcpy(&code, &r, sizeof(code));
   } else {
-    std::memcpy(&bytes, codes, n);
+    alignas(64) uint8_t padded[W] = {};
+    std::memcpy(padded, codes, n);
+    const typename V::R r = V::load_u8(padded);
+    std::memcpy(&code, &r, sizeof(code));
   }
-  const U code = __builtin_convertvector(bytes, U);
-  const U sign = (code & 0x80u) << 24;
-  const U exponent = (code >> 3) & 15u, mantissa = code & 7u;
-  const F subnormal = __builtin_convertvector((I)mantissa, F) * 0x1p-9f;
-  U low;
-  std::memcpy(&low, &subnormal, sizeof(low));
-  const U normal = ((exponent + 120u) << 23) | (mantissa << 20);
-  U u = sign | (exponent == 0u ? low : normal);
-  u = (code & 0x7fu) == 0x7fu ? (sign | 0x7fc00000u) : u;
+  const U magnitude = code & 0x7fu;
+  const U normal = (magnitude << 20) + (120u << 23);
   F f;
+  std::memcpy(&f, &normal, sizeof(f));
+  f = f * 2.0f - 0x1p-6f;
+  U subnormal;
+  std::memcpy(&subnormal, &f, sizeof(subnormal));
+  U u = magnitude < 8u ? subnormal : normal;
+  u = magnitude == 0x7fu ? U{} + 0x7fc00000u : u;
+  u |= (code & 0x80u) << 24;
   std::memcpy(&f, &u, sizeof(f));
   f *= scale;
   std::memcpy(out, &f, sizeof(f));
@@ -406,9 +411,10 @@ __attribute__((always_inline)) inline void fp8_decode(const uint8_t* codes, size
 // normal, 3 of fp32's 23 mantissa bits are kept, below it |x| 2^9 is taken in fixed point with 16 fractional bits
 // (8 is the smallest normal's code). NaN and infinities become NaN (e4m3fn has none). `root`: a nonzero value never
 // becomes the code 0. The first n (at most W) codes are written.
-template <size_t W>
-__attribute__((always_inline)) inline void fp8_encode(const float* values, float inverse, typename Lanes<W>::U bits,
+template <class V>
+__attribute__((always_inline)) inline void fp8_encode(const float* values, float inverse, typename Lanes<V::W>::U bits,
                                                       bool root, size_t n, uint8_t* codes) {
+  constexpr size_t W = V::W;
   using U = typename Lanes<W>::U;
   using F = typename FloatLanes<W>::F;
   using I = typename FloatLanes<W>::I;
@@ -420,7 +426,7 @@ __attribute__((always_inline)) inline void fp8_encode(const float* values, float
   const U sign = (u >> 24) & 0x80u;
   const U magnitude = u & 0x7fffffffu;
   const U r = magnitude + (bits << 4);
-  U normal = (((r >> 23) - 120u) << 3) | ((r >> 20) & 7u);
+  U normal = (r >> 20) - (120u << 3);  // the exponent rebiased (127 -> 7) above the 3 mantissa bits kept
   normal = normal > 0x7eu ? U{} + 0x7eu : normal;
   F a;
   std::memcpy(&a, &magnitude, sizeof(a));
@@ -430,11 +436,14 @@ __attribute__((always_inline)) inline void fp8_encode(const float* values, float
   code = magnitude >= 0x7f800000u ? U{} + 0x7fu : code;
   code |= sign;
   if (root) code = (code == 0u) & (x > 0.0f) ? U{} + 1u : code;
-  const typename FloatLanes<W>::B bytes = __builtin_convertvector(code, typename FloatLanes<W>::B);
+  typename V::R lanes;
+  std::memcpy(&lanes, &code, sizeof(lanes));
   if (n >= W) {
-    std::memcpy(codes, &bytes, W);
+    V::store_u8(codes, lanes);
   } else {
-    std::memcpy(codes, &bytes, n);
+    alignas(64) uint8_t bytes[W];
+    V::store_u8(bytes, lanes);
+    std::memcpy(codes, bytes, n);
   }
 }
 
@@ -468,29 +477,32 @@ __attribute__((always_inline)) inline typename Lanes<W>::U fp8_bits(uint64_t see
 }
 
 // Round register j (elements j .. j + W) of the waiting block `b` to codes.
-template <size_t W>
+template <class V>
 __attribute__((always_inline)) inline void fp8_round_register(const Fp8Block& b, size_t j, uint64_t seed_m,
                                                               uint64_t seed_r, uint8_t* codes_m, uint8_t* codes_r) {
+  constexpr size_t W = V::W;
   const uint64_t index = b.first + j;
   const size_t n = b.n - j;
-  fp8_encode<W>(b.m + j, b.inverse_m, fp8_bits<W>(seed_m, index, b.key_m, b.one_key), false, n, codes_m + b.start + j);
-  fp8_encode<W>(b.r + j, b.inverse_r, fp8_bits<W>(seed_r, index, b.key_r, b.one_key), true, n, codes_r + b.start + j);
+  fp8_encode<V>(b.m + j, b.inverse_m, fp8_bits<W>(seed_m, index, b.key_m, b.one_key), false, n, codes_m + b.start + j);
+  fp8_encode<V>(b.r + j, b.inverse_r, fp8_bits<W>(seed_r, index, b.key_r, b.one_key), true, n, codes_r + b.start + j);
 }
 
 // One register's elements: the moments decoded (codes cm, cr at scales 2^k), the update, its new weights stored
-// (bf16 ones stochastically) and returned; the new exp_avg and root of exp_avg_sq to m_new and r_new, their largest
-// magnitudes into max_m and max_r.
+// (bf16 ones stochastically) and returned; the new exp_avg and root of exp_avg_sq to m_new and r_new, the bits of
+// their largest magnitudes into max_m and max_r (as unsigned integers magnitudes order as their floats do, and a NaN
+// above every number: the maximum propagates NaN).
 template <class V, DType G, bool Bf16Param>
 __attribute__((always_inline)) inline typename V::R fp8_update(const Consts<V>& c, unsigned char* p_ptr,
                                                               const unsigned char* g_ptr, const uint8_t* cm,
                                                               const uint8_t* cr, size_t n, float scale_m,
                                                               float scale_r, float* m_new, float* r_new,
-                                                              typename V::R& max_m, typename V::R& max_r,
-                                                              uint64_t index) {
+                                                              typename Lanes<V::W>::U& max_m,
+                                                              typename Lanes<V::W>::U& max_r, uint64_t index) {
   using R = typename V::R;
+  using U = typename Lanes<V::W>::U;
   alignas(64) float m_old[V::W], r_old[V::W];
-  fp8_decode<V::W>(cm, n, scale_m, m_old);
-  fp8_decode<V::W>(cr, n, scale_r, r_old);
+  fp8_decode<V>(cm, n, scale_m, m_old);
+  fp8_decode<V>(cr, n, scale_r, r_old);
   R g = scaled_grad(c, load_grad<V, G>(g_ptr));
   R p = load_as_float<V, Bf16Param>(p_ptr);
   decay(c, p, g);
@@ -499,8 +511,13 @@ __attribute__((always_inline)) inline typename V::R fp8_update(const Consts<V>& 
   const R root = V::sqrt(next_exp_avg_sq<V, Part::kBody>(c, g, V::mul(root_old, root_old)));
   V::store(m_new, m);
   V::store(r_new, root);
-  max_m = V::max_nan(max_m, V::max_nan(m, V::neg(m)));
-  max_r = V::max_nan(max_r, root);
+  U bits_m, bits_r;
+  std::memcpy(&bits_m, &m, sizeof(bits_m));
+  std::memcpy(&bits_r, &root, sizeof(bits_r));
+  bits_m &= 0x7fffffffu;
+  bits_r &= 0x7fffffffu;  // sqrt(-0) is -0
+  max_m = bits_m > max_m ? bits_m : max_m;
+  max_r = bits_r > max_r ? bits_r : max_r;
   p = stepped(c, p, m, root);
   if constexpr (Bf16Param) {
     store_stochastic<V>(p_ptr, p, c, index);
@@ -510,10 +527,14 @@ __attribute__((always_inline)) inline typename V::R fp8_update(const Consts<V>& 
   return p;
 }
 
-inline float horizontal_max(const float* x, size_t n) {  // NaN-propagating
-  float best = 0.0f;
-  for (size_t i = 0; i < n; ++i) best = (std::isnan(x[i]) || x[i] > best) ? x[i] : best;
-  return best;
+// The largest of W magnitudes' bits (see fp8_update), as a float.
+template <size_t W>
+inline float largest_magnitude(const typename Lanes<W>::U& bits) {
+  uint32_t best = 0;
+  for (size_t k = 0; k < W; ++k) best = bits[k] > best ? bits[k] : best;
+  float f;
+  std::memcpy(&f, &best, sizeof(f));
+  return f;
 }
 
 // Elements [begin, end) block by block (begin is a block's first element: the tasks are whole blocks). A block's
@@ -536,7 +557,6 @@ void adam_range_fp8(const AdamArgs& a, size_t begin, size_t end) {
   auto* const out = static_cast<unsigned char*>(a.param_out);
   const uint64_t seed_m = a.sr_seed ^ kExpAvgSalt, seed_r = a.sr_seed ^ kRootSalt;
   Fp8Block blocks[2];
-  alignas(64) float lanes[W];
   int current = 0;
   for (size_t start = begin; start < end; start += kFp8Block, current ^= 1) {
     Fp8Block& now = blocks[current];
@@ -545,7 +565,7 @@ void adam_range_fp8(const AdamArgs& a, size_t begin, size_t end) {
     const size_t block = start / kFp8Block;
     const float scale_m = std::ldexp(1.0f, exponents[block]);
     const float scale_r = std::ldexp(1.0f, exponents[a.nblocks + block]);
-    R max_m = V::set1(0.0f), max_r = V::set1(0.0f);
+    typename Lanes<W>::U max_m = {}, max_r = {};
     size_t j = 0;
     for (; j + 2 * W <= n; j += 2 * W) {  // two registers at a time: two chains of divisions in flight
       const size_t i = start + j, k = i + W;
@@ -555,8 +575,8 @@ void adam_range_fp8(const AdamArgs& a, size_t begin, size_t end) {
                                                scale_r, now.m + j + W, now.r + j + W, max_m, max_r, a.first_index + k);
       if constexpr (O != DType::kNone) store_out_pair<V, O>(out + i * os, p0, p1);
       if (waiting.pending) {
-        fp8_round_register<W>(waiting, j, seed_m, seed_r, codes_m, codes_r);
-        fp8_round_register<W>(waiting, j + W, seed_m, seed_r, codes_m, codes_r);
+        fp8_round_register<V>(waiting, j, seed_m, seed_r, codes_m, codes_r);
+        fp8_round_register<V>(waiting, j + W, seed_m, seed_r, codes_m, codes_r);
       }
     }
     for (; j + W <= n; j += W) {
@@ -564,7 +584,7 @@ void adam_range_fp8(const AdamArgs& a, size_t begin, size_t end) {
       const R p = fp8_update<V, G, Bf16Param>(c, param + i * ps, grad + i * gs, codes_m + i, codes_r + i, W, scale_m,
                                               scale_r, now.m + j, now.r + j, max_m, max_r, a.first_index + i);
       if constexpr (O != DType::kNone) store_out<V, O>(out + i * os, p);
-      if (waiting.pending) fp8_round_register<W>(waiting, j, seed_m, seed_r, codes_m, codes_r);
+      if (waiting.pending) fp8_round_register<V>(waiting, j, seed_m, seed_r, codes_m, codes_r);
     }
     if (j < n) {  // the last partial register, through zero-padded copies (zeros leave the maxima as they are)
       const size_t rest = n - j, i = start + j;
@@ -581,13 +601,11 @@ void adam_range_fp8(const AdamArgs& a, size_t begin, size_t end) {
     }
     if (waiting.pending) {  // a partial block (the range's last): the waiting one's registers past its whole ones
       for (size_t k = j; k < waiting.n; k += W) {
-        fp8_round_register<W>(waiting, k, seed_m, seed_r, codes_m, codes_r);
+        fp8_round_register<V>(waiting, k, seed_m, seed_r, codes_m, codes_r);
       }
     }
-    V::store(lanes, max_m);
-    const int8_t k_m = fp8_exponent(horizontal_max(lanes, W));
-    V::store(lanes, max_r);
-    const int8_t k_r = fp8_exponent(horizontal_max(lanes, W));
+    const int8_t k_m = fp8_exponent(largest_magnitude<W>(max_m));
+    const int8_t k_r = fp8_exponent(largest_magnitude<W>(max_r));
     exponents[block] = k_m;
     exponents[a.nblocks + block] = k_r;
     now.start = start;
@@ -603,7 +621,7 @@ void adam_range_fp8(const AdamArgs& a, size_t begin, size_t end) {
   }
   const Fp8Block& last = blocks[current ^ 1];
   if (last.pending) {
-    for (size_t k = 0; k < last.n; k += W) fp8_round_register<W>(last, k, seed_m, seed_r, codes_m, codes_r);
+    for (size_t k = 0; k < last.n; k += W) fp8_round_register<V>(last, k, seed_m, seed_r, codes_m, codes_r);
   }
 }
 

@@ -36,6 +36,17 @@ struct NeonVec {
     store_bf16(p, x0);
     store_bf16(p + W, x1);
   }
+  static R load_u8(const uint8_t* p) {
+    uint32_t word;
+    std::memcpy(&word, p, 4);
+    const uint16x8_t halves = vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(word)));
+    return vreinterpretq_f32_u32(vmovl_u16(vget_low_u16(halves)));
+  }
+  static void store_u8(uint8_t* p, R x) {
+    const uint16x4_t halves = vmovn_u32(vreinterpretq_u32_f32(x));
+    const uint32_t word = vget_lane_u32(vreinterpret_u32_u8(vmovn_u16(vcombine_u16(halves, halves))), 0);
+    std::memcpy(p, &word, 4);
+  }
   static R load_f16(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
   static void store_f16(uint16_t* p, R x) { vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(x))); }
 };

@@ -42,6 +42,8 @@ struct ScalarVec {
     store_bf16(p, x0);
     store_bf16(p + W, x1);
   }
+  static R load_u8(const uint8_t* p) { return float_of(*p); }
+  static void store_u8(uint8_t* p, R x) { *p = static_cast<uint8_t>(bits_of(x)); }
   static R load_f16(const uint16_t* p) {
     const uint32_t h = *p;
     const uint32_t sign = (h & 0x8000u) << 16;
