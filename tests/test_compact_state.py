@@ -253,7 +253,7 @@ def test_what_the_compact_state_refuses(tmp_path):
         NVMeAdamW(model.parameters(), swap_dir=tmp_path, state_precision="int8")
 
 
-@pytest.mark.parametrize("precision", ["bf16-moments", "bf16"])
+@pytest.mark.parametrize("precision", ["bf16-moments", "bf16", "8bit"])
 def test_streamed_training_with_compact_state_equals_the_optimizer_on_the_whole_model(tmp_path, precision):
     """initialize() streams the parameters and hands the optimizer the weights in the streamer's host cache (its
     WeightHome): the compact updates land there as they do in a model held whole."""
@@ -309,10 +309,12 @@ def test_finetune_says_the_state_is_not_exact_and_resumes_only_with_its_precisio
     assert "float16 needs an fp32 master" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("precision,state_bytes,home_bytes", [("bf16-moments", 8, 8), ("bf16", 6, 8)])
+@pytest.mark.parametrize("precision,state_bytes,home_bytes", [("bf16-moments", 8, 8), ("bf16", 6, 8), ("8bit", 4, 8)])
 def test_resident_compact_state_moves_nothing_and_changes_nothing(tmp_path, precision, state_bytes, home_bytes):
     """Resident chunks keep both generations of their rows in host memory (an fp32 row's room per row, as the
-    planner counts them: nvoffload.planner.cost.state_bytes_per_param) and never touch the store."""
+    planner counts them: nvoffload.planner.cost.state_bytes_per_param, the 8-bit moments' scales aside) and never
+    touch the store."""
+    from nvoffload.optim.kernels import fp8_blocks
     from nvoffload.planner.cost import state_bytes_per_param
 
     assert state_bytes_per_param(precision, "bfloat16")[1:] == (state_bytes, home_bytes)
@@ -329,8 +331,9 @@ def test_resident_compact_state_moves_nothing_and_changes_nothing(tmp_path, prec
     stats = opt_res.memory_stats()
     numel = sum(p.numel() for p in resident.parameters())
     assert (stats.read_bytes, stats.written_bytes) == (0, 0)
-    assert stats.resident_state_bytes == state_bytes * numel
     chunks = [c for r in opt_res._records for c in r.chunks]
+    scales = sum(2 * fp8_blocks(c.numel) for c in chunks) if precision == "8bit" else 0  # a byte a block a moment
+    assert stats.resident_state_bytes == state_bytes * numel + scales
     assert stats.resident_bytes == sum(2 * -(-home_bytes * c.numel // 4096) * 4096 for c in chunks)
     for a, b in zip(resident.parameters(), in_store.parameters()):
         assert torch.equal(a, b)

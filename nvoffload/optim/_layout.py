@@ -261,6 +261,14 @@ class Layout:
         weights = 2 if self.masterless(param) else 4
         return weights + (2 + 2 / FP8_BLOCK if self.state_precision == "8bit" else 4)
 
+    def chunk_state_bytes(self, chunk: Chunk) -> int:
+        """Store bytes of one generation of ``chunk``'s state: what its entries hold (with 8-bit moments, a
+        byte a block a moment for their scales, where :meth:`bytes_per_element` spreads them over the elements)."""
+        n, param = chunk.numel, chunk.record.param
+        if self.state_precision != "8bit" or not self.adam:
+            return int(n * self.bytes_per_element(param, chunk.record))
+        return (2 if self.masterless(param) else 4) * n + 2 * n + 2 * fp8_blocks(n)
+
     def masterless(self, param: torch.Tensor) -> bool:
         """Whether ``param``'s state has no fp32 master: its own bf16 weights are updated (``"bf16"``, ``"8bit"``)."""
         return self.state_precision in MASTERLESS and param.dtype == torch.bfloat16

@@ -531,7 +531,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         rec = self._layout.new_record(len(self._records), p, group)
         if p.requires_grad:
             for c in rec.chunks:
-                self._resident.offer(c, math.ceil(c.numel * self._layout.bytes_per_element(p, rec)))
+                self._resident.offer(c, self._layout.chunk_state_bytes(c))
         self._records.append(rec)
         self._hook_if_trained(rec)
 
