@@ -15,7 +15,7 @@ import torch
 from nvoffload.optim.offload import NVMeAdamW, OffloadIOError, OffloadOptimizerConfig
 from nvoffload.training_checkpoint import load_training_checkpoint, save_training_checkpoint
 
-from test_compact_state import CHUNK, LR, WD, Net, loss_of
+from test_compact_state import CHUNK, LR, WD, Net, Reference, loss_of
 from test_compact_state import batches as typed_batches
 
 
@@ -210,6 +210,41 @@ def test_bf16_parameters_with_an_fp32_master(tmp_path):
         for i, (p, q) in enumerate(zip(master_model.parameters(), model.parameters())):
             assert torch.equal(state[i]["master_param"], p.detach())
             assert torch.equal(q, p.detach().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("precision", ["bf16-moments", "bf16", "8bit"])
+def test_a_compact_state_is_its_own_update_applied_one_step_late(tmp_path, precision):
+    """With a compact state (bf16 weights) the delayed weights are that state's updates, the fused kernel on whole
+    tensors, applied one step late, bit for bit: the same rounding from the same seeds (those of the step whose
+    gradients they apply)."""
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    ref_model = copy.deepcopy(model)
+    ref, pending = Reference(ref_model, precision), None
+
+    def apply_late(grads):
+        for p, g in zip(ref_model.parameters(), grads):
+            p.grad = g
+        ref.step()
+
+    with delayed(model, tmp_path / "swap", state_precision=precision) as opt:
+        for x, y in typed_batches(5, torch.bfloat16):
+            loss_of(model, x, y).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+            if pending is not None:
+                apply_late(pending)
+            pending = grads
+            assert_same(model, ref_model)
+        opt.synchronize()
+        apply_late(pending)
+        assert_same(model, ref_model)
+        state = opt.state_dict()["state"]
+        for i in range(len(ref.params)):
+            m, v = ref.moments(i)
+            assert torch.equal(state[i]["exp_avg"].view(-1), m) and torch.equal(state[i]["exp_avg_sq"].view(-1), v)
+            assert state[i]["state_precision"] == precision
 
 
 def test_a_checkpoint_lands_the_update_in_flight_and_resumes_exactly(tmp_path):
