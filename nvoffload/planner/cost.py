@@ -76,8 +76,8 @@ _WITH_MASTER = {"bf16": _STATE_BYTES["bf16-moments"], "8bit": (2 + 4, 2 + 4, 8)}
 # The 8-bit moments' kernel: the exact update's arithmetic plus decoding, rounding and drawing bits for two moments.
 # It moves 10 bytes a parameter with bf16 weights (14 with an fp32 master) against the exact update's 28, which the
 # profile's rate is (memory-bound on a server), and updates 0.4e9 parameters a second a core when compute binds
-# it, which it does on fewer than about 40 cores (0.39-0.47e9 on one thread and on each of two, AVX-512, 200M
-# parameters: bench/results/adam_compact_state/adam.md and bench/README.md).
+# it, which it does on fewer than about 40 cores (AVX-512, 200M parameters: 0.39-0.45e9 on one thread, 0.75-0.93e9
+# on two; bench/results/adam_compact_state/ and bench/README.md).
 _FP8_BYTES_VS_EXACT = {"bfloat16": 10 / 28, "float32": 14 / 28}
 _FP8_PARAMS_PER_CORE_S = 0.4e9
 
