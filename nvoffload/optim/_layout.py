@@ -264,10 +264,10 @@ class Layout:
     def chunk_state_bytes(self, chunk: Chunk) -> int:
         """Store bytes of one generation of ``chunk``'s state: what its entries hold (with 8-bit moments, a
         byte a block a moment for their scales, where :meth:`bytes_per_element` spreads them over the elements)."""
-        n, param = chunk.numel, chunk.record.param
-        if self.state_precision != "8bit" or not self.adam:
-            return int(n * self.bytes_per_element(param, chunk.record))
-        return (2 if self.masterless(param) else 4) * n + 2 * n + 2 * fp8_blocks(n)
+        n = chunk.numel
+        if self.state_precision == "fp32" or not self.adam:
+            return self.rows(chunk.record) * 4 * n
+        return (2 if self.masterless(chunk.record.param) else 4) * n + self._moment_nbytes(n)
 
     def masterless(self, param: torch.Tensor) -> bool:
         """Whether ``param``'s state has no fp32 master: its own bf16 weights are updated (``"bf16"``, ``"8bit"``)."""
@@ -313,8 +313,11 @@ class Layout:
 
     def _moment_bytes(self, chunk: Chunk, rows: torch.Tensor) -> torch.Tensor:
         """The part of row 1 that holds ``chunk``'s moments (and with 8 bits their exponents), as bytes."""
-        used = 2 * chunk.numel + 2 * fp8_blocks(chunk.numel) if self.state_precision == "8bit" else 4 * chunk.numel
-        return rows[1].view(torch.uint8)[:used]
+        return rows[1].view(torch.uint8)[: self._moment_nbytes(chunk.numel)]
+
+    def _moment_nbytes(self, numel: int) -> int:
+        """Bytes of a compact state's two moments of ``numel`` elements (and with 8 bits their exponents)."""
+        return 2 * numel + 2 * fp8_blocks(numel) if self.state_precision == "8bit" else 4 * numel
 
     def split(self, rec: Record) -> bool:
         """fp32 parameters keep their master row in its own store entry: it equals the model's weights
