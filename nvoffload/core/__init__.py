@@ -6,4 +6,5 @@
 - :mod:`~nvoffload.core.buffers`: aligned host buffers and byte views (O_DIRECT's 4 KiB).
 - :mod:`~nvoffload.core.workers`: the daemon worker threads that stop at interpreter exit.
 - :mod:`~nvoffload.core.atomic`: files and directories replaced whole or not at all, fsynced.
+- :mod:`~nvoffload.core.native`: the compiled core's modules, or one line saying it is not built and how to build it.
 """

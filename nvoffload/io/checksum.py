@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from nvoffload.io import _aio
+from nvoffload.core.native import native_module
 
 __all__ = ["crc32c", "crc32c_combine"]
+
+_aio = native_module("nvoffload.io._aio")
 
 
 def crc32c(data: torch.Tensor, crc: int = 0) -> int:

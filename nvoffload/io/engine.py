@@ -12,11 +12,13 @@ import torch
 
 from nvoffload import trace
 from nvoffload.core.future import Future
-from nvoffload.io import _aio
+from nvoffload.core.native import native_module
 from nvoffload.io.config import ALIGNMENT_BYTES, DirectIO, IOConfig
 from nvoffload.io.errors import StoreIOError
 
 __all__ = ["IOEngine", "NativePart", "OpenFile"]
+
+_aio = native_module("nvoffload.io._aio")
 
 
 @dataclass(frozen=True)

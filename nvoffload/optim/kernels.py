@@ -55,7 +55,7 @@ import operator
 import torch
 from torch.autograd.graph import increment_version
 
-from nvoffload.optim import _adam
+from nvoffload.core.native import native_module
 
 __all__ = [
     "FP8_BLOCK",
@@ -70,6 +70,8 @@ __all__ = [
     "set_num_threads",
     "supported_isas",
 ]
+
+_adam = native_module("nvoffload.optim._adam")
 
 _GRAD_DTYPES = {torch.float32: _adam.FLOAT32, torch.bfloat16: _adam.BFLOAT16, torch.float16: _adam.FLOAT16}
 # Floats per vector of torch's fused CPU Adam: its last numel % 8 elements of a tensor take the scalar loop.
