@@ -388,7 +388,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0 if result.fits else 2
     if args.command == "finetune":
         from nvoffload.finetune import FinetuneConfig, finetune
-        from nvoffload.finetune.run import _postfix
+        from nvoffload.finetune.run import step_postfix
         from nvoffload.planner.cost import human_count
         from nvoffload.memory import MemoryBudgetError
         from nvoffload.optim.offload import OffloadIOError
@@ -421,7 +421,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         dev = torch.device(config.device)
         lead = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 reports
         report = args.no_progress and lead
-        on_step = (lambda s: print(f"step {s.step}: {_postfix(s, dev)}", flush=True)) if report else None
+        on_step = (lambda s: print(f"step {s.step}: {step_postfix(s, dev)}", flush=True)) if report else None
         try:
             result = finetune(config, progress=not args.no_progress, on_step=on_step,
                               on_message=lambda line: print(_as_flags(line, flags), flush=True))  # fmt: skip

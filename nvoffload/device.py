@@ -162,7 +162,7 @@ def compute_device(device: torch.device | str | None = None) -> ComputeDevice:
 # ---------------------------------------------------------------------------- CUDA
 
 
-class _CudaEvent:
+class CudaEvent:
     __slots__ = ("raw",)
 
     def __init__(self, stream, *, timed: bool = False):
@@ -224,7 +224,7 @@ class _CudaCopyStream:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self._stream)
             dst.copy_(src, non_blocking=True)
-            event = _CudaEvent(self._stream, timed=recording is not None)
+            event = CudaEvent(self._stream, timed=recording is not None)
         if recording is not None:
             clock, end = self._clock, event.raw
             recording.add_later(self._track, what or "copy", lambda: clock.span(start, end), bytes=src.numel() * src.element_size())
@@ -244,7 +244,7 @@ class CudaDevice:
         self._streams = {d: _CudaCopyStream(self.device, d) for d in ("h2d", "d2h")}
 
     def record(self) -> Event:
-        return _CudaEvent(torch.cuda.current_stream(self.device))
+        return CudaEvent(torch.cuda.current_stream(self.device))
 
     def wait(self, event: Event) -> None:
         torch.cuda.current_stream(self.device).wait_event(event.raw)

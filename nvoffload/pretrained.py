@@ -53,9 +53,7 @@ from torch import nn
 
 from nvoffload.checkpoint import SafetensorsWriter
 from nvoffload.core.atomic import fsync_path, new_sibling, put_in_place
-from nvoffload.streaming import state_tensors
-from nvoffload.streaming._hf_models import Index, stored_layout
-from nvoffload.streaming._peft import PeftView
+from nvoffload.streaming import Index, PeftView, state_tensors, stored_layout
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES", "SavedTensor", "build_meta_model", "check_save_directory", "save_pretrained",
@@ -283,7 +281,7 @@ def build_meta_model(config, *, dtype: torch.dtype | None = None) -> nn.Module:
         ImportError: ``transformers`` is not installed (``pip install 'nvoffload[hf]'``).
     """
     transformers = import_transformers()
-    kwargs = _dtype_kwargs(transformers, dtype) if dtype is not None else {}
+    kwargs = dtype_kwargs(transformers, dtype) if dtype is not None else {}
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
     return model.train()
@@ -298,7 +296,7 @@ def import_transformers():
     return transformers
 
 
-def _dtype_kwargs(transformers, dtype: torch.dtype) -> dict:
+def dtype_kwargs(transformers, dtype: torch.dtype) -> dict:
     """``dtype=`` for ``from_config``/``from_pretrained`` (``torch_dtype=`` before transformers 4.56)."""
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}

@@ -22,7 +22,7 @@ Example (gradient accumulation over ``G`` micro-batches)::
     optimizer.step(); optimizer.zero_grad()
     print(evaluate(model, eval_data.batches(8), device))   # EvalResult(loss=..., perplexity=..., tokens=...)
 
-With a streamed model, :func:`nvoffload.vertical.causal_lm_vertical_step` takes
+With a streamed model, :func:`causal_lm_vertical_step` takes
 the ``G`` micro-batches of the step at once and runs each block over all of them
 while it is on the device: the same gradients, without streaming every block
 ``G`` times.
@@ -38,17 +38,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nvoffload.causal_lm import causal_lm_hidden, causal_lm_logits
 from nvoffload.data.sft import IGNORE_INDEX, SFTBatch
 from nvoffload.models import GPT
-from nvoffload.models.gpt import lm_head_loss
+from nvoffload.optim import OffloadOptimizer
+from nvoffload.vertical import vertical_step
 
 __all__ = [
-    "EvalResult", "causal_lm_head_loss", "causal_lm_hidden", "causal_lm_logits", "causal_lm_loss", "evaluate",
-]
-
-# Config fields of Hugging Face causal LMs whose forward changes the logits after the output embeddings (Gemma 2's
-# soft-capping, Cohere's and Granite's scales): their head is not ``get_output_embeddings()`` alone.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+    "EvalResult", "causal_lm_head_loss", "causal_lm_hidden", "causal_lm_logits", "causal_lm_loss",
+    "causal_lm_vertical_step", "evaluate",
+]  # causal_lm_hidden and causal_lm_logits: nvoffload.causal_lm's, the parts these losses are made of
 
 
 def causal_lm_loss(model: nn.Module, batch: SFTBatch, num_items: int | float | torch.Tensor) -> torch.Tensor:
@@ -68,47 +67,37 @@ def causal_lm_loss(model: nn.Module, batch: SFTBatch, num_items: int | float | t
     return _summed_over(logits, batch.labels, num_items)
 
 
-def causal_lm_hidden(
-    model: nn.Module, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """The hidden states before ``model``'s head, ``(rows, seq, d_model)``: a :class:`~nvoffload.models.GPT`'s
-    :meth:`~nvoffload.models.GPT.hidden_states`, or a Hugging Face causal LM's base model's last hidden state (no
-    cache: a training step)."""
-    if isinstance(model, GPT):
-        if attention_mask is not None:
-            raise ValueError("a GPT preset takes position_ids, not an attention_mask")
-        return model.hidden_states(input_ids, position_ids=position_ids)
-    base = getattr(model, model.base_model_prefix)
-    out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return out.last_hidden_state
-
-
-def causal_lm_logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """A Hugging Face causal LM's logits of the hidden states ``h`` (its output embeddings).
-
-    Raises:
-        ValueError: the model's forward transforms its logits after the output embeddings
-            (soft-capping or a scale, e.g. Gemma 2): give the head yourself.
-    """
-    config = getattr(model, "config", None)
-    transforms = [f for f in _LOGIT_TRANSFORMS if getattr(config, f, None) not in (None, 1, 1.0)]
-    if transforms:
-        raise ValueError(
-            f"{type(model).__name__} transforms its logits after the output embeddings ({', '.join(transforms)}):"
-            " the head run apart from the model's forward would differ; pass your own loss()"
-        )
-    return model.get_output_embeddings()(h)
-
-
 def causal_lm_head_loss(
     model: nn.Module, h: torch.Tensor, labels: torch.Tensor, num_items: int | float | torch.Tensor
 ) -> torch.Tensor:  # fmt: skip
     """:func:`causal_lm_loss` from the hidden states ``h`` (:func:`causal_lm_hidden`): the head's cross-entropy
     against ``labels``, summed over the targets and divided by ``num_items`` (at least 1)."""
     if isinstance(model, GPT):
-        return lm_head_loss(h, model.tok_emb.weight, labels, num_items=_at_least_one(num_items))
+        return model.head_loss(h, labels, num_items=_at_least_one(num_items))
     return _summed_over(causal_lm_logits(model, h), labels, num_items)
+
+
+def causal_lm_vertical_step(optimizer: OffloadOptimizer, batches: Sequence[SFTBatch], num_items: float) -> torch.Tensor:
+    """One optimizer step of a streamed model over the micro-batches ``batches`` by the vertical schedule; returns
+    each micro-batch's loss (its targets' sum over ``num_items``: their sum is the step's loss).
+
+    The same step as ``nvoffload.sft.causal_lm_loss(model, b, num_items).backward()``
+    for each ``b`` then ``optimizer.step()`` (up to float rounding), as
+    ``nvoffload finetune --stream --grad-accum G`` takes it.
+    """
+
+    def hidden(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return causal_lm_hidden(model, batch["input_ids"], position_ids=batch.get("position_ids"))
+
+    def loss(model: nn.Module, h: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return causal_lm_head_loss(model, h, batch["labels"], num_items)
+
+    micro_batches = [
+        {"input_ids": b.input_ids, "labels": b.labels}
+        | ({} if b.position_ids is None else {"position_ids": b.position_ids})
+        for b in batches
+    ]
+    return vertical_step(optimizer, micro_batches, hidden=hidden, loss=loss, mean=False)
 
 
 def _at_least_one(num_items: int | float | torch.Tensor) -> int | float | torch.Tensor:

@@ -45,11 +45,8 @@ from nvoffload.memory import (
     release_freed_host_memory,
     resident_state_share,
 )
-from nvoffload.optim import LossScaling, OffloadOptimizer, OffloadOptimizerConfig
-from nvoffload.optim._layout import Layout
-from nvoffload.optim._updates import for_optimizer
-from nvoffload.streaming import ParameterStreamer, compute_device_of
-from nvoffload.streaming._blocks import find_blocks, partition
+from nvoffload.optim import Layout, LossScaling, OffloadOptimizer, OffloadOptimizerConfig, for_optimizer
+from nvoffload.streaming import ParameterStreamer, compute_device_of, find_blocks, partition
 from nvoffload.transfer import HostSlab, TransferEngine
 
 __all__ = ["OffloadConfig", "OffloadSession", "initialize"]

@@ -41,12 +41,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nvoffload.data.sft import SFTBatch
+from nvoffload.causal_lm import causal_lm_hidden, causal_lm_logits, has_head_loss, is_hf_causal_lm
 from nvoffload.optim import OffloadOptimizer
-from nvoffload.sft import causal_lm_head_loss, causal_lm_hidden, causal_lm_logits
 from nvoffload.streaming import ParameterStreamer
 
-__all__ = ["causal_lm_vertical_step", "vertical_step"]
+__all__ = ["vertical_step"]
 
 Batch = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
@@ -85,8 +84,9 @@ def vertical_step(
         hidden: ``hidden(model, batch)`` gives the hidden states before the head,
             ``(rows, ...)`` with the rows of the micro-batches one after the other;
             it must call the streamed blocks through their containers (the
-            model's own forward does). Default for
-            :class:`~nvoffload.models.GPT`: ``model.hidden_states(batch[0])``;
+            model's own forward does). Default for a model with
+            ``hidden_states`` and ``head_loss`` (:class:`~nvoffload.models.GPT`):
+            ``model.hidden_states(batch[0])``;
             for a Hugging Face causal LM (micro-batches ``(input_ids, labels)``
             or mappings with those keys, ``attention_mask`` and
             ``position_ids`` optional): its base model's last hidden state
@@ -94,9 +94,9 @@ def vertical_step(
         loss: ``loss(model, h, micro_batch)`` gives the scalar loss of one
             micro-batch from its rows ``h`` of the hidden states (the head and the
             loss; it may use parameters outside the streamed blocks, never the
-            blocks'). Default for :class:`~nvoffload.models.GPT`:
-            :func:`~nvoffload.models.gpt.lm_head_loss` with the tied head and
-            ``batch[1]`` as targets; for a Hugging Face causal LM: its output
+            blocks'). Default for a model with ``hidden_states`` and
+            ``head_loss``: ``model.head_loss(h, batch[1])`` (a GPT's tied head); for a
+            Hugging Face causal LM (:mod:`nvoffload.causal_lm`): its output
             embeddings and its ``loss_function`` (labels shifted, as its forward
             takes them; a model that transforms its logits after the output
             embeddings, such as Gemma 2, is refused: give ``loss``).
@@ -140,29 +140,6 @@ def vertical_step(
         torch.autograd.backward(roots, [grad_h, *head.values()])
         optimizer.step()
     return torch.stack(losses)
-
-
-def causal_lm_vertical_step(optimizer: OffloadOptimizer, batches: Sequence[SFTBatch], num_items: float) -> torch.Tensor:
-    """One optimizer step of a streamed model over the micro-batches ``batches`` by the vertical schedule; returns
-    each micro-batch's loss (its targets' sum over ``num_items``: their sum is the step's loss).
-
-    The same step as ``nvoffload.sft.causal_lm_loss(model, b, num_items).backward()``
-    for each ``b`` then ``optimizer.step()`` (up to float rounding), as
-    ``nvoffload finetune --stream --grad-accum G`` takes it.
-    """
-
-    def hidden(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return causal_lm_hidden(model, batch["input_ids"], position_ids=batch.get("position_ids"))
-
-    def loss(model: nn.Module, h: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return causal_lm_head_loss(model, h, batch["labels"], num_items)
-
-    micro_batches = [
-        {"input_ids": b.input_ids, "labels": b.labels}
-        | ({} if b.position_ids is None else {"position_ids": b.position_ids})
-        for b in batches
-    ]
-    return vertical_step(optimizer, micro_batches, hidden=hidden, loss=loss, mean=False)
 
 
 def _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss, divisor, scale):
@@ -273,30 +250,19 @@ def _concatenated(micro_batches: Sequence[Batch]) -> Batch:
 def _defaults(model: nn.Module, hidden, loss):
     if hidden is not None and loss is not None:
         return hidden, loss
-    from nvoffload.models import GPT
-    from nvoffload.models.gpt import lm_head_loss
-
-    if _causal_lm(model):
+    if is_hf_causal_lm(model):
         return hidden or _hf_hidden, loss or _hf_loss
-    if not isinstance(model, GPT):
+    if not has_head_loss(model):
         raise ValueError(f"vertical_step has no default hidden() and loss() for {type(model).__name__}: give both")
-
-    def gpt_hidden(model, batch):
-        return model.hidden_states(batch[0])
-
-    def gpt_loss(model, h, micro_batch):
-        return lm_head_loss(h, model.tok_emb.weight, micro_batch[1])
-
-    return hidden or gpt_hidden, loss or gpt_loss
+    return hidden or _own_hidden, loss or _own_head_loss
 
 
-def _causal_lm(model: nn.Module) -> bool:
-    """A Hugging Face causal LM: a base model under ``base_model_prefix``, an output embedding and a loss function."""
-    prefix = getattr(model, "base_model_prefix", None)
-    return (
-        isinstance(prefix, str) and isinstance(getattr(model, prefix, None), nn.Module)
-        and callable(getattr(model, "get_output_embeddings", None)) and hasattr(model, "loss_function")
-    )  # fmt: skip
+def _own_hidden(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return model.hidden_states(batch[0])
+
+
+def _own_head_loss(model: nn.Module, h: torch.Tensor, micro_batch: Batch) -> torch.Tensor:
+    return model.head_loss(h, micro_batch[1])
 
 
 def _hf_inputs(batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor | None], torch.Tensor]:

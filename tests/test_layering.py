@@ -1,12 +1,15 @@
-"""The package's layers import one way: no cycle between its subpackages and top-level modules, counting every
-import (at module level or inside a function, absolute or relative)."""
+"""The package's layers import one way: in ARCHITECTURE.md's order (its table of layers), never another package's
+private module, and with no cycle between its subpackages and top-level modules, counting every import (at module
+level or inside a function, absolute or relative, ``from nvoffload import x`` too)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "nvoffload"
+ARCHITECTURE = Path(__file__).parents[1] / "ARCHITECTURE.md"
 
 
 def unit(module: str) -> str:
@@ -21,27 +24,70 @@ def imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
         return [alias.name for alias in node.names]
     if not isinstance(node, ast.ImportFrom):
         return []
-    if not node.level:
-        return [node.module or ""]
-    base = module.split(".")[: None if is_package else -1]
-    base = base[: len(base) - (node.level - 1)]
-    if node.module:
-        return [".".join([*base, node.module])]
-    return [".".join([*base, alias.name]) for alias in node.names]  # from . import x
+    if node.level:
+        base = module.split(".")[: None if is_package else -1]
+        base = base[: len(base) - (node.level - 1)]
+        source = ".".join([*base, node.module] if node.module else base)
+    else:
+        source = node.module or ""
+    # Each name may be a module (``from nvoffload import trace``, ``from . import x``) or an attribute: either way it
+    # names its layer through ``source`` and a private module or attribute by its leading underscore.
+    return [source, *(f"{source}.{alias.name}" for alias in node.names if alias.name != "*")]
+
+
+def imports() -> list[tuple[str, str, str]]:
+    """``(file, importing module, imported nvoffload name)`` for every import in the package."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent)
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            for target in imported(node, module, path.name == "__init__.py"):
+                if target.split(".")[0] == "nvoffload":
+                    found.append((str(rel), module, target))
+    return found
 
 
 def import_edges() -> dict[tuple[str, str], set[str]]:
     """``(importing layer, imported layer)``: the files whose imports make that edge."""
     edges: dict[tuple[str, str], set[str]] = {}
-    for path in PACKAGE.rglob("*.py"):
-        rel = path.relative_to(PACKAGE.parent)
-        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
-        source = unit(module)
-        for node in ast.walk(ast.parse(path.read_text())):
-            for target in imported(node, module, path.name == "__init__.py"):
-                if target.split(".")[0] == "nvoffload" and unit(target) not in (source, "nvoffload"):
-                    edges.setdefault((source, unit(target)), set()).add(str(rel))
+    for rel, module, target in imports():
+        if unit(target) not in (unit(module), "nvoffload"):
+            edges.setdefault((unit(module), unit(target)), set()).add(rel)
     return edges
+
+
+def documented_rows(text: str) -> dict[str, int]:
+    """Each unit's row in the table of layers under ARCHITECTURE.md's "## The layers" (0: the bottom), from the
+    ``nvoffload/<unit>/...`` and ``nvoffload/<unit>.py`` paths of its second column."""
+    table = text.split("## The layers", 1)[1].split("\n\n## ", 1)[0]
+    rows: dict[str, int] = {}
+    body = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith(("| layer ", "| ---"))]
+    for row, line in enumerate(body):
+        for path in re.findall(r"`nvoffload/([A-Za-z_0-9]+)(?:\.py|/)", line.split("|")[2]):
+            assert path not in rows, f"{path} is in two rows of ARCHITECTURE.md's layers"
+            rows[path] = row
+    return rows
+
+
+def package_units() -> set[str]:
+    return {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"} | {
+        p.parent.name for p in PACKAGE.glob("*/__init__.py")
+    }
+
+
+def out_of_order(found, rows: dict[str, int]) -> list[str]:
+    """The imports that reach a row above their own or another package's private module."""
+    wrong = []
+    for rel, module, target in found:
+        source, dest = unit(module), unit(target)
+        if source == "nvoffload" or dest in ("nvoffload", source):  # the package's root exports the API
+            continue
+        if rows[dest] > rows[source]:
+            wrong.append(f"{rel}: {source} (row {rows[source]}) imports {target} (row {rows[dest]})")
+        elif any(part.startswith("_") for part in target.split(".")[2:]):
+            wrong.append(f"{rel}: {source} imports {target}, private to {dest}")
+    return wrong
 
 
 def cycles(edges: dict[tuple[str, str], set[str]]) -> list[list[str]]:
@@ -101,3 +147,21 @@ def test_no_import_cycle_between_layers():
     edges = import_edges()
     found = cycles(edges)
     assert not found, [(c, {e: f for e, f in edges.items() if e[0] in c and e[1] in c}) for c in found]
+
+
+def test_the_table_of_layers_places_every_unit_of_the_package():
+    rows = documented_rows(ARCHITECTURE.read_text())
+    assert set(rows) == package_units(), (sorted(package_units() - set(rows)), sorted(set(rows) - package_units()))
+
+
+def test_imports_follow_the_documented_order_and_stay_out_of_private_modules():
+    assert not out_of_order(imports(), documented_rows(ARCHITECTURE.read_text()))
+
+
+def test_the_order_check_refuses_an_import_upwards_and_of_a_private_module():
+    rows = documented_rows(ARCHITECTURE.read_text())
+    upward = ("nvoffload/core/atomic.py", "nvoffload.core.atomic", "nvoffload.finetune")  # from nvoffload import finetune
+    private = ("nvoffload/training.py", "nvoffload.training", "nvoffload.optim._layout.Layout")
+    assert len(out_of_order([upward, private], rows)) == 2
+    node = ast.parse("from nvoffload import finetune").body[0]
+    assert "nvoffload.finetune" in imported(node, "nvoffload.core.atomic", False)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nvoffload.core.future import Future
-from nvoffload.device import _CudaEvent
+from nvoffload.device import CudaEvent
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -96,7 +96,7 @@ class Ranks:
     def settle(self, what: str) -> None:
         """On a GPU: wait on the host for the current stream's work so far (a collective it was ordered after,
         ``what``), at most ``timeout_s``, then :class:`RankTimeoutError`; on the CPU there is nothing queued."""
-        if self.device.type == "cuda" and not _CudaEvent(torch.cuda.current_stream(self.device)).synchronize(self.timeout_s):
+        if self.device.type == "cuda" and not CudaEvent(torch.cuda.current_stream(self.device)).synchronize(self.timeout_s):
             raise RankTimeoutError(self.failure(what, f"not done on the device within {self.timeout_s:g} s"))
 
     def future(self, works: list[dist.Work], what: str) -> Future:

@@ -16,7 +16,7 @@ from nvoffload.checkpoint import open_checkpoint
 from nvoffload.finetune.config import _DTYPES, FinetuneConfig, _host_memory_bytes
 from nvoffload.io.store import swap_directories
 from nvoffload.models import GPT
-from nvoffload.planner.calibrate import _host_available_bytes
+from nvoffload.planner.calibrate import host_available_bytes
 from nvoffload.planner.cost import ModelShape, human_size
 from nvoffload.pretrained import (
     check_save_directory,
@@ -44,7 +44,7 @@ def _host_budgets_named(config: FinetuneConfig):
         if config.activation_host_bytes:
             asked.append(("activation_host_bytes", config.activation_host_bytes))
         named = " and ".join(f"{name} {n} ({human_size(n)})" for name, n in asked)
-        free = _host_available_bytes()
+        free = host_available_bytes()
         raise OSError(errno.ENOMEM, f"cannot allocate the host memory asked, {named}: {free} ({human_size(free)}) of this"
                       f" machine's {human_size(_host_memory_bytes())} is available") from None  # fmt: skip
 
@@ -120,7 +120,7 @@ def _check_batch_memory(config: FinetuneConfig, shape: ModelShape, rows: int, se
         need = 2 * rows * seq_len * max(shape.ffn, shape.d_model) * dtype_bytes
     else:
         need = shape.activation_bytes(rows, seq_len, dtype_bytes) // 2
-    free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else _host_available_bytes()
+    free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else host_available_bytes()
     if need > free:
         raise ValueError(
             f"batch_size {config.batch_size}: a micro-batch of {rows} x {seq_len} tokens saves at least {need} bytes"

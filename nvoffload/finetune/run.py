@@ -51,12 +51,12 @@ from nvoffload.optim import LossScaling
 from nvoffload.optim.offload import NVMeAdamW, OffloadOptimizer
 from nvoffload.planner.cost import STATE_WORDS, human_count, human_size, vertical_schedule_applies
 from nvoffload.pretrained import (
-    _dtype_kwargs,
+    dtype_kwargs,
     build_meta_model,
     import_transformers,
     save_pretrained,
 )
-from nvoffload.sft import causal_lm_loss, evaluate
+from nvoffload.sft import causal_lm_loss, causal_lm_vertical_step, evaluate
 from nvoffload.training import OffloadConfig, initialize
 from nvoffload.training_checkpoint import (
     check_checkpoint_directory,
@@ -65,7 +65,6 @@ from nvoffload.training_checkpoint import (
     load_training_checkpoint,
     save_training_checkpoint,
 )
-from nvoffload.vertical import causal_lm_vertical_step
 
 __all__ = ["FinetuneResult", "StepStats", "finetune", "header"]
 
@@ -115,7 +114,7 @@ class _HFModel:
 
     def load(self, dtype: torch.dtype, device: str) -> nn.Module:
         """The model with its weights, on ``device`` (``from_pretrained``)."""
-        model = self.tf.AutoModelForCausalLM.from_pretrained(self.dir, **_dtype_kwargs(self.tf, dtype))
+        model = self.tf.AutoModelForCausalLM.from_pretrained(self.dir, **dtype_kwargs(self.tf, dtype))
         return model.to(device).train()
 
     def build_on_meta(self, dtype: torch.dtype) -> nn.Module:
@@ -495,7 +494,7 @@ def _finetune(
                     log.record(step, **{k: v for k, v in dataclasses.asdict(stats).items() if k in _RECORDED})
                 result.steps.append(stats)
                 if bar is not None:
-                    bar.set_postfix_str(_postfix(stats, dev), refresh=False)
+                    bar.set_postfix_str(step_postfix(stats, dev), refresh=False)
                     bar.update()
                 if on_step is not None:
                     on_step(stats)
@@ -661,7 +660,7 @@ def _step_stats(
     )
 
 
-def _postfix(s: StepStats, dev: torch.device) -> str:
+def step_postfix(s: StepStats, dev: torch.device) -> str:
     mib = 1 << 20
     device = f" device {s.device_bytes / mib:.0f}M" if s.device_bytes else ""
     evaluated = f" | eval {s.eval_loss:.3f}" if s.eval_loss is not None else ""

@@ -140,8 +140,15 @@ class GPT(nn.Module):
         h = self.hidden_states(idx, position_ids=position_ids)
         if targets is None:
             return F.linear(h, self.tok_emb.weight)
-        return lm_head_loss(h, self.tok_emb.weight, targets, num_items=num_items_in_batch)
+        return self.head_loss(h, targets, num_items=num_items_in_batch)
 
+
+    def head_loss(
+        self, h: torch.Tensor, targets: torch.Tensor, *, num_items: int | float | torch.Tensor | None = None
+    ) -> torch.Tensor:  # fmt: skip
+        """The loss :meth:`forward` gives with ``targets``, from the hidden states ``h`` (:meth:`hidden_states`):
+        the tied head's cross-entropy, a chunk of rows at a time (:func:`lm_head_loss`)."""
+        return lm_head_loss(h, self.tok_emb.weight, targets, num_items=num_items)
 
     def hidden_states(self, idx: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output ``(batch, seq, d_model)``, before the LM head (``position_ids`` as in

@@ -8,9 +8,12 @@
   a torch optimizer with its state on NVMe, updated during backward.
 - :class:`LossScaling`: fp16 dynamic loss scaling for released gradients.
 - :data:`STATE_PRECISIONS`: how the offloaded Adam(W) can keep its state (exact fp32, or compact).
+- :class:`Layout` and :func:`for_optimizer`: how an optimizer's state is laid out in chunks and which update
+  it runs (``initialize`` sizes the swap directories and the resident state from them).
 """
 
-from nvoffload.optim._layout import STATE_PRECISIONS
+from nvoffload.optim._layout import STATE_PRECISIONS, Layout
+from nvoffload.optim._updates import for_optimizer
 from nvoffload.optim.cpu_adam import CPUAdam, CPUAdamW
 from nvoffload.optim.kernels import adam_step
 from nvoffload.optim.loss_scale import LossScaling
@@ -26,6 +29,7 @@ from nvoffload.optim.offload import (
 __all__ = [
     "CPUAdam",
     "CPUAdamW",
+    "Layout",
     "adam_step",
     "LossScaling",
     "MemoryStats",
@@ -35,4 +39,5 @@ __all__ = [
     "OffloadOptimizer",
     "STATE_PRECISIONS",
     "WeightHome",
+    "for_optimizer",
 ]

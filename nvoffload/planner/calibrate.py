@@ -82,7 +82,7 @@ def calibrate(
     probe = measure_contention(swap_dirs[0], device=dev, **(QUICK if quick else {"seconds": 3.0}))
     log("block forward+backward, matrices / attention TFLOP/s, fixed ms: " + ", ".join(f"d_model {w}: {m:.3f} / {a:.3f}, {o * 1e3:.1f}" for w, m, a, o in blocks) + f"; matmul {matmul:.3f}")
     log(probe.describe())
-    host_free = _host_available_bytes()
+    host_free = host_available_bytes()
     if dev.type == "cuda":
         device_free, name = torch.cuda.mem_get_info(dev)[0], _gpu_name(dev)
     else:
@@ -279,7 +279,7 @@ def _median_seconds(runs: Sequence[Callable[[], object]], repeats: int) -> list[
     return [statistics.median(seconds) for seconds in times]
 
 
-def _host_available_bytes() -> int:
+def host_available_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:

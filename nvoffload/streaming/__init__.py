@@ -19,11 +19,19 @@
 
 ``_materialize`` fills a model built on the meta device block by block,
 ``_weights`` serves the current weights to the optimizer, state dicts and
-checkpoints, and ``_streamer`` holds the facade that wires the module hooks.
+checkpoints, and ``_streamer`` holds the facade that wires the module hooks. For the entry points:
+:func:`partition` (a model's blocks and the parameters outside them), :func:`stored_layout` (where a Hugging Face
+model's tensors are stored) with :data:`Index` (a part of a tensor), :class:`PeftView` (a PEFT model's base and
+adapters).
 """
 
-from nvoffload.streaming._blocks import find_blocks, state_tensors
+from nvoffload.streaming._blocks import find_blocks, partition, state_tensors
+from nvoffload.streaming._hf_models import Index, stored_layout
+from nvoffload.streaming._peft import PeftView
 from nvoffload.streaming._guard import StreamedParameterError
 from nvoffload.streaming._streamer import ParameterStreamer, compute_device_of
 
-__all__ = ["ParameterStreamer", "StreamedParameterError", "compute_device_of", "find_blocks", "state_tensors"]
+__all__ = [
+    "Index", "ParameterStreamer", "PeftView", "StreamedParameterError", "compute_device_of", "find_blocks", "partition",
+    "state_tensors", "stored_layout",
+]
