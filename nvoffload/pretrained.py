@@ -166,6 +166,20 @@ def saved_tensors(model: nn.Module) -> dict[str, SavedTensor]:
     return {stored: SavedTensor(kept[name], index) for stored, (name, index) in layout.items()}
 
 
+def _write_index(tmp: str, model: nn.Module, peft: PeftView | None, tensors: dict, shards: dict[str, list[str]]) -> None:
+    """The index of a sharded model (``model.safetensors.index.json``): its parameters counted (the adapter's left
+    out), its bytes, and each tensor's shard."""
+    index = {
+        "metadata": {
+            "total_parameters": sum(p.numel() for p in model.parameters() if peft is None or p not in peft.adapters),
+            "total_size": sum(_nbytes(t) for t in tensors.values()),
+        },
+        "weight_map": {name: filename for filename, names in shards.items() for name in names},
+    }
+    with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 def save_pretrained(
     model: nn.Module,
     save_directory: str | os.PathLike,
@@ -246,15 +260,7 @@ def save_pretrained(
             if checksums is not None:
                 checksums[filename] = dict(writer.checksums)
         if len(shards) > 1:
-            index = {
-                "metadata": {
-                    "total_parameters": sum(p.numel() for p in model.parameters() if peft is None or p not in peft.adapters),
-                    "total_size": sum(_nbytes(t) for t in tensors.values()),
-                },
-                "weight_map": {name: filename for filename, names in shards.items() for name in names},
-            }
-            with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
-                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            _write_index(tmp, model, peft, tensors, shards)
         save_configs(tmp)
         if extra is not None:
             extra(tmp)

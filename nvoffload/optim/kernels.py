@@ -231,56 +231,53 @@ def adam_step(
     """
     buffers = _check_buffers(param, grad, exp_avg, exp_avg_sq, param_out, max_exp_avg_sq, moment_exponents)
     n = param.numel()
+    step, sr_seed = _checked_step(step), _checked_seed(sr_seed)
+    lr, beta1, beta2, eps = _finite("lr", lr), _finite("beta1", beta1), _finite("beta2", beta2), _finite("eps", eps)
+    weight_decay, grad_scale = _finite("weight_decay", weight_decay), _finite("grad_scale", grad_scale)
+    for name, beta in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {beta}")
+    offset, total = _checked_span(n, offset, tensor_numel)
+    if n == 0:
+        return
+    tail_from = min(max(total - total % _TORCH_VECTOR_FLOATS - offset, 0), n)
+    optional = [0 if t is None else t.data_ptr() for t in (max_exp_avg_sq, moment_exponents, param_out)]
+    _adam.adam_step(
+        param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), *optional, n, tail_from,
+        _GRAD_DTYPES[grad.dtype], _adam.NONE if param_out is None else _OUT_DTYPES[param_out.dtype],
+        _STATE_FORMS[param.dtype, exp_avg.dtype], sr_seed, offset, step, lr, beta1, beta2, eps, weight_decay,
+        bool(decoupled_weight_decay), grad_scale, bool(maximize),
+    )  # fmt: skip
+    # The native code wrote through raw pointers: bump the version counters as
+    # an in-place torch op would, so autograd notices stale saved tensors.
+    increment_version([t for name, t in buffers.items() if name != "grad"])
+
+
+def _checked_step(step: int) -> int:
     try:
         step = operator.index(step)
     except TypeError:
         raise TypeError(f"step must be an int, got {type(step).__name__}") from None
     if step < 1:
         raise ValueError(f"step must be >= 1 (1-based, as torch counts after its increment), got {step}")
-    lr, beta1, beta2, eps = _finite("lr", lr), _finite("beta1", beta1), _finite("beta2", beta2), _finite("eps", eps)
-    weight_decay, grad_scale = _finite("weight_decay", weight_decay), _finite("grad_scale", grad_scale)
-    for name, beta in (("beta1", beta1), ("beta2", beta2)):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {beta}")
-    offset, total = operator.index(offset), n if tensor_numel is None else operator.index(tensor_numel)
-    if offset < 0:
-        raise ValueError(f"offset must be >= 0, got {offset}")
+    return step
+
+
+def _checked_seed(sr_seed: int) -> int:
     sr_seed = operator.index(sr_seed)
     if not 0 <= sr_seed < 1 << 64:
         raise ValueError(f"sr_seed must be an unsigned 64-bit int, got {sr_seed}")
+    return sr_seed
+
+
+def _checked_span(n: int, offset: int, tensor_numel: int | None) -> tuple[int, int]:
+    """``(offset, tensor_numel)`` of buffers of ``n`` elements within their tensor, checked."""
+    offset, total = operator.index(offset), n if tensor_numel is None else operator.index(tensor_numel)
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
     if offset + n > total:
         raise ValueError(f"offset {offset} + {n} elements exceeds tensor_numel {total}")
-    if n == 0:
-        return
-    tail_from = min(max(total - total % _TORCH_VECTOR_FLOATS - offset, 0), n)
-    _adam.adam_step(
-        param.data_ptr(),
-        grad.data_ptr(),
-        exp_avg.data_ptr(),
-        exp_avg_sq.data_ptr(),
-        0 if max_exp_avg_sq is None else max_exp_avg_sq.data_ptr(),
-        0 if moment_exponents is None else moment_exponents.data_ptr(),
-        0 if param_out is None else param_out.data_ptr(),
-        n,
-        tail_from,
-        _GRAD_DTYPES[grad.dtype],
-        _adam.NONE if param_out is None else _OUT_DTYPES[param_out.dtype],
-        _STATE_FORMS[param.dtype, exp_avg.dtype],
-        sr_seed,
-        offset,
-        step,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        bool(decoupled_weight_decay),
-        grad_scale,
-        bool(maximize),
-    )
-    # The native code wrote through raw pointers: bump the version counters as
-    # an in-place torch op would, so autograd notices stale saved tensors.
-    increment_version([t for name, t in buffers.items() if name != "grad"])
+    return offset, total
 
 
 def fp8_blocks(numel: int) -> int:
