@@ -471,6 +471,15 @@ def traced_step(run: Run, opt, batches, results_dir: Path) -> tuple[float, list]
     return seconds, recorded.spans()
 
 
+def busy_s(spans: list) -> dict[str, float]:
+    """Each lane's busy seconds in a trace (waits not counted): what the engines did in the traced step."""
+    busy: dict[str, float] = {}
+    for track, name, start, end, _ in spans:
+        if not name.startswith("wait"):
+            busy[track] = busy.get(track, 0.0) + end - start
+    return busy
+
+
 def compute_alone(run: Run, config, batches) -> dict:
     """The streamed step's compute alone: the same micro-batches, the model resident on the device, each decoder
     layer recomputed in backward (non-reentrant checkpointing, as the vertical schedule runs each block), its
@@ -521,7 +530,8 @@ def adam_bound(run: Run, params: int) -> dict:
 
     chunk = (256 << 10) if run.dry else (4 << 20)  # elements: the optimizer's largest chunk on the GPU machine
     pool = [
-        (torch.randn(chunk), torch.randn(chunk).bfloat16(), torch.zeros(chunk), torch.zeros(chunk), torch.empty(chunk, dtype=torch.bfloat16))
+        (torch.full((chunk,), 0.5), torch.full((chunk,), 0.01, dtype=torch.bfloat16), torch.zeros(chunk), torch.zeros(chunk),
+         torch.empty(chunk, dtype=torch.bfloat16))
         for _ in range(max(1, run.adam_pool_bytes // (16 * chunk)))
     ]  # fmt: skip
 
@@ -604,6 +614,7 @@ def ram_case(ctx: Context, case: dict) -> None:
         try:
             timed_steps(run, opt, batches, case, results, ctx.budget)
             case["traced_step_s"], spans = traced_step(run, opt, batches, results.directory)
+            case["traced_busy_s"] = busy_s(spans)
         finally:
             opt.close()
     del model, opt
@@ -710,10 +721,10 @@ def gds_case(ctx: Context, case: dict) -> None:
     """GPUDirect Storage: kvikio and cuFile's mode, the ``gds``-marked tests, the store's two paths."""
     env = ctx.results.record["environment"]
     case.update(kvikio=env["kvikio"], kvikio_compat_mode=env["kvikio_compat_mode"])
-    case["tests"] = gds_tests(ctx.results.directory, timeout_s=max(10.0, min(120.0, ctx.budget.left() - 30)))
+    t = case["tests"] = gds_tests(ctx.results.directory, timeout_s=max(10.0, min(120.0, ctx.budget.left() - 30)))
     ctx.results.write()
-    case["paths"] = store_paths(ctx.run)
-    t, paths = case["tests"], case["paths"]
+    paths = case["paths"] = {}  # filled path by path: one that fails leaves those before it
+    store_paths(ctx.run, paths)
     moved = "; ".join(
         f"{name}: " + (p["skipped"] if "skipped" in p else f"write {p['write_gbps']:.2f} GB/s, read {p['read_gbps']:.2f} GB/s")
         for name, p in paths.items()
@@ -723,8 +734,9 @@ def gds_case(ctx: Context, case: dict) -> None:
         f" {t['passed']} passed, {t['skipped']} skipped{' (' + '; '.join(t['skip_reasons']) + ')' if t['skip_reasons'] else ''},"
         f" {t['failed']} failed; {moved}"
     )
-    if t["failed"] or not all(p.get("equal", True) for p in paths.values()):
-        raise RuntimeError(f"{t['failed']} gds test(s) failed, or a path read back other bytes than it wrote (see tests, paths)")
+    if t["failed"] or t["timed_out"] or not all(p.get("equal", True) for p in paths.values()):
+        raise RuntimeError(f"{t['failed']} gds test(s) failed{' (timed out)' if t['timed_out'] else ''}, or a path read"
+                           " back other bytes than it wrote (see tests, paths)")  # fmt: skip
 
 
 def gds_tests(results_dir: Path, timeout_s: float) -> dict:
@@ -734,30 +746,32 @@ def gds_tests(results_dir: Path, timeout_s: float) -> dict:
     xml = results_dir / "gds_tests.xml"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-m", "gds", f"--junitxml={xml}", *files]
-    ran = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
-    root = ET.parse(xml).getroot()
-    cases = list(root.iter("testcase"))
+    try:
+        ran = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+        status, output = ran.returncode, ran.stdout + ran.stderr
+    except subprocess.TimeoutExpired as exc:
+        status, output = None, f"timed out after {timeout_s:.0f} s: {exc.stdout or ''}"
+    cases = list(ET.parse(xml).getroot().iter("testcase")) if xml.exists() else []
     skips = [s.get("message", "") for c in cases for s in c.findall("skipped")]
     failed = sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
     return {
-        "exit_status": ran.returncode, "files": [Path(f).name for f in files], "collected": len(cases),
-        "passed": len(cases) - failed - len(skips), "failed": failed, "skipped": len(skips),
-        "skip_reasons": sorted(set(skips)), "output_tail": (ran.stdout + ran.stderr)[-3000:],
+        "exit_status": status, "timed_out": status is None, "files": [Path(f).name for f in files],
+        "collected": len(cases), "passed": len(cases) - failed - len(skips), "failed": failed, "skipped": len(skips),
+        "skip_reasons": sorted(set(skips)), "output_tail": str(output)[-3000:],
     }  # fmt: skip
 
 
-def store_paths(run: Run) -> dict:
+def store_paths(run: Run, paths: dict) -> None:
     """The same bytes saved from and loaded into device memory through a store without checksums, by the transfer
     engine: through its bounce buffer (``IOConfig(use_gds=False)``), and by GPUDirect Storage where the engine takes
     that path (kvikio installed, not in compatibility mode); beside them, kvikio's own file I/O in whatever mode it
-    runs (with CUDA and kvikio). GB/s each way, and whether the bytes came back."""
+    runs (with CUDA and kvikio). Into ``paths``, as each is measured: GB/s each way, and whether the bytes came back."""
     from nvoffload.io import IOConfig, TensorStore
     from nvoffload.transfer import TransferEngine
 
     nbytes = min(256 * MiB, run.gds_bytes)
     count = max(1, run.gds_bytes // nbytes)
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).to(run.device)
-    paths = {}
     with TransferEngine(nbytes + PAGE, run.device, what="the GDS comparison's bounce buffer") as engine:
         staging = engine.slab.allocate(nbytes, "the bounce buffer")
         for name, use_gds in (("bounce buffer", False), ("GPUDirect Storage", True)):
@@ -772,7 +786,6 @@ def store_paths(run: Run) -> dict:
         engine.slab.free(staging)
     if run.device == "cuda" and importlib.util.find_spec("kvikio") is not None:
         paths["kvikio file I/O"] = kvikio_round_trip(run, src, count)
-    return paths
 
 
 def timed_round_trip(run: Run, src: torch.Tensor, count: int, save, load) -> dict:

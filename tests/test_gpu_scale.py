@@ -93,6 +93,8 @@ def test_the_dry_run_measures_every_case_and_records_its_figures(tmp_path):
     events = json.loads((out / "gpu_scale_trace.json").read_text())["traceEvents"]
     lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     assert {"compute", "h2d", "d2h", "adam"} <= {lanes[e["tid"]] for e in events if e.get("ph") == "X"}
+    busy = ram["traced_busy_s"]  # each engine's time in that step, from the same spans
+    assert {"compute", "h2d", "d2h", "adam"} <= set(busy) and 0 < busy["compute"] <= ram["traced_step_s"]
     assert (out / "gpu_scale.png").stat().st_size > 0 and (out / "gpu_scale_overlap.png").stat().st_size > 0
 
     overlap = cases["overlap"]
