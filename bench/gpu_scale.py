@@ -19,11 +19,11 @@ left is skipped with a message), each written to the results as it ends (a case 
 - ``gds``: the ``gds``-marked tests (pytest, junit XML beside the results), kvikio's version and whether cuFile
   runs in compatibility mode, and the store's GPUDirect Storage path against its bounce-buffer path (the
   transfer engine's ``save``/``load``), the same bytes each way;
-- ``nvme``: the same model with at least ``--nvme-state`` bytes of its optimizer state in the store (both
-  generations; the host budget cut to hold the rest), the step against max(compute alone, its NVMe bytes at the
+- ``nvme``: the same model with at least ``--nvme-state`` bytes of its optimizer state in the store at a step's
+  peak (two generations: one read, one written; the host budget cut to hold the rest), the step against max(compute alone, its NVMe bytes at the
   swap directory's calibrated rates, the copies, the CPU Adam), and the planner's prediction.
 
-The model's layers: a Llama-2-7B has 32; ``--layers auto`` takes the most of its layers (the same blocks, so the
+The model's layers: a Llama-2-7B has 32; without ``--layers`` the run takes the most of its layers (the same blocks, so the
 same kernels) whose exact-AdamW state fits the host memory (``--host-memory``) with every block cached, and that
 :func:`nvoffload.initialize` accepts for the swap directory's free space; every refusal is kept in the results.
 Exact AdamW keeps two generations of fp32 master and moments resident, 24 bytes a parameter, so a whole 7B needs
@@ -37,7 +37,7 @@ not halved; recomputation not counted. The formula, with its figures, is in the 
 
     python bench/gpu_scale.py                      # on the GPU machine (one H200): about 7 minutes
     python bench/gpu_scale.py --dry                # the same cases on the CPU stand-in, a tiny Llama: ~30 s
-    python bench/gpu_scale.py --cases ram,nvme --profile bench/results/gpu_scale/nvidia-h200/profile.json
+    python bench/gpu_scale.py --cases ram,nvme --profile bench/results/gpu_scale/nvidia-h200/gpu_scale.json
 
 Results in ``--results-dir`` (default ``bench/results/gpu_scale/<device>/``): ``gpu_scale.json`` (rewritten as
 each case ends), ``gpu_scale.md`` (the table), ``gpu_scale.png`` (the traced step's timeline),
@@ -48,7 +48,6 @@ otherwise, 2 for bad arguments or no GPU without ``--dry``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import importlib.util
 import json
@@ -488,7 +487,7 @@ def compute_alone(run: Run, config, batches) -> dict:
 
     torch.manual_seed(0)
     with torch.device(run.device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(run.device)
     blocks = find_blocks(model)
     for container in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
         for i, child in enumerate(container):
@@ -579,7 +578,7 @@ def planned(run: Run, config, case: dict, profile) -> dict:
 @dataclass
 class Context:
     """What the cases share: the run, its record and budget, the profile calibrated, and what the RAM case measured
-    that the NVMe case reuses (``shared``: the model's sizes and configuration, compute alone, the CPU Adam)."""
+    that the NVMe case reuses (``shared``: the model's sizes, compute alone, the CPU Adam)."""
 
     run: Run
     results: Results
@@ -605,56 +604,67 @@ def calibrate_case(ctx: Context, case: dict) -> None:
 
 def ram_case(ctx: Context, case: dict) -> None:
     """The whole optimizer state resident in host memory: the streamed step, its bound, the planner."""
-    run, results = ctx.run, ctx.results
-    with tempfile.TemporaryDirectory(dir=run.swap_dir, prefix="gpu_scale-") as swap:
-        model, opt, sizes = open_streamed(run, case, Sizes.resident_for_ram, swap, run.layers)
-        results.write()
-        config = model.config
-        batches = micro_batches(run, config.vocab_size)
-        try:
-            timed_steps(run, opt, batches, case, results, ctx.budget)
-            case["traced_step_s"], spans = traced_step(run, opt, batches, results.directory)
-            case["traced_busy_s"] = busy_s(spans)
-        finally:
-            opt.close()
-    del model, opt
-    ctx.shared.update(sizes=sizes, config=config, **compute_alone(run, config, batches), **adam_bound(run, sizes.params))
-    case.update({k: ctx.shared[k] for k in ("compute_alone_s", "compute_alone_steps_s", "adam_s", "adam_params_per_s")})
-    parts = {"compute alone": case["compute_alone_s"], "CPU Adam": case["adam_s"]}
-    if ctx.profile is not None:
-        case.update(copies_bound(sizes, ctx.profile))
-        parts["copies"] = case["copies_s"]
+
+    spans = []
+
+    def trace_one(opt, batches) -> None:
+        case["traced_step_s"], recorded = traced_step(ctx.run, opt, batches, ctx.results.directory)
+        case["traced_busy_s"] = busy_s(recorded)
+        spans.extend(recorded)
+
+    sizes, config = streamed(ctx, case, Sizes.resident_for_ram, ctx.run.layers, trace_one)
+    parts = alone(ctx, case, sizes, config)
     finish(ctx, case, sizes, config, parts)
-    plot_timeline(results.directory / "gpu_scale.png", spans, case, "RAM case")
+    plot_timeline(ctx.results.directory / "gpu_scale.png", spans, case, "RAM case")
 
 
 def nvme_case(ctx: Context, case: dict) -> None:
     """``run.nvme_state_bytes`` of the optimizer state in the store: the streamed step against max(compute alone,
     its NVMe bytes at the calibrated rates, the copies, the CPU Adam), and the planner."""
-    run, results = ctx.run, ctx.results
-    sizes = ctx.shared.get("sizes")
-    with tempfile.TemporaryDirectory(dir=run.swap_dir, prefix="gpu_scale-") as swap:
-        layers = run.layers or (sizes.layers if sizes is not None else None)
-        model, opt, sizes = open_streamed(run, case, Sizes.resident_for_nvme, swap, layers)
-        results.write()
-        config = model.config
-        batches = micro_batches(run, config.vocab_size)
-        try:
-            timed_steps(run, opt, batches, case, results, ctx.budget)
-            case["store_used_bytes"] = opt.session.memory_stats()["nvme"].used_bytes
-        finally:
-            opt.close()
-    del model, opt
-    if ctx.shared.get("sizes") != sizes:  # the RAM case did not run this model: measure its compute and Adam here
-        ctx.shared.update(sizes=sizes, config=config, **compute_alone(run, config, batches), **adam_bound(run, sizes.params))
-    case.update({k: ctx.shared[k] for k in ("compute_alone_s", "adam_s")})
-    parts = {"compute alone": case["compute_alone_s"], "CPU Adam": case["adam_s"]}
+    measured = ctx.shared.get("sizes")
+
+    def store_used(opt, batches) -> None:
+        case["store_used_bytes"] = opt.session.memory_stats()["nvme"].used_bytes
+
+    layers = ctx.run.layers or (measured.layers if measured is not None else None)
+    sizes, config = streamed(ctx, case, Sizes.resident_for_nvme, layers, store_used)
+    parts = alone(ctx, case, sizes, config)
     if ctx.profile is not None:
         drive = ctx.profile.drives[0]
         case["nvme_s"] = case["nvme_read_bytes"] / (drive.read_gbps * 1e9) + case["nvme_written_bytes"] / (drive.write_gbps * 1e9)
-        case.update(copies_bound(sizes, ctx.profile))
-        parts.update({"NVMe (reads then writes, one drive)": case["nvme_s"], "copies": case["copies_s"]})
+        parts["NVMe (reads then writes, one drive)"] = case["nvme_s"]
     finish(ctx, case, sizes, config, parts)
+
+
+def streamed(ctx: Context, case: dict, resident, layers: int | None, then) -> tuple[Sizes, object]:
+    """The model initialized (:func:`open_streamed`), its timed steps, then ``then(optimizer, micro_batches)`` with
+    the session still open; closed. Returns the model's sizes and configuration."""
+    run = ctx.run
+    with tempfile.TemporaryDirectory(dir=run.swap_dir, prefix="gpu_scale-") as swap:
+        model, opt, sizes = open_streamed(run, case, resident, swap, layers)
+        ctx.results.write()
+        batches = micro_batches(run, model.config.vocab_size)
+        try:
+            timed_steps(run, opt, batches, case, ctx.results, ctx.budget)
+            then(opt, batches)
+        finally:
+            opt.close()
+    return sizes, model.config
+
+
+def alone(ctx: Context, case: dict, sizes: Sizes, config) -> dict[str, float]:
+    """The step's parts measured alone: compute alone and the CPU Adam (measured once for a model, the first case
+    that runs it), the copies (at the calibrated rates); the case gets them."""
+    run = ctx.run
+    if ctx.shared.get("sizes") != sizes:
+        batches = micro_batches(run, config.vocab_size)
+        ctx.shared.update(sizes=sizes, **compute_alone(run, config, batches), **adam_bound(run, sizes.params))
+    case.update({k: ctx.shared[k] for k in ("compute_alone_s", "compute_alone_steps_s", "adam_s", "adam_params_per_s")})
+    parts = {"compute alone": case["compute_alone_s"], "CPU Adam": case["adam_s"]}
+    if ctx.profile is not None:
+        case.update(copies_bound(sizes, ctx.profile))
+        parts["copies"] = case["copies_s"]
+    return parts
 
 
 def finish(ctx: Context, case: dict, sizes: Sizes, config, parts: dict[str, float]) -> None:
@@ -863,7 +873,7 @@ def need_s(ctx: Context, name: str) -> float:
     if name != "nvme" or ctx.profile is None or sizes is None:
         return NEED_S[name]
     case = dict(zip(("cpu_memory_bytes", "optimizer_memory_fraction"), sizes.host_budget(run, Sizes.resident_for_nvme(sizes, run))))
-    step_s = planned(run, ctx.shared["config"], case, ctx.profile)["step_s"]
+    step_s = planned(run, llama_config(run, sizes.layers), case, ctx.profile)["step_s"]
     first_write_s = (sizes.weight_bytes + run.nvme_state_bytes / 2) / (ctx.profile.drives[0].write_gbps * 1e9)
     return 20 + first_write_s + 1.2 * (run.warmup_steps + run.timed_steps) * step_s
 
