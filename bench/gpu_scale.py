@@ -227,7 +227,7 @@ class Results:
             case.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
             print(case["traceback"], flush=True)
         case["elapsed_s"] = time.monotonic() - began
-        print(f"gpu_scale: {name}: {case['status']} after {case['elapsed_s']:.0f} s", flush=True)
+        print(f"gpu_scale: {name}: {case['status']} after {case['elapsed_s']:.0f} s. {case.get('summary', '')}", flush=True)
         self.write()
         return case
 
@@ -390,6 +390,7 @@ def open_streamed(run: Run, case: dict, resident, swap: str, layers: int | None)
         cpu, fraction = sizes.host_budget(run, resident(sizes, run))
         if layers is None and cpu > run.host_memory_bytes:
             refused.append({"layers": count, "why": f"host budget {cpu} bytes > --host-memory {run.host_memory_bytes}"})
+            print(f"gpu_scale: {count} layers: {refused[-1]['why']}", flush=True)
             count -= 1
             continue
         offload = nvoffload.OffloadConfig(
@@ -691,6 +692,8 @@ def finish(ctx: Context, case: dict, sizes: Sizes, config, parts: dict[str, floa
         f" {case['tokens_per_s']:.0f} tokens/s, {case['model_tflops']:.1f} model TFLOP/s; {case['step_vs_bound']:.2f}x its bound"
         f" ({case['bound_by']}, {case['bound_s']:.3f} s; " + ", ".join(f"{k} {v:.3f} s" for k, v in parts.items()) + ")"
         + (f"; the planner {case['planned_step_s']:.3f} s ({case['planned_vs_measured']:.2f}x the step)" if "planned" in case else "; no planner prediction: no profile")
+        + (f"; {len(case['refused'])} larger layer counts refused (for host memory, or by initialize's free-space check:"
+           f" the case's 'refused')" if case.get("refused") else "")
     )  # fmt: skip
 
 
