@@ -134,7 +134,8 @@ def _data(
     tokenizer = hf.text_tokenizer() if hf is not None else ByteTokenizer()
     vocab = hf.vocab_size if hf is not None else config.model_config.vocab_size
     common = dict(tokenizer=tokenizer, seq_len=seq_len, packing=config.packing, loss_on=config.loss_on,
-                  seed=config.seed, vocab_size=vocab, eval_fraction=config.eval_fraction or 0.0)  # fmt: skip
+                  seed=config.seed, vocab_size=vocab, eval_fraction=config.eval_fraction or 0.0,
+                  max_record_bytes=config.max_record_bytes)  # fmt: skip
     train = SFTDataset(config.data_path, **common)
     if config.eval_data_path is not None:
         return train, SFTDataset(config.eval_data_path, **{**common, "eval_fraction": 0.0}, evaluation=True)
