@@ -366,7 +366,7 @@ def _finetune(
             _remove_abandoned_run_dirs(swap_dir)
     bar = checkpoint_release = None
     try:
-        _check_swap_space(config, shape, rows.stop - rows.start, seq_len, swap_dir)
+        _check_swap_space(config, shape, seq_len, swap_dir)
         if config.checkpoint_dir is not None:  # held until the run ends: a second run on it is refused
             checkpoint_release = _claim_checkpoint_directory(config.checkpoint_dir, rank, world)  # once every check passed
         with _host_budgets_named(config):
