@@ -56,8 +56,8 @@ sdpa, eager or flash attention) when no ``attention_mask`` is given; a model
 that ignores ``position_ids`` attends across the examples of a row. Without
 packing each row holds one example, padded at the end to the batch's
 longest. Padding is the tokenizer's ``pad_token`` (its EOS token when it has
-none; 0 for bytes), never trained (its targets are ``-100``). An example longer than ``seq_len + 1`` tokens is truncated to its
-first ``seq_len + 1``.
+none; 0 for bytes), never trained (its targets are ``-100``). An example
+longer than ``seq_len + 1`` tokens is truncated to its first ``seq_len + 1``.
 
 Training order: shuffled with a buffer of ``shuffle_buffer`` examples (seeded
 by ``seed`` and the epoch; 0 keeps the file's order), epoch after epoch. The
@@ -181,7 +181,8 @@ def _open_records(path: str, evaluation: bool, max_record_bytes: int):
             ds = ds[split]
         return ds.to_iterable_dataset()
     if _file_kind(path) == "json":
-        return datasets.IterableDataset.from_generator(_json_records, gen_kwargs={"path": path, "max_record_bytes": max_record_bytes})
+        lines = {"path": path, "max_record_bytes": max_record_bytes}
+        return datasets.IterableDataset.from_generator(_json_records, gen_kwargs=lines)
     return datasets.load_dataset("parquet", data_files=path, split="train", streaming=True)
 
 
@@ -194,6 +195,14 @@ def _file_kind(path: str) -> str:
     raise ValueError(
         f"{path}: not a .jsonl, .json or .parquet file, nor a directory written by datasets' save_to_disk"
     )
+
+
+class _BadRecord(ValueError):
+    """A record refused, named by its file and line (or row)."""
+
+
+def _too_long(where: str, max_record_bytes: int) -> _BadRecord:
+    return _BadRecord(f"{where}: a record longer than max_record_bytes {max_record_bytes} (records are read whole)")
 
 
 def _json_lines(path: str, max_record_bytes: int) -> Iterator[tuple[str, object]]:
@@ -210,13 +219,11 @@ def _json_lines(path: str, max_record_bytes: int) -> Iterator[tuple[str, object]
             where = f"{path}, line {number}"
             text = line.rstrip(b"\r\n") if line.endswith(b"\n") else line
             if len(text) > max_record_bytes:
-                raise ValueError(
-                    f"{where}: a record longer than max_record_bytes {max_record_bytes} (records are read whole)"
-                )
+                raise _too_long(where, max_record_bytes)
             try:
                 decoded = text.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise ValueError(
+                raise _BadRecord(
                     f"{where}: not valid UTF-8: byte 0x{text[exc.start : exc.start + 1].hex()} at offset"
                     f" {offset + exc.start} of the file ({exc.reason})"
                 ) from None
@@ -224,11 +231,11 @@ def _json_lines(path: str, max_record_bytes: int) -> Iterator[tuple[str, object]
             if not decoded.strip():
                 continue
             if number == 1 and decoded.lstrip().startswith("["):
-                raise ValueError(f"{path} holds a JSON array, not JSON lines: write one record a line (jq -c '.[]')")
+                raise _BadRecord(f"{path} holds a JSON array, not JSON lines: write one record a line (jq -c '.[]')")
             try:
                 yield where, json.loads(decoded)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}, column {exc.colno}: not valid JSON ({exc.msg})") from None
+                raise _BadRecord(f"{where}, column {exc.colno}: not valid JSON ({exc.msg})") from None
 
 
 def _json_records(path: str, max_record_bytes: int) -> Iterator[object]:
@@ -243,7 +250,7 @@ def _shape_of(record: dict) -> str | None:
     return None
 
 
-def _check(record, shape: str | None, where: str, loss_on: str = "all") -> str:
+def _check(record, shape: str | None, where: str, loss_on: str) -> str:
     """The record's shape, after checking it is ``shape`` (any of the three when None) with fields of the right
     types; a chat's roles must be :data:`ROLES`, and with ``loss_on="completion"`` one of them the assistant."""
     expected = " or ".join("{" + ", ".join(f'"{k}": ...' for k in keys) + "}" for keys in SHAPES.values())
@@ -275,7 +282,10 @@ def _check_chat(messages, where: str, loss_on: str) -> None:
             " assistant: rename them)"
         )
     if loss_on == "completion" and not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{where}: a chat without an assistant turn has nothing to train on: remove it, or train on every token (loss_on all)")
+        raise ValueError(
+            f"{where}: a chat without an assistant turn has nothing to train on: remove it, or train on every token"
+            " (loss_on all)"
+        )
 
 
 def _text_bytes(record: dict, shape: str) -> int:
@@ -558,7 +568,7 @@ class SFTDataset:
                 record = next(it)
             except StopIteration:
                 return
-            except ValueError:  # the JSON lines' reader names the line
+            except _BadRecord:  # the JSON lines' reader names the line
                 raise
             except Exception as exc:
                 raise ValueError(f"{self.path}: {type(exc).__name__}: {exc}") from None
@@ -581,7 +591,7 @@ class SFTDataset:
         for where, record in self._numbered():
             shape = _check(record, shape, where, self.loss_on)
             if not self._lines and _text_bytes(record, shape) > self.max_record_bytes:
-                raise ValueError(f"{where}: a record longer than max_record_bytes {self.max_record_bytes} (records are read whole)")
+                raise _too_long(where, self.max_record_bytes)
         if shape is None:
             raise ValueError(f"{self.path} holds no records: nothing to train on")
         return shape
