@@ -62,8 +62,9 @@ def _swap_files_bytes(directory) -> int:
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_counted_bytes_are_what_the_swap_files_take_after_a_step(llama_dir, tmp_path, case):
     """Three steps of the streamed Llama: the swap files' size never exceeds the count by more than the store's
-    alignment (each tensor's entries rounded up to 4 KiB), and grows to within it. The delayed update's count
-    takes every weight's twin where only the blocks' are written: more by the weights outside the blocks."""
+    alignment (each tensor's entries rounded up to 4 KiB), and grows to within it. With the delayed update the count
+    is an upper bound within 5%: it takes a twin of every weight and two kept gradient sums of every parameter,
+    where the store keeps fewer for the parameters outside the blocks."""
     config = _config(llama_dir, tmp_path, **CASES[case])
     shape = ModelShape.from_hf_config(llama_dir)
     request = _swap_request(config, shape, SEQ_LEN)
@@ -72,12 +73,11 @@ def test_the_counted_bytes_are_what_the_swap_files_take_after_a_step(llama_dir, 
     assert (request.trainable_params < shape.params // 10) == (config.lora_rank is not None)
     taken = []
     finetune(config, progress=False, on_step=lambda s: taken.append(_swap_files_bytes(tmp_path)))
-    # each tensor's entries (its weights and twin, two generations of state and master, two kept sums), in at most
-    # two chunks each, rounded up to the alignment
-    slack = (4 * 9 + 3) * (2 + 2 * 2 + 2) * 2 * ALIGNMENT
-    outside = shape.resident_params * 2 if config.delayed_update else 0
+    # each tensor's entries (its weights and twin, two generations of state and master, two kept sums), rounded up
+    slack = (4 * 9 + 3) * (2 + 2 * 2 + 2) * ALIGNMENT
     assert all(size <= space.total + slack for size in taken), (case, taken, space)
-    assert space.total - outside - slack <= taken[-1], (case, taken, space)  # the files grow to their peak
+    below = space.total // 20 if config.delayed_update else slack
+    assert space.total - below <= taken[-1], (case, taken, space)  # the files grow to their peak
     # the count tells the precisions apart: each is further from the next than the slack
     assert slack < 2 * 2 * shape.params // 4
 
