@@ -157,6 +157,9 @@ def _run_options(p: argparse.ArgumentParser, *, plan: bool) -> None:
 
 def _add_data_options(ft: argparse.ArgumentParser) -> None:
     """finetune's options for instruction and chat data (nvoffload.data.sft) and what a run records."""
+    from nvoffload.finetune import FinetuneConfig
+    from nvoffload.planner.cost import human_size
+
     ft.add_argument("--data", dest="data_path", default=None, metavar="PATH",
                     help="instruction or chat data instead of --text: JSONL of {\"text\"}, {\"prompt\", \"completion\"} or"
                     " {\"messages\"} records, Parquet, or a datasets save_to_disk directory (local, streamed; needs"
@@ -165,6 +168,9 @@ def _add_data_options(ft: argparse.ArgumentParser) -> None:
                     help="with --data: the loss on the completion's or assistant's tokens only (default), or on all")
     ft.add_argument("--no-packing", dest="packing", action="store_false",
                     help="with --data: one example a row, padded, instead of examples packed into --seq-len")
+    ft.add_argument("--max-record-size", dest="max_record_bytes", type=_size, default=FinetuneConfig.max_record_bytes,
+                    metavar="SIZE", help="with --data: the longest record (a JSON line; a Parquet or datasets record's"
+                    f" text) read whole; a longer one is refused naming its line (default {human_size(FinetuneConfig.max_record_bytes)})")
     ft.add_argument("--eval-data", dest="eval_data_path", default=None, metavar="PATH", help="evaluation data, as --data")
     ft.add_argument("--eval-fraction", type=float, default=None, metavar="F",
                     help="hold out this fraction of --data's examples for evaluation (instead of --eval-data)")

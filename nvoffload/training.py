@@ -320,11 +320,12 @@ class OffloadSession:
 
 def _check_free_space(model: nn.Module, optimizer: torch.optim.Optimizer, config: OffloadConfig) -> None:
     """Raise ``OSError(ENOSPC)`` before anything is written when the swap directories cannot hold the model's
-    weights and two generations of the optimizer state (with the kept gradients): activations come on top."""
+    weights and two generations of the optimizer state in its ``state_precision`` (with the kept gradients):
+    activations come on top."""
     update = for_optimizer(optimizer)
     layout = Layout(
         adam=update.adam, elementwise=update.elementwise, param_groups=optimizer.param_groups, prefix="",
-        kept_grads=config.optimizer_config(1).keeps_grads,
+        kept_grads=config.optimizer_config(1).keeps_grads, state_precision=config.state_precision,
     )  # fmt: skip
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     state, kept = layout.state_bytes(), layout.kept_grad_bytes()

@@ -161,7 +161,7 @@ def test_the_free_space_check_keeps_room_to_spare(tmp_path, monkeypatch):
     spare = spare_bytes(need)
     assert spare == 64 * MiB and spare_bytes(64 * 1024 * MiB) == 1024 * MiB
     monkeypatch.setattr("nvoffload.io.store.shutil.disk_usage", lambda p: real(p)._replace(free=need + spare - 1))
-    with pytest.raises(OSError, match=rf"needs {need} bytes for the state and {spare} to spare but the file system"
+    with pytest.raises(OSError, match=rf"needs {need} bytes for the state and {spare} bytes to spare but the file system"
                                       rf" has only {need + spare - 1} bytes free") as info:  # fmt: skip
         swap_directories(tmp_path, needed_bytes=need, what="the state")
     assert info.value.errno == errno.ENOSPC

@@ -156,12 +156,13 @@ def hf():
     tokenizers = pytest.importorskip("tokenizers")
     words = {w for chat in CHATS for m in chat for w in m["content"].split()}
     words |= {w for p, c in PAIRS for w in (p + " " + c).split()}
-    specials = ["[UNK]", "<eos>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+    specials = ["[UNK]", "<eos>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<pad>"]
     vocab = {w: i for i, w in enumerate(specials + sorted(words))}
     model = tokenizers.models.WordLevel(vocab, unk_token="[UNK]")
     tok = tokenizers.Tokenizer(model)
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<eos>")
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<eos>",
+                                                     pad_token="<pad>")  # fmt: skip
     tokenizer.chat_template = _PLAIN_TEMPLATE
     config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
@@ -198,6 +199,26 @@ def test_hf_chat_template_loss_is_plain_cross_entropy_over_the_assistant_tokens(
             count += sum(trained[1:])
     assert batch.num_items == count
     torch.testing.assert_close(loss, total / count, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_are_padded_with_the_tokenizers_pad_token_and_the_loss_is_unchanged(hf, tmp_path):
+    """One chat a row, rows of different lengths: the inputs after each chat are the tokenizer's pad_token (they
+    were id 0, or the EOS id), their targets -100, and the loss is the plain one over the assistant's tokens."""
+    tokenizer, llama, vocab = hf
+    path = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS])
+    batch = next(SFTDataset(path, tokenizer, seq_len=64, packing=False, shuffle_buffer=0).batches(8))
+    rendered = [tokenizer.apply_chat_template(m, tokenize=True, return_dict=True)["input_ids"] for m in CHATS]
+    assert batch.input_ids.shape[1] > min(len(ids) - 1 for ids in rendered)  # some rows are padded
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row, ids in enumerate(rendered):
+            n = len(ids) - 1
+            assert batch.input_ids[row, :n].tolist() == ids[:-1]
+            assert (batch.input_ids[row, n:] == vocab["<pad>"]).all() and (batch.labels[row, n:] == IGNORE_INDEX).all()
+            trained = _scanned_chat(ids, vocab)
+            total += _plain_loss(llama(torch.tensor([ids[:-1]])).logits[0], ids, trained)
+            count += sum(trained[1:])
+        torch.testing.assert_close(causal_lm_loss(llama, batch, batch.num_items), total / count, rtol=1e-5, atol=1e-6)
 
 
 def test_hf_prompt_completion_ends_with_eos_and_packs_like_unpacked(hf, tmp_path):
@@ -238,7 +259,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(hf, tmp_path):
 def test_a_malformed_line_is_refused_naming_the_file_and_line(tmp_path):
     good = json.dumps({"messages": CHATS[0]})
     cases = {
-        "not JSON": ([good, "", '{"messages": [}'], "line 3: not valid JSON"),
+        "not JSON": ([good, "", '{"messages": [}'], "line 3, column 15: not valid JSON"),
         "another shape": ([good, json.dumps({"prompt": "a", "completion": "b"})], "line 2: expected {\"messages\": ...}"),
         "no known key": ([json.dumps({"question": "a"})], "line 1: expected {\"messages\": ...} or {\"prompt\""),
         "bad messages": ([good, good, json.dumps({"messages": [{"role": "user"}]})], 'line 3: "messages" must be'),
@@ -261,6 +282,112 @@ def test_cli_refuses_a_malformed_line_in_one_line(tmp_path, capsys):
                "--no-progress"])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 2 and err == f'nvoffload finetune: error: {path}, line 2: expected {{"text": ...}} (the shape of the first record: text), got the keys [\'prompt\', \'text\']\n'
+
+
+def _refused_by_finetune(tmp_path, capsys, data, *extra) -> str:
+    """The one error line ``nvoffload finetune`` gives for ``data`` (exit 2), having created nothing: no checkpoint
+    directory, no file in the swap directory."""
+    from nvoffload.cli import main
+
+    swap = tmp_path / "swap"
+    swap.mkdir(exist_ok=True)
+    rc = main(["finetune", "--preset", "tiny", "--data", str(data), "--steps", "40", "--batch-size", "4", "--seq-len",
+               "64", "--swap-dir", str(swap), "--checkpoint-dir", str(tmp_path / "ckpt"), "--no-progress", *extra])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("nvoffload finetune: error: "), err
+    assert not (tmp_path / "ckpt").exists() and not list(swap.iterdir())
+    return err.removeprefix("nvoffload finetune: error: ").rstrip("\n")
+
+
+def test_an_empty_file_is_refused_in_one_line(tmp_path, capsys):
+    for name, content in (("empty.jsonl", ""), ("blank.jsonl", "\n  \n\n")):
+        (tmp_path / name).write_text(content)
+        assert _refused_by_finetune(tmp_path, capsys, tmp_path / name) == f"{tmp_path / name} holds no records: nothing to train on"
+
+
+def test_bytes_that_are_not_utf8_are_named_by_file_line_and_offset(tmp_path, capsys):
+    lines = [json.dumps({"text": f"line {i}"}).encode() for i in range(5)]
+    lines[2] = lines[2].replace(b"line", b"li\xffne")
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    offset = len(lines[0]) + len(lines[1]) + 2 + lines[2].index(b"\xff")
+    message = _refused_by_finetune(tmp_path, capsys, path)
+    assert message == f"{path}, line 3: not valid UTF-8: byte 0xff at offset {offset} of the file (invalid start byte)"
+
+
+def test_a_record_longer_than_the_bound_is_refused_before_it_is_read_whole(tmp_path, capsys):
+    """A JSON line over ``max_record_bytes`` is refused naming the file, the line and the bound, having read no
+    more than the bound of it (the peak of Python's allocations stays far below the line's 32 MiB); the CLI's
+    --max-record-size sets the bound; a record at the bound is read."""
+    import tracemalloc
+
+    long_line = json.dumps({"text": "x" * (32 << 20)})
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"text": "short"}) + "\n" + long_line + "\n")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError) as refused:
+            SFTDataset(path, ByteTokenizer(), seq_len=16, max_record_bytes=1 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(refused.value) == f"{path}, line 2: a record longer than max_record_bytes {1 << 20} (records are read whole)"
+    assert peak < 8 << 20, peak
+    message = _refused_by_finetune(tmp_path, capsys, path, "--max-record-size", "1M")
+    assert message == f"{path}, line 2: a record longer than --max-record-size 1M (records are read whole)"
+    fits = tmp_path / "fits.jsonl"
+    fits.write_text(json.dumps({"text": "a" * 100}) + "\r\n" + json.dumps({"text": "bc"}) + "\n")
+    data = SFTDataset(fits, ByteTokenizer(), seq_len=16, max_record_bytes=len(json.dumps({"text": "a" * 100})))
+    assert data.shape == "text"
+    records = [{"prompt": p, "completion": c} for p, c in PAIRS]
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "pc.parquet"))
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'pc.parquet'}, row 1: a record longer than max_record_bytes 20 "):
+        SFTDataset(tmp_path / "pc.parquet", ByteTokenizer(), seq_len=16, max_record_bytes=20)
+
+
+def test_chats_without_an_assistant_turn_or_with_unknown_roles_are_refused_naming_the_line(tmp_path, capsys):
+    """Among good chats, line 7 without an assistant turn and line 10 with the role 'bot': each is refused naming
+    the file and line (not blamed on --seq-len mid-run); ShareGPT's roles too; --loss-on all takes a chat
+    without an assistant turn (it trains on every token), not an unknown role."""
+    chats = [{"messages": CHATS[i % len(CHATS)]} for i in range(12)]
+    chats[6] = {"messages": [{"role": "user", "content": "Nobody answers."}]}
+    chats[9] = {"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hello"}]}
+    path = _write_jsonl(tmp_path / "chat.jsonl", chats)
+    message = _refused_by_finetune(tmp_path, capsys, path)
+    assert message == (f"{path}, line 7: a chat without an assistant turn has nothing to train on: remove it, or train"
+                       " on every token (--loss-on all)")  # fmt: skip
+    role = f"{path}, line 10: the role 'bot' is none of system, developer, user, assistant, tool"
+    assert _refused_by_finetune(tmp_path, capsys, path, "--loss-on", "all").startswith(role)
+    sharegpt = _write_jsonl(tmp_path / "sharegpt.jsonl", [{"messages": [{"role": "human", "content": "Hi"},
+                                                                        {"role": "gpt", "content": "Hello"}]}])  # fmt: skip
+    with pytest.raises(ValueError, match=rf"^{sharegpt}, line 1: the role 'human' is none of .* \(ShareGPT's human and gpt are user and assistant: rename them\)$"):
+        SFTDataset(sharegpt, ByteTokenizer(), seq_len=64)
+    chats[9] = {"messages": CHATS[0]}
+    batch = next(SFTDataset(_write_jsonl(tmp_path / "all.jsonl", chats), ByteTokenizer(), seq_len=256, loss_on="all",
+                            shuffle_buffer=0, packing=False).batches(12))  # fmt: skip
+    assert batch.input_ids.shape[0] == 12
+
+
+def test_a_bad_line_past_the_first_steps_is_refused_before_anything_is_created(tmp_path, capsys):
+    """A record of another shape, or two JSON values on one line, at line 251 of 300 (past the steps' first
+    examples): refused naming the file, the line (and the column), before the checkpoint directory or a swap
+    file is created (it was found mid-run, leaving the checkpoint directory's metrics.jsonl; the two values were
+    taken as two records)."""
+    lines = [json.dumps({"text": f"hello number {i}"}) for i in range(300)]
+    for name, bad, message in (
+        ("shape", json.dumps({"prompt": "a", "completion": "b"}), "line 251: expected {\"text\": ...}"),
+        ("two", '{"text": "a"} {"text": "b"}', "line 251, column 15: not valid JSON (Extra data)"),
+    ):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("\n".join(lines[:250] + [bad] + lines[251:]) + "\n")
+        assert _refused_by_finetune(tmp_path, capsys, path).startswith(f"{path}, {message}")
+
+
+def test_a_json_array_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps([{"text": "a"}, {"text": "b"}], indent=1))
+    with pytest.raises(ValueError, match=rf"^{path} holds a JSON array, not JSON lines: write one record a line"):
+        SFTDataset(path, ByteTokenizer(), seq_len=16)
 
 
 def test_parquet_and_saved_datasets_read_as_the_jsonl(tmp_path):

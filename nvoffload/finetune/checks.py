@@ -17,7 +17,7 @@ from nvoffload.finetune.config import _DTYPES, FinetuneConfig, _host_memory_byte
 from nvoffload.io.store import swap_directories
 from nvoffload.models import GPT
 from nvoffload.planner.calibrate import host_available_bytes
-from nvoffload.planner.cost import ModelShape, human_size
+from nvoffload.planner.cost import ModelShape, PlanRequest, human_size, swap_bytes
 from nvoffload.pretrained import (
     check_save_directory,
     saved_tensors,
@@ -129,18 +129,33 @@ def _check_batch_memory(config: FinetuneConfig, shape: ModelShape, rows: int, se
         )
 
 
-def _check_swap_space(config: FinetuneConfig, shape: ModelShape | None, rows: int, seq_len: int, swap_dir: str) -> None:
+def _check_swap_space(config: FinetuneConfig, shape: ModelShape | None, seq_len: int, swap_dir: str) -> None:
     """Raise OSError before anything is written when ``swap_dir`` is missing, not a writable directory, or has too
-    little free space for this rank's optimizer state (two generations of fp32 master weights and moments; with
-    ``stream`` the weights too) and, with ``offload_activations``, one micro-batch's activations."""
-    needed, what = 0, []
-    if shape is not None:
-        dtype_bytes = _DTYPES[config.dtype].itemsize
-        per_param = 2 * 12 + (dtype_bytes if config.stream else 0)
-        needed = -(-shape.params // _rank()[1]) * per_param
-        what.append(f"the optimizer state{' and the weights' if config.stream else ''} ({needed} bytes)")
-        if config.offload_activations:
-            activations = shape.activation_bytes(rows, seq_len, dtype_bytes)
-            needed += activations
-            what.append(f"a micro-batch's offloaded activations ({activations} bytes)")
-    swap_directories([swap_dir], needed_bytes=needed, what=" and ".join(what))
+    little free space for what this rank keeps there: :func:`~nvoffload.planner.cost.swap_bytes`, the planner's
+    count (the optimizer state in its ``state_precision``, two generations of it; streamed, the weights, and with
+    the delayed update their twins and the kept gradients; with ``offload_activations`` a micro-batch's
+    activations), with no state counted as resident in host memory: the most the store can hold."""
+    if shape is None:
+        swap_directories([swap_dir])
+        return
+    space = swap_bytes(_swap_request(config, shape, seq_len), stream=config.stream, offload=config.offload_activations)
+    swap_directories([swap_dir], needed_bytes=space.total, what=space.parts())
+
+
+def _swap_request(config: FinetuneConfig, shape: ModelShape, seq_len: int) -> PlanRequest:
+    """The planner's request for this run's step (on this many ranks). LoRA targets the planner cannot place (a
+    family whose module names it does not know) count as full training: every parameter's state, more than
+    the adapters'."""
+    fields = dict(
+        batch_size=config.batch_size, seq_len=seq_len, grad_accum_steps=config.grad_accum_steps, dtype=config.dtype,
+        cpu_memory_bytes=config.cpu_memory_bytes, device_memory_bytes=config.device_memory_bytes, stream=config.stream,
+        activations="offload" if config.offload_activations else "keep", max_grad_norm=config.max_grad_norm is not None,
+        ranks=_rank()[1], vertical=config.vertical, state_precision=config.state_precision,
+        delayed_update=config.delayed_update,
+    )  # fmt: skip
+    try:
+        return PlanRequest(shape, **fields, lora_rank=config.lora_rank, lora_targets=config.lora_targets)
+    except ValueError:
+        if config.lora_rank is None:
+            raise
+        return PlanRequest(shape, **fields)

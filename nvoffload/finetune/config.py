@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nvoffload.data.sft import LOSS_ON, resolve_data_path
+from nvoffload.data.sft import LOSS_ON, MAX_RECORD_BYTES, resolve_data_path
 from nvoffload.device import cuda_available
 from nvoffload.io.config import default_swap_root
 from nvoffload.models import GPTConfig
@@ -104,6 +104,8 @@ class FinetuneConfig:
             directory, or ``chat`` (the shipped chat data); see :class:`nvoffload.data.sft.SFTDataset`.
         loss_on: with ``data_path``, ``completion`` (the completion's or the assistant's tokens) or ``all``.
         packing: with ``data_path``, pack examples into rows of ``seq_len`` (else one a row, padded).
+        max_record_bytes: with ``data_path``, the longest record read (a JSON line; the strings of a Parquet or
+            ``datasets`` record): a longer one is refused naming its line (or row) before the run creates anything.
         eval_data_path, eval_fraction: the evaluation data: another file, or this fraction of
             ``data_path``'s examples held out from training.
         eval_every: evaluate every this many steps (and after the last; None: after the last only).
@@ -152,6 +154,7 @@ class FinetuneConfig:
     data_path: str | None = None
     loss_on: str = "completion"
     packing: bool = True
+    max_record_bytes: int = MAX_RECORD_BYTES
     eval_data_path: str | None = None
     eval_fraction: float | None = None
     eval_every: int | None = None
@@ -232,6 +235,8 @@ class FinetuneConfig:
             raise ValueError("data_path and text_path: one or the other")
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
+        if self.max_record_bytes < 1:
+            raise ValueError(f"max_record_bytes must be >= 1, got {self.max_record_bytes}")
         for name in ("data_path", "eval_data_path"):
             path = getattr(self, name)
             if path is not None and not os.path.exists(resolve_data_path(path)):

@@ -133,7 +133,8 @@ def _data(
     tokenizer = hf.text_tokenizer() if hf is not None else ByteTokenizer()
     vocab = hf.vocab_size if hf is not None else config.model_config.vocab_size
     common = dict(tokenizer=tokenizer, seq_len=seq_len, packing=config.packing, loss_on=config.loss_on,
-                  seed=config.seed, vocab_size=vocab, eval_fraction=config.eval_fraction or 0.0)  # fmt: skip
+                  seed=config.seed, vocab_size=vocab, eval_fraction=config.eval_fraction or 0.0,
+                  max_record_bytes=config.max_record_bytes)  # fmt: skip
     train = SFTDataset(config.data_path, **common)
     if config.eval_data_path is not None:
         return train, SFTDataset(config.eval_data_path, **{**common, "eval_fraction": 0.0}, evaluation=True)
@@ -364,7 +365,7 @@ def _finetune(
             _remove_abandoned_run_dirs(swap_dir)
     bar = checkpoint_release = None
     try:
-        _check_swap_space(config, shape, rows.stop - rows.start, seq_len, swap_dir)
+        _check_swap_space(config, shape, seq_len, swap_dir)
         if config.checkpoint_dir is not None:  # held until the run ends: a second run on it is refused
             checkpoint_release = _claim_checkpoint_directory(config.checkpoint_dir, rank, world)  # once every check passed
         with _host_budgets_named(config):

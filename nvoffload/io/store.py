@@ -104,7 +104,7 @@ def swap_directories(swap_dirs, *, needed_bytes: int = 0, what: str = "swap file
                 raise OSError(
                     errno.ENOSPC,
                     f"{names} {'needs' if len(group) == 1 else 'need'} {share * len(group)} bytes for {what}"
-                    f" and {spare} to spare but the file system has only {free} bytes free",
+                    f" and {spare} bytes to spare but the file system has only {free} bytes free",
                     group[0],
                 )
     return dirs

@@ -59,10 +59,11 @@ from nvoffload.activations.config import ActivationOffloadConfig
 from nvoffload.io.config import IOConfig
 from nvoffload.memory import resident_state_share
 from nvoffload.optim import STATE_PRECISIONS
+from nvoffload.optim.kernels import FP8_BLOCK
 from nvoffload.planner.contention import overlapped_s
 from nvoffload.planner.profile import MachineProfile
 
-__all__ = ["ModelShape", "Plan", "PlanRequest", "block_flops", "human_count", "human_size", "plan"]
+__all__ = ["ModelShape", "Plan", "PlanRequest", "SwapBytes", "block_flops", "human_count", "human_size", "plan", "swap_bytes"]
 
 # Bytes of the optimizer state a parameter, (store read, store written, host memory a resident generation takes) per
 # step, by state precision: exact (fp32 master and two moments), bf16 moments beside the fp32 master, and for bf16
@@ -536,6 +537,63 @@ def _stash_place(offload: bool, in_host_bytes: int, offloaded_bytes: int) -> str
     return f"offloaded: {human_size(in_host_bytes)} in host memory, the rest to NVMe"
 
 
+@dataclass(frozen=True)
+class SwapBytes:
+    """What one rank's swap directories hold at the most in a step, in bytes, by what holds them
+    (:func:`swap_bytes`); the store's 4 KiB alignment of each tensor comes on top."""
+
+    weights: int  # streamed, the parameters (with the delayed update, each block's twin too); else 0
+    state: int  # one generation of the optimizer state in the store; two coexist until a step commits
+    state_params: int  # the parameters whose state is in the store (not kept resident in host memory)
+    kept_gradients: int  # one set of fp32 gradient sums kept in the store; the delayed update keeps two
+    kept_gradient_sets: int
+    activations: int  # a micro-batch's offloaded activations
+
+    @property
+    def total(self) -> int:
+        return self.weights + 2 * self.state + self.kept_gradient_sets * self.kept_gradients + self.activations
+
+    def parts(self) -> str:
+        """What needs the space, each part's bytes named (for the free-space check's message)."""
+        parts = [f"the weights ({self.weights} bytes)"] if self.weights else []
+        parts.append(f"the optimizer state (two generations of {self.state} bytes)")
+        if self.kept_gradients:
+            parts.append(f"the kept gradients ({self.kept_gradient_sets * self.kept_gradients} bytes)")
+        if self.activations:
+            parts.append(f"a micro-batch's offloaded activations ({self.activations} bytes)")
+        return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+
+
+def swap_bytes(r: PlanRequest, *, stream: bool, offload: bool, resident_state_bytes: int = 0) -> SwapBytes:
+    """The bytes one rank of ``r`` keeps in its swap directories (``stream``: the parameters streamed; ``offload``:
+    the activations offloaded): what the plan's NVMe memory is, and what ``finetune`` checks the free space for
+    before anything is written. ``resident_state_bytes`` of host memory keep two generations of some parameters'
+    state out of the store (the plan's share; the check counts none, the most the store can hold).
+
+    The optimizer state is two generations of :func:`state_bytes_per_param`'s written bytes a trained parameter
+    (with 8-bit moments and 2 bytes more a block of 256 for their scales); with LoRA only the adapters have state.
+    Streamed, the store holds every weight (and the adapters), with the delayed update each block's twin too (all
+    the weights twice, an upper bound), and with accumulation, the delayed update or clipping by the vertical
+    schedule, each trained parameter's fp32 gradient sum."""
+    shard = -(-r.trainable_params // r.ranks)  # the parameters whose optimizer state one rank keeps
+    _, written, home = state_bytes_per_param(r.state_precision, r.dtype)
+    on_nvme = max(0, shard - resident_state_bytes // (2 * home))
+    scales = 2 * -(-on_nvme // FP8_BLOCK) if r.state_precision == "8bit" else 0  # an int8 exponent a moment a block
+    dtype_bytes = _DTYPE_BYTES[r.dtype]
+    adapters = r.trainable_params if r.lora_rank is not None else 0
+    weights = (r.model.params + adapters) * dtype_bytes * (2 if r.delayed_update else 1) if stream else 0
+    # fp32 gradient sums kept between micro-batches; by the vertical schedule none, but with clipping each gradient
+    # once, for the redo of a step whose norm clips; delayed: two (one step's read by its updates while the next
+    # step's is written)
+    vertical = r.by_vertical_schedule(stream)
+    g = r.grad_accum_steps
+    kept = shard * 4 if stream and (r.delayed_update or g > 1 and (not vertical or r.max_grad_norm)) else 0
+    rows = -(-r.batch_size // r.ranks)
+    activations = r.model.activation_bytes(rows, r.seq_len, dtype_bytes) if offload else 0
+    return SwapBytes(weights=weights, state=on_nvme * written + scales, state_params=on_nvme, kept_gradients=kept,
+                     kept_gradient_sets=2 if r.delayed_update else 1, activations=activations)  # fmt: skip
+
+
 def _tokens_per_step(r: PlanRequest) -> int:
     return r.batch_size * r.grad_accum_steps * r.seq_len
 
@@ -625,16 +683,13 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
             f" {human_size(device_needs)}, activations {human_size(kept_activations)}), more than device_memory_bytes"
             f" {human_size(r.device_memory_bytes)}: {', or '.join(ways)}"
         )
-    # one generation of the optimizer state on NVMe: what resident state (two generations in host memory) leaves
-    state_read, state_written, state_home = state_bytes_per_param(r.state_precision, r.dtype)
-    on_nvme = max(0, shard - resident_host // (2 * state_home))  # parameters whose state is in the store
-    state, state_in = on_nvme * state_written, on_nvme * state_read
-    # fp32 gradient sums kept between micro-batches; by the vertical schedule none, but with clipping each gradient
-    # once, for the redo of a step whose norm clips (read back only then: not counted)
-    kept_grads = shard * 4 if stream and (delayed or g > 1 and (not vertical or r.max_grad_norm)) else 0
-    # delayed: two kept gradients a parameter (one step's read by its updates while the next step's is written),
-    # and each block's twin
-    nvme_used = (weights * (2 if delayed else 1) if stream else 0) + 2 * state + kept_grads * (2 if delayed else 1) + (activations if offload else 0)
+    # what the swap directories hold; a step reads and writes one generation of the state in the store (the
+    # 8-bit moments' scales, 1/128 byte a parameter, not counted as traffic)
+    space = swap_bytes(r, stream=stream, offload=offload, resident_state_bytes=resident_host)
+    state_read, state_written, _ = state_bytes_per_param(r.state_precision, r.dtype)
+    state, state_in = space.state_params * state_written, space.state_params * state_read
+    kept_grads = space.kept_gradients
+    nvme_used = space.total
     drives = profile.nvme(r.swap_dirs)
     host_used = r.cpu_memory_bytes + _HOST_OVERHEAD_BYTES + (0 if profile.device == "cuda" else device_used)
     if host_used > profile.host_memory_bytes:
