@@ -318,17 +318,19 @@ class OffloadSession:
             self.store.close()
 
 
-def _check_free_space(model: nn.Module, optimizer: torch.optim.Optimizer, config: OffloadConfig) -> None:
+def _check_free_space(
+    model: nn.Module, optimizer: torch.optim.Optimizer, config: OffloadConfig, resident_state_bytes: int
+) -> None:  # fmt: skip
     """Raise ``OSError(ENOSPC)`` before anything is written when the swap directories cannot hold the model's
-    weights and two generations of the optimizer state in its ``state_precision`` (with the kept gradients):
-    activations come on top."""
+    weights and two generations of the optimizer state in its ``state_precision`` that ``resident_state_bytes``
+    of host memory do not keep (with the kept gradients): activations come on top."""
     update = for_optimizer(optimizer)
     layout = Layout(
         adam=update.adam, elementwise=update.elementwise, param_groups=optimizer.param_groups, prefix="",
         kept_grads=config.optimizer_config(1).keeps_grads, state_precision=config.state_precision,
     )  # fmt: skip
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    state, kept = layout.state_bytes(), layout.kept_grad_bytes()
+    state, kept = layout.store_state_bytes(resident_state_bytes), layout.kept_grad_bytes()
     swap_directories(
         config.swap_dirs, needed_bytes=weights + 2 * state + kept,
         what=f"the weights ({weights} bytes) and the optimizer state (two generations of {state} bytes, and {kept} of gradients)",
@@ -462,7 +464,6 @@ def initialize(
             f"this {type(model).__name__} is already streamed by an nvoffload session: close that one first"
             " (optimizer.close()), or build the model again"
         )
-    _check_free_space(model, optimizer, config)
     if config.trace_path is not None:
         trace.start()  # before anything moves: the materialization is traced too
     if not config.retain_host_memory:
@@ -485,6 +486,7 @@ def initialize(
         resident_state = _resident_state_bytes(
             model, blocks, config, optimizer_bytes, resources.slab.available_bytes - bucket_pages
         )  # fmt: skip
+        _check_free_space(model, optimizer, config, resident_state)  # nothing is written before the store
         optimizer_transfer = resources.engine("optimizer", optimizer_bytes + resident_state, "the optimizer's host memory")
         if config.activation_bytes:
             activation_transfer = resources.engine("activations", config.activation_bytes, "activation offload's host memory")

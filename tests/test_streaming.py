@@ -738,3 +738,29 @@ def test_a_backward_that_raises_midway_is_undone_by_the_next_forward(tmp_path):
     failed = _train_around_step_2(tmp_path, "failed", cfg, ref, model, 5, fail)
     skipped = _train_around_step_2(tmp_path, "skipped", cfg, ref, copy.deepcopy(ref), 5)
     _assert_same_training(failed, skipped)
+
+
+def test_initialize_asks_no_disk_for_state_resident_in_host_memory(tmp_path, monkeypatch):
+    """With a host budget that keeps the optimizer state resident, the free-space check asks for the weights and
+    the spare room only: the state never reaches the store (it asked for two generations of all of it)."""
+    import shutil
+
+    from nvoffload.io.store import spare_bytes
+
+    cfg, ref, model = make_pair()
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    state = 12 * sum(p.numel() for p in model.parameters())  # one generation of exact AdamW's fp32 rows
+    free = weights + spare_bytes(weights) + state  # room for one generation, not the two the store would hold
+    real = shutil.disk_usage
+    monkeypatch.setattr("nvoffload.io.store.shutil.disk_usage", lambda p: real(p)._replace(free=free))
+    roomy = config(tmp_path, model, cpu_memory_bytes=64 * MiB)
+    model, opt = nvoffload.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), roomy)
+    try:
+        x, y = batch(cfg, 0)
+        model(x, y).backward()
+        opt.step()
+        assert opt.memory_stats().resident_state_bytes == state  # every chunk's state stayed in host memory
+        swap = sum(f.stat().st_size for f in tmp_path.glob("*.swap"))
+        assert swap < weights + state  # the store holds the weights, not the state
+    finally:
+        opt.close()

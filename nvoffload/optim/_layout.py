@@ -253,6 +253,20 @@ class Layout:
         a LoRA model's base weights, have none)."""
         return sum(math.ceil(_aligned(n) * self.bytes_per_element(p)) for p, n in self._owned())
 
+    def store_state_bytes(self, resident_state_bytes: int = 0) -> int:
+        """At most the store bytes of one generation of the state that ``resident_state_bytes`` of host memory
+        does not keep (:class:`~nvoffload.optim._chunk_io.ResidentState`: two generations of ``slot_rows`` fp32
+        rows an element, given to whole chunks first come first served, so one largest chunk's room may stay
+        unused; each element left resident counted at the fewest store bytes any takes)."""
+        owned = self._owned()
+        state = self.state_bytes()
+        if not resident_state_bytes or not owned:
+            return state
+        largest_chunk = min(_MAX_CHUNK_NUMEL, max(_aligned(n) for _, n in owned))
+        resident = max(0, resident_state_bytes // (2 * self.slot_rows * 4) - largest_chunk)
+        resident = min(resident, sum(_aligned(n) for _, n in owned))
+        return max(0, state - math.floor(resident * min(self.bytes_per_element(p) for p, _ in owned)))
+
     def bytes_per_element(self, param: torch.Tensor, record: Record | None = None) -> float:
         """Store bytes of one generation of one element's state of ``param`` (of ``record``'s group, or the
         most any group needs); with 8-bit moments their scales' share too."""

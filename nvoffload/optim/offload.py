@@ -521,7 +521,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         if isinstance(swap_dir, TensorStore):
             return swap_dir, False
-        state = self._layout.state_bytes()  # two generations of each chunk coexist until step() commits
+        state = self._layout.store_state_bytes(self.config.resident_state_bytes)  # two generations until a commit
         kept = self._layout.kept_grad_bytes()
         what = f"the optimizer state (two generations of {state} bytes" + (f", and {kept} of gradients)" if kept else ")")
         dirs = swap_directories(swap_dir, needed_bytes=2 * state + kept, what=what)
