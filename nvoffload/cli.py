@@ -99,7 +99,9 @@ def _run_options(p: argparse.ArgumentParser, *, plan: bool) -> None:
     named = f"; or a public architecture: {', '.join(sorted(NAMED_SHAPES))}" if plan else ""
     which.add_argument("--model", dest="model_dir", default=None, metavar="DIR",
                        help="a Hugging Face causal-LM directory (config.json + *.safetensors, tokenizer files if any) to"
-                       " fine-tune instead of a preset; needs transformers (pip install 'nvoffload[hf]'). Without a"
+                       " fine-tune instead of a preset, or its Hub name org/name found in the local Hugging Face cache"
+                       " (never downloaded: 'hf download org/name' fetches it); needs transformers (pip install"
+                       " 'nvoffload[hf]'). Without a"
                        f" tokenizer the text is tokenized as bytes (vocabulary of at least 256){named}")  # fmt: skip
     p.add_argument("--text", dest="text_path", default=None, help="text file to train on (default: the shipped corpus): a regular file of at most 1/32 of this machine's memory (its tokens are held in memory)")
     p.add_argument("--text-encoding", default=d.text_encoding, metavar="ENC", help="the encoding of --text (default %(default)s; a byte that is not valid in it is refused, naming its offset)")
@@ -265,9 +267,10 @@ def _plan_request(args):
         shape = ModelShape("sizes", layers, d, heads, ffn, vocab, args.seq_len or 4096, gated_mlp=gated,
                            tied_embeddings=not gated, learned_positions=not gated)  # fmt: skip
     elif args.model_dir is not None:
+        from nvoffload.hub import resolve_model
         from nvoffload.planner.cost import NAMED_SHAPES
 
-        shape = NAMED_SHAPES.get(args.model_dir) or ModelShape.from_hf_config(args.model_dir)
+        shape = NAMED_SHAPES.get(args.model_dir) or ModelShape.from_hf_config(resolve_model(args.model_dir))
     else:
         shape = ModelShape.from_preset(args.preset)
     seq = args.seq_len if args.seq_len is not None else min(128, shape.max_seq_len) if args.model_dir else shape.max_seq_len
@@ -395,11 +398,16 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "finetune":
         from nvoffload.finetune import FinetuneConfig, finetune
         from nvoffload.finetune.run import step_postfix
+        from nvoffload.hub import resolve_model
         from nvoffload.planner.cost import human_count
         from nvoffload.memory import MemoryBudgetError
         from nvoffload.optim.offload import OffloadIOError
 
         flags = _flags(parser, "finetune")
+        try:
+            args.model_dir = args.model_dir and resolve_model(args.model_dir)  # org/name: from the Hugging Face cache
+        except ValueError as exc:
+            return _error("finetune", exc, flags)
         fields = {k: v for k, v in vars(args).items() if k not in ("command", "no_progress", "plan", "profile")}
         if args.profile is not None and args.plan is None:
             return _error("finetune", ValueError("--profile is for --plan auto: give both, or neither"))

@@ -275,6 +275,7 @@ class OffloadSession:
             opt.abandon_step()
         elif opt.updates_queued:
             opt.synchronize()
+        opt.check_trainer()
         self.streamer.follow_requires_grad()
         opt.follow_requires_grad()
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import sys
 
-__all__ = ["check_trainer_recipe", "log_optimizer_grad_norm"]
+__all__ = ["check_trainer_optimizer", "check_trainer_recipe", "log_optimizer_grad_norm"]
 
 
 def _driving_trainer():
@@ -34,6 +34,21 @@ def _driving_trainer():
             return candidate
         frame = frame.f_back
     return None
+
+
+def check_trainer_optimizer(optimizer) -> None:
+    """ValueError when a ``Trainer`` (``trl.SFTTrainer`` too) trains the model with an optimizer of its own:
+    ``optimizer`` (nvoffload's) updates the weights from hooks in backward, and the ``Trainer``'s would step
+    nothing (the gradients are released, or summed where only ``optimizer`` reads them)."""
+    trainer = _driving_trainer()
+    theirs = getattr(trainer, "optimizer", None)
+    theirs = getattr(theirs, "optimizer", theirs)  # accelerate's AcceleratedOptimizer wraps the one the Trainer has
+    if theirs is not None and theirs is not optimizer:
+        raise ValueError(
+            f"a transformers Trainer trains a model set up by nvoffload.initialize with its own optimizer"
+            f" ({type(theirs).__name__}), which would train nothing: give it nvoffload's,"
+            " Trainer(..., optimizers=(optimizer, None)) (SFTTrainer takes the same argument)"
+        )
 
 
 def check_trainer_recipe(max_grad_norm: float | None, accumulation_steps: int):

@@ -108,7 +108,7 @@ from nvoffload.distributed import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, Ranks
 from nvoffload.memory import retain_freed_host_memory
 from nvoffload.optim._chunk_io import ChunkIO, ResidentState, WeightHome
 from nvoffload.optim._codec import StateCodec
-from nvoffload.optim._hf_trainer import check_trainer_recipe, log_optimizer_grad_norm
+from nvoffload.optim._hf_trainer import check_trainer_optimizer, check_trainer_recipe, log_optimizer_grad_norm
 from nvoffload.optim._layout import ALIGN_NUMEL, STATE_PRECISIONS, Layout, Record
 from nvoffload.optim._pipeline import Pipeline
 from nvoffload.optim._protocol import OffloadIOError, StepProtocol
@@ -552,6 +552,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._check_open()
         for rec in self._records:
             self._hook_if_trained(rec)
+
+    def check_trainer(self) -> None:
+        """ValueError when a ``transformers.Trainer`` (trl's ``SFTTrainer`` too) on the call stack trains the model
+        with an optimizer of its own instead of this one, which would train nothing; :func:`nvoffload.initialize`
+        calls it before each forward."""
+        check_trainer_optimizer(self)
 
     def set_weight_home(self, home: WeightHome | None) -> None:
         """Read and write the weights of the parameters ``home`` holds through it (parameter streaming); updates in
