@@ -16,6 +16,8 @@ to read.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import os
 import weakref
@@ -46,7 +48,14 @@ from nvoffload.memory import (
     resident_state_share,
 )
 from nvoffload.optim import Layout, LossScaling, OffloadOptimizer, OffloadOptimizerConfig, for_optimizer
-from nvoffload.streaming import ParameterStreamer, compute_device_of, find_blocks, partition
+from nvoffload.streaming import (
+    ParameterStreamer,
+    compute_device_of,
+    device_bytes_needed,
+    find_blocks,
+    partition,
+    resident_bytes,
+)
 from nvoffload.transfer import HostSlab, TransferEngine
 
 __all__ = ["OffloadConfig", "OffloadSession", "initialize"]
@@ -144,6 +153,10 @@ class OffloadConfig:
             to the operating system at once (``bench/results/bench_memory.md``).
         bucket_bytes, collective_timeout_s: over several ranks, the gradients' and weights' bucket size
             and the longest wait for one collective (see :class:`~nvoffload.optim.OffloadOptimizerConfig`).
+            The released gradients wait on the device in their open bucket until it fills, beside the
+            streamed blocks: ``bucket_bytes`` unset (None) is ``DEFAULT_BUCKET_BYTES`` or what
+            ``device_memory_bytes`` leaves for it, if less; a value given that does not fit there is refused
+            before the first step, naming what does.
         state_precision: how the optimizer keeps Adam's state: ``"fp32"`` (exact AdamW, the default),
             ``"bf16-moments"`` or ``"bf16"`` (compact, not exact; see
             :class:`~nvoffload.optim.OffloadOptimizerConfig`).
@@ -164,7 +177,7 @@ class OffloadConfig:
     gradient_accumulation_steps: int = 1
     loss_scaling: LossScaling | None = None
     retain_host_memory: bool = False
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    bucket_bytes: int | None = None
     collective_timeout_s: float = DEFAULT_TIMEOUT_S
     state_precision: str = "fp32"
     defer_updates: bool | None = None
@@ -194,7 +207,8 @@ class OffloadConfig:
             cpu_memory_bytes=cpu_memory_bytes, resident_state_bytes=resident_state_bytes, release_grads=True, checksum=self.checksum,
             retain_host_memory=self.retain_host_memory, max_grad_norm=self.max_grad_norm,
             gradient_accumulation_steps=self.gradient_accumulation_steps, loss_scaling=self.loss_scaling,
-            bucket_bytes=self.bucket_bytes, collective_timeout_s=self.collective_timeout_s,
+            bucket_bytes=DEFAULT_BUCKET_BYTES if self.bucket_bytes is None else self.bucket_bytes,
+            collective_timeout_s=self.collective_timeout_s,
             state_precision=self.state_precision, defer_updates=self.defer_updates,
             delayed_update=self.delayed_update, delayed_update_after=self.delayed_update_after,
         )  # fmt: skip
@@ -390,6 +404,64 @@ def _resident_state_bytes(model: nn.Module, blocks: list[nn.Module], config: Off
                                 delayed_update=config.delayed_update)
 
 
+def _bucket_bytes(model: nn.Module, blocks: list[nn.Module], config: OffloadConfig, ranks: Ranks) -> int:
+    """The gradient buckets' size over several ranks, the same on every one (the buckets must fill alike).
+
+    A released gradient waits in its open bucket, counted in the device tier, until the bucket fills (or
+    backward ends), while backward holds the next block with room for its gradients: a bucket the device budget
+    cannot hold beside them waits for device memory that only its own all-reduce would free (issue 54).
+    ``bucket_bytes`` unset is ``DEFAULT_BUCKET_BYTES`` or the largest that fits (the smallest over the ranks);
+    set, one that does not fit is refused before the first step, naming what does. Where the reduced buckets are
+    device memory too (NCCL: two in flight, :func:`~nvoffload.distributed.buckets_budget`), they count."""
+    error, fits = None, 0
+    try:
+        fits = _bucket_bytes_that_fit(model, blocks, config, ranks.device.type != "cpu")
+    except MemoryBudgetError as exc:
+        error = exc
+    ranks.agree(error, "checking the gradient buckets against device_memory_bytes")
+    return ranks.min(fits, "the gradient buckets' size")
+
+
+def _bucket_bytes_that_fit(model: nn.Module, blocks: list[nn.Module], config: OffloadConfig, on_device: bool) -> int:
+    """This rank's bucket size (see :func:`_bucket_bytes`); MemoryBudgetError naming the flags when none fits."""
+    streamed, resident = partition(model, blocks)
+    if not streamed or config.device_memory_bytes < device_bytes_needed(streamed, resident, config.delayed_update):
+        return DEFAULT_BUCKET_BYTES  # the streamer refuses the budget, naming the smallest that works
+    params = list(model.parameters())
+    fixed = resident_bytes(resident) + resident_bytes(resident, grads=True)
+    # backward holds each block with room for its gradients, beside the gradients of the blocks after it still in
+    # the open bucket (at most a bucket of them), and the reduced buckets where they are device memory
+    later = itertools.accumulate([b.grad_bytes for b in reversed(streamed)], initial=0)
+    holds = [(b.nbytes + b.grad_bytes, after) for b, after in zip(reversed(streamed), later)]
+
+    def shortfall(bucket: int) -> int:
+        on_the_side = buckets_budget(params, bucket) if on_device else 0
+        need = max(fixed + hold + min(bucket, after) + on_the_side for hold, after in holds)
+        return need - config.device_memory_bytes
+
+    largest = _largest(lambda bucket: shortfall(bucket) <= 0, DEFAULT_BUCKET_BYTES)
+    asked = config.bucket_bytes if config.bucket_bytes is not None else max(largest, 1)
+    if shortfall(asked) > 0:
+        lower = f"lower bucket_bytes to at most {largest} or " if largest else ""
+        reduced = ", and two reduced buckets are in flight there" if on_device else ""
+        raise MemoryBudgetError(
+            f"device_memory_bytes={config.device_memory_bytes} is {shortfall(asked)} bytes short of the streamed"
+            f" blocks' backward beside the gradient buckets between the ranks (bucket_bytes={asked}: the released"
+            f" gradients wait on the device in the open bucket until it fills{reduced}):"
+            f" {lower}raise device_memory_bytes to at least {config.device_memory_bytes + shortfall(asked)}"
+        )
+    return asked
+
+
+def _largest(fits: Callable[[int], bool], most: int) -> int:
+    """The largest ``n`` in ``[1, most]`` with ``fits(n)`` (``fits`` true up to some ``n``, false above); 0 if none."""
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
 def _pages(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
 
@@ -483,7 +555,8 @@ def initialize(
         # with gloo the reduced gradients (two buckets in flight at most) are host memory, carved from the
         # streamer's share below, as the host tier counted them before the slab was the one accounting
         gloo = ranks is not None and ranks.device.type == "cpu"
-        bucket_pages = _pages(buckets_budget(list(model.parameters()), config.bucket_bytes)) if gloo else 0
+        bucket_bytes = DEFAULT_BUCKET_BYTES if ranks is None else _bucket_bytes(model, blocks, config, ranks)
+        bucket_pages = _pages(buckets_budget(list(model.parameters()), bucket_bytes)) if gloo else 0
         resident_state = _resident_state_bytes(
             model, blocks, config, optimizer_bytes, resources.slab.available_bytes - bucket_pages
         )  # fmt: skip
@@ -494,7 +567,7 @@ def initialize(
         streamer_transfer = resources.engine("streamer", None, "parameter streaming's host memory")
         if ranks is not None:
             buckets = reserve_buckets(
-                memory, ranks, list(model.parameters()), config.bucket_bytes, host_slab=streamer_transfer.slab
+                memory, ranks, list(model.parameters()), bucket_bytes, host_slab=streamer_transfer.slab
             )  # fmt: skip
             resources.reserved += [buckets] if buckets is not None else []
         store = TensorStore(list(config.swap_dirs), checksum=config.checksum)
@@ -505,9 +578,9 @@ def initialize(
         )  # fmt: skip
         for group in optimizer.param_groups:  # parameters built on the meta device were replaced
             group["params"] = [streamer.replaced.get(p, p) for p in group["params"]]
+        optimizer_config = dataclasses.replace(config.optimizer_config(optimizer_bytes, resident_state), bucket_bytes=bucket_bytes)
         offloaded = OffloadOptimizer(
-            optimizer, swap_dir=store, transfer=optimizer_transfer,
-            config=config.optimizer_config(optimizer_bytes, resident_state), process_group=process_group,
+            optimizer, swap_dir=store, transfer=optimizer_transfer, config=optimizer_config, process_group=process_group,
         )  # fmt: skip
     except BaseException as exc:
         if streamer is not None:

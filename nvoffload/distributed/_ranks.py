@@ -126,6 +126,11 @@ class Ranks:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         return float(self.all_reduce(t, what)[0])
 
+    def min(self, value: int, what: str) -> int:
+        """The smallest of ``value`` (an int) over the ranks."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        return int(self.all_reduce(t, what, op=dist.ReduceOp.MIN)[0])
+
     def any(self, flag: bool, what: str) -> bool:
         """Whether ``flag`` is true on any rank."""
         t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=self.device)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 from nvoffload import trace
 from nvoffload.core.future import Future
 from nvoffload.core.native import native_module
+from nvoffload.core.workers import finish_before_exit, finished
 from nvoffload.io.config import ALIGNMENT_BYTES, DirectIO, IOConfig
 from nvoffload.io.errors import StoreIOError
 
@@ -86,6 +89,10 @@ class IOEngine:
         self.config = config or IOConfig()
         self._native = _aio.Engine(self.config.num_threads, self.config.block_size_bytes, self.config.queue_depth)
         self._warned_paths: set[str] = set()
+        # At exit, an engine still open (its store never closed) finishes its blocks before the host slabs they
+        # read into are unmapped (core.workers); held weakly: a dropped engine drains as it is freed.
+        self._at_exit = weakref.ref(self, finished)
+        finish_before_exit(self._at_exit, functools.partial(_close_if_alive, self._at_exit))
 
     def open(self, path: str | os.PathLike, *, create: bool = False) -> OpenFile:
         """Open ``path`` read-write (``create``: a new file, failing if it exists).
@@ -185,9 +192,16 @@ class IOEngine:
     def close(self) -> None:
         """Stop the worker threads once every queued block has run. Idempotent."""
         self._native = None  # the native destructor drains the queue and joins the threads
+        finished(self._at_exit)
 
     def __enter__(self) -> IOEngine:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _close_if_alive(ref: weakref.ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close()

@@ -41,6 +41,7 @@ import torch
 
 from nvoffload import trace
 from nvoffload.core.deferred import Deferred
+from nvoffload.core.workers import start_thread
 from nvoffload.optim._chunk_io import ChunkIO
 from nvoffload.optim._layout import Chunk, Slot
 from nvoffload.optim._updates import Request, Update
@@ -89,8 +90,7 @@ class Pipeline:
         self._then: Callable[[], None] | None = None  # stop()'s, until it runs
         self._ended = False  # the worker thread left its loop
         self._death: BaseException | None = None  # what ended the worker thread, if not stop()
-        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
-        self._thread.start()
+        self._thread = start_thread(THREAD_NAME, self._run, self.stop)  # stopped and joined at exit, if still running
 
     # ---- called from the training thread (and autograd hooks)
     def submit(self, req: Request) -> None:

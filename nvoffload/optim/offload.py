@@ -62,7 +62,8 @@ collected (an unreachable one is collected then). :meth:`OffloadOptimizer.close`
 (or ``with``) lets the worker thread finish, deletes the state from the store
 and ends the thread. An optimizer that is never closed does the same when it is
 garbage-collected (the worker does not hold it), and at interpreter exit its
-worker is stopped and joined before the interpreter finalizes. After
+worker is stopped and joined before the interpreter finalizes (a dropped one's
+worker, still finishing, too: :mod:`nvoffload.core.workers`). After
 ``close()``, ``step``, ``zero_grad``, ``synchronize``, the state dict methods,
 ``add_param_group`` and ``set_weight_home`` raise ``RuntimeError("the
 OffloadOptimizer is closed")``. No wait on the worker hangs: it raises as soon

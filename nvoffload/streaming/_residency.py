@@ -110,7 +110,10 @@ class GradientLedger:
         names = {p: n for n, p in self._model.named_parameters()}
         names = ", ".join(names.get(p, "?") for p, _ in held[:5]) + (", ..." if len(held) > 5 else "")
         attached = f" ({names}; freed when the optimizer takes them or at zero_grad())" if held else ""
-        return f"{sum(b for _, b in held)} bytes of gradients held by their parameters{attached}, {queued} queued for the optimizer"
+        return (
+            f"{sum(b for _, b in held)} bytes of gradients held by their parameters{attached}, {queued} queued for the"
+            " optimizer (or in a gradient bucket between the ranks)"
+        )
 
 
 class DeviceResidency:

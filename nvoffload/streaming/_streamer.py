@@ -24,7 +24,7 @@ from nvoffload.streaming._residency import DeviceResidency, GradientLedger
 from nvoffload.streaming._weights import StreamedWeights
 from nvoffload.transfer import Future, TransferEngine
 
-__all__ = ["ParameterStreamer", "compute_device_of"]
+__all__ = ["ParameterStreamer", "compute_device_of", "device_bytes_needed"]
 
 
 def _counter(tier: str, name: str, doc: str) -> property:
@@ -446,17 +446,20 @@ def compute_device_of(model: nn.Module) -> torch.device:
     return _device.concrete("cuda") if _device.cuda_available() else torch.device("cpu")
 
 
+def device_bytes_needed(blocks: list[Block], resident, delayed_update: bool) -> int:
+    """The least device memory streaming works in: the resident parameters and their gradients (delayed: and the
+    staged new weights of the trained ones), one block computing, its gradients, one arriving (3 x the largest)."""
+    weights, grads = resident_bytes(resident), resident_bytes(resident, grads=True)
+    return weights + grads * (2 if delayed_update else 1) + 3 * max(b.nbytes for b in blocks)
+
+
 def _check_budgets(blocks: list[Block], resident, memory: MemoryManager, host_bytes: int, prefetch_blocks: int,
                    delayed_update: bool) -> None:  # fmt: skip
     """Raise :class:`MemoryBudgetError` when the device budget or the ``host_bytes`` of the host cache are too small."""
     if not blocks:
         raise ValueError("the model has no parameters in its blocks: nothing to stream")
     largest = max(b.nbytes for b in blocks)
-    weights, grads = resident_bytes(resident), resident_bytes(resident, grads=True)
-    if delayed_update:  # the staged new weights of the trained ones
-        weights += grads
-    # resident weights and their gradients; one block computing, one arriving, its gradients
-    device_needed = weights + grads + 3 * largest
+    device_needed = device_bytes_needed(blocks, resident, delayed_update)
     # in host memory (slab buffers are 4 KiB-aligned): one block computing, one arriving, those read ahead; and
     # delayed, a twin being written and the block it is made from
     in_host = 2 + prefetch_blocks + (2 if delayed_update else 0)
@@ -465,8 +468,8 @@ def _check_budgets(blocks: list[Block], resident, memory: MemoryManager, host_by
     if memory.limit_bytes("device") < device_needed:
         problems.append(
             f"device_memory_bytes must be at least {device_needed} (resident parameters and their gradients"
-            f"{' and staged new weights' if delayed_update else ''}: {weights + grads}, plus 3 x the largest block's"
-            f" {largest})"
+            f"{' and staged new weights' if delayed_update else ''}: {device_needed - 3 * largest}, plus 3 x the"
+            f" largest block's {largest})"
         )
     if host_bytes < host_needed:
         problems.append(

@@ -205,10 +205,10 @@ class HostSlab:
 
 
 def _release_mapping(base: torch.Tensor, mapping: mmap.mmap, registered: bool) -> None:
+    """Unpin and unmap the slab: from ``close()``, or from its finalizer (at interpreter exit that runs once
+    :mod:`nvoffload.core.workers` has finished every thread and native I/O pool that could still touch it).
+    ``torch.frombuffer`` does not hold the mapping's buffer, so tensors over the slab never keep it mapped."""
     if registered:
         _device.unregister_host_memory(base)
     del base
-    try:
-        mapping.close()
-    except BufferError:  # a tensor over the slab is still alive: the mapping goes with the last of them
-        pass
+    mapping.close()
