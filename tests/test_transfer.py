@@ -105,12 +105,19 @@ def test_slab_refuses_with_a_message_naming_the_holders():
 
 
 def test_slab_allocation_waits_for_another_thread_to_free():
+    """The allocation waits until the other thread frees (the order checked, not a time: the suite runs loaded)."""
     slab = HostSlab(64 << 10, "staging")
     held = slab.allocate(64 << 10, "first")
-    threading.Timer(0.05, slab.free, args=(held,)).start()
-    start = time.monotonic()
+    freeing = threading.Event()
+
+    def free_later():
+        time.sleep(0.05)  # most likely after allocate started waiting; either order must end in the allocation
+        freeing.set()
+        slab.free(held)
+
+    threading.Thread(target=free_later).start()
     second = slab.allocate(32 << 10, "second", wait_s=10)
-    assert 0.03 < time.monotonic() - start < 5
+    assert freeing.is_set()  # it had no room before the free
     slab.free(second)
     slab.close()
 
