@@ -11,6 +11,7 @@ import threading
 
 import torch
 
+from nvoffload.activations import offload_activations
 from nvoffload.device import _SimEvent
 from nvoffload.io import TensorStore
 from nvoffload.memory import MemoryManager
@@ -22,11 +23,11 @@ FALLBACK_S = 60.0  # opens the held stream if the code under test waits for it (
 
 
 @contextlib.contextmanager
-def held_h2d(engine: TransferEngine):
-    """Hold ``engine``'s host-to-device stream: copies queued on it from now on run once the block ends, or once
-    the fallback timer fired (then ``gate.query()`` is True)."""
+def held_h2d(engine: TransferEngine, direction: str = "h2d"):
+    """Hold ``engine``'s host-to-device stream (or ``direction``'s): copies queued on it from now on run once the
+    block ends, or once the fallback timer fired (then ``gate.query()`` is True)."""
     gate = _SimEvent()
-    engine.to_device(torch.empty(1), torch.empty(1), after=gate, what="the test's gate")
+    engine.device.copy_stream(direction).copy(torch.empty(1), torch.empty(1), gate, "the test's gate")
     timer = threading.Timer(FALLBACK_S, gate._complete)
     timer.start()
     try:
@@ -78,3 +79,58 @@ def test_a_block_dropped_while_its_copy_runs_is_freed_behind_the_copy(tmp_path):
     finally:
         streamer.close()
         store.close()
+
+
+def offloaded_mlp(engine: TransferEngine):
+    """A forward of a small MLP whose saved tensors go to host memory through ``engine``: the loss and the context."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)))
+    offload = offload_activations(target="cpu", min_bytes=1024, keep_recent_bytes=0, transfer=engine,
+                                  max_pending_write_bytes=1 << 30)  # fmt: skip
+    with offload:
+        loss = model(torch.randn(32, 64)).square().mean()
+    return loss, offload
+
+
+def test_a_saved_tensor_released_while_its_write_runs_is_freed_behind_the_write():
+    """A graph freed while its saved tensors are still being written (forward without backward): releasing them
+    does not wait for the writes; their host buffers and originals stay counted until the writes ended."""
+    with TransferEngine(8 << 20, "cpu") as engine:
+        with held_h2d(engine, "d2h") as gate:
+            loss, offload = offloaded_mlp(engine)
+            written = offload.stats().offloaded_bytes
+            assert written > 0
+            del loss  # releases every saved tensor
+            assert not gate.query() and offload.stats().live_records == 0
+            assert offload.stats().offloaded_bytes == written and engine.slab.used_bytes >= written
+        with offload._locked():
+            offload._writes.drain()
+        stats = offload.stats()
+        assert stats.offloaded_bytes == 0 and stats.resident_bytes == 0 and engine.slab.used_bytes == 0
+        offload.close()
+
+
+def test_a_read_ahead_dropped_while_its_copy_runs_is_freed_behind_the_copy():
+    """Backward's read-ahead made again (new writes, a new pass) drops the reads it started and no longer plans:
+    the training thread does not wait for their copies; their device tensors stay counted until the copies ended."""
+    with TransferEngine(8 << 20, "cpu") as engine:
+        loss, offload = offloaded_mlp(engine)
+        with offload._locked():
+            offload._writes.drain()
+        handles = list(offload._records)
+        with held_h2d(engine) as gate:
+            with offload._locked():
+                offload._read_ahead_of(handles[-1] + 1)  # as unpacking a tensor saved after them would
+                reading = [r for r in offload._records.values() if r.load is not None]
+                copies = [r.load.future for r in reading]
+            assert reading and offload.stats().resident_bytes == sum(r.nbytes for r in reading)
+            with offload._locked():
+                offload._plan_stale = True
+                offload._read_ahead_of(handles[-1] + 1)  # made again: the reads in flight are not in it
+            assert not gate.query() and not any(copy.done() for copy in copies)
+            assert all(r.load is None for r in reading)  # dropped
+            assert offload.stats().resident_bytes == sum(r.nbytes for r in reading)
+        offload._tier.frees.drain()
+        assert offload.stats().resident_bytes == 0
+        del loss
+        offload.close()

@@ -44,7 +44,7 @@ from nvoffload.core.deferred import Deferred
 from nvoffload.optim._chunk_io import ChunkIO
 from nvoffload.optim._layout import Chunk, Slot
 from nvoffload.optim._updates import Request, Update
-from nvoffload.transfer import WAIT_LIMIT_S, Future, ReadAhead, WriteBehind
+from nvoffload.transfer import WAIT_LIMIT_S, FreeBehind, Future, ReadAhead, WriteBehind
 
 THREAD_NAME = "nvoffload-optimizer"
 
@@ -77,6 +77,7 @@ class Pipeline:
         # A chunk read ahead: its slot, whether the read holds the master row, the bytes read (counted when
         # the read is used or dropped).
         self._ahead: dict[Chunk, tuple[Slot, bool, int]] = {}
+        self._frees = FreeBehind("the optimizer's slots of reads ahead dropped")  # free once their reads ended
         self._prefetch = prefetch_chunks
         self._short_of_slots = False  # the last pump stopped at a read that found no free slot
         self._lock = threading.Condition()
@@ -217,6 +218,7 @@ class Pipeline:
             if kind == "stop":
                 self._read_ahead.clear()
                 self._writes.drain()
+                self._frees.drain()
                 self._run_then()
                 return
             if kind == "plan":
@@ -229,6 +231,7 @@ class Pipeline:
                 self._uploads = []
             else:  # drain: writes stay in flight while updates come in (reads ahead overlap them)
                 self._writes.drain()
+                self._frees.drain()
                 self._uploads = []
                 self._done()
 
@@ -293,8 +296,8 @@ class Pipeline:
     # ---- reads ahead and writes behind (the transfer engine's queues)
     def _read_on(self) -> bool:
         """Start the reads ahead that the budget and the free slots allow; when one finds no free slot, wait for
-        the oldest write to free one. True when it waited (a read ahead can start now)."""
-        return self._pump() and self._writes.wait_oldest()
+        the oldest write (or dropped read) to free one. True when it waited (a read ahead can start now)."""
+        return self._pump() and (self._frees.wait_oldest() or self._writes.wait_oldest())
 
     def _pump(self) -> bool:
         """Start the planned reads ahead that the budget and the free slots allow; True when one waits for a slot."""
@@ -313,6 +316,7 @@ class Pipeline:
             return None, 0  # no state yet (its first update initializes it), or updated already this step
         if not self._free:
             self._writes.poll()
+            self._frees.reap()
         if not self._free:
             self._short_of_slots = True
             return None
@@ -330,8 +334,7 @@ class Pipeline:
         """:class:`ReadAhead`'s ``drop``: a read ahead that no update took; its slot is free once it ended."""
         slot, _, nbytes = self._ahead.pop(chunk)
         self._io.count_read(nbytes)  # read for nothing, but read
-        future.exception()  # its error does not matter (the read is not used); a read still running raises
-        self._free.append(slot)
+        self._frees.free(future, functools.partial(self._free.append, slot))  # its error does not matter
 
     def _write_behind(self, slot: Slot, future: Future) -> None:
         """Hand ``future`` (writes out of ``slot``) to the write-behind queue; the slot is free once it finished."""
@@ -344,7 +347,7 @@ class Pipeline:
 
     def _take_slot(self) -> Slot:
         """A free slot, waiting for the oldest writes when none is (see the module docs)."""
-        while not self._free and self._writes.wait_oldest():
+        while not self._free and (self._frees.wait_oldest() or self._writes.wait_oldest()):
             pass
         return self._free.pop()
 
