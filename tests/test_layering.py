@@ -101,3 +101,18 @@ def test_no_import_cycle_between_layers():
     edges = import_edges()
     found = cycles(edges)
     assert not found, [(c, {e: f for e, f in edges.items() if e[0] in c and e[1] in c}) for c in found]
+
+
+def test_cuda_streams_and_events_are_made_by_the_device_layer_only():
+    """``nvoffload/device.py`` is the only CUDA-specific code: no other module makes a CUDA stream or event (the
+    gradient buckets' side stream is ``device.side_stream``)."""
+    makers = {"Stream", "Event"}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "device.py" and path.parent == PACKAGE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in makers:
+                if ast.unparse(node.func.value) in ("torch.cuda", "cuda"):
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert found == []
