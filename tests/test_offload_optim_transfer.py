@@ -196,15 +196,23 @@ def test_cuda_parameters_match_fused_adamw(tmp_path, dtype):
 def test_the_next_chunks_gradient_copy_is_queued_before_this_chunks_update(tmp_path):
     """The worker starts chunk k+1's gradient copy before it runs chunk k's update, so that the copy overlaps
     the kernel: on the device-to-host stream (in order; the trace lists its copies as they ran) the second
-    gradient comes before the first fp32 weights' copy, which the first update waits for before it computes."""
+    gradient comes before the first fp32 weights' copy, which the first update waits for before it computes.
+    (The worker is lent out while backward's hooks queue the step's requests, so it finds them all queued.)"""
     model, ref = pair("cpu")
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    with NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path, chunk_bytes=CHUNK) as opt:
-        run(model, opt, 1, "cpu")  # the first step initializes the state from the weights
-        with trace.tracing() as recording:
-            losses = run(model, opt, 1, "cpu")
-    copies = [name for track, name, *_ in recording.spans() if track == "d2h"]
-    assert copies[:3] == ["a gradient", "a gradient", "weights"]
-    run(ref, ref_opt, 1, "cpu")
-    assert run(ref, ref_opt, 1, "cpu") == losses
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(16, 64, generator=gen) for _ in range(2)]
+    with NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path, chunk_bytes=CHUNK, release_grads=True) as opt:
+        for x in xs:
+            with trace.tracing() as recording:
+                with opt._pipeline.lend():  # the worker waits: every request of the step is queued first
+                    (model(x) - 1).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+    for x in xs:
+        (ref(x) - 1).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    copies = [name for track, name, *_ in recording.spans() if track == "d2h"]  # the second step's
+    assert copies[:3] == ["a gradient", "a gradient", "weights"]

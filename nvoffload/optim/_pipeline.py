@@ -16,6 +16,12 @@ reached the model. Reads ahead hold at most ``prefetch_chunks`` of the
 ``prefetch_chunks + 2`` slots, so when none is free a write holds one, and the
 worker waits for the oldest write.
 
+A request's transfers start before its turn: at the previous request's, before that one's update runs
+(``_stage_next``), the next request takes its slot (its chunk's read ahead, or a free one) and starts its
+state's read (unless read ahead), its kept gradient's read and its gradient's copy to the host, so the copy
+runs while the kernel computes. A read ahead dropped gives its slot back once it ended (a
+:class:`~nvoffload.transfer.FreeBehind`), not by a wait.
+
 A request that only keeps a gradient (``update=False``) is taken ahead of the
 updates queued before it: its gradient is device memory that backward may be
 waiting for, and what it writes (the step's kept gradient) is not what those
@@ -412,6 +418,7 @@ class Pipeline:
                     out = weights.host_view(chunk.elements)
                     out = slot.out(dtype, chunk.numel) if out is None else out
                 chunk.applied = weights.staged is None  # from here on the model may hold new values
+                self._stage_next(req)  # if the next request came in meanwhile
                 started_ns = time.monotonic_ns()
                 updated = self._update(req, state, grad, out)
                 recording = trace.active()
