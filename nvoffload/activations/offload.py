@@ -770,6 +770,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 del self._by_extent[extent]
         if record.write is None:
             self._forget(record)
+        else:  # the tier's close (also when this context is dropped first) waits for the write to end
+            self._tier.frees.free(record.write.future, _nothing)
 
     def _forget(self, record: _Record) -> None:
         """Free a released record's original and stored copy (its write, if it had one, ended)."""
@@ -779,6 +781,10 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             self._tier.release_host(record.host, record.host_reader)
             record.host = record.host_reader = None
             self._offloaded_bytes -= record.nbytes
+
+
+def _nothing() -> None:
+    """A release with nothing to give back: the transfer is only waited for by the tier's close."""
 
 
 def _uncount(ledger: StorageLedger, key, load: Load) -> None:
