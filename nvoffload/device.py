@@ -23,11 +23,13 @@ Page-locking (:func:`register_host_memory`) is a no-op without CUDA:
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -44,6 +46,7 @@ __all__ = [
     "cuda_available",
     "compute_device",
     "register_host_memory",
+    "side_stream",
     "unregister_host_memory",
     "untracked",
 ]
@@ -162,25 +165,53 @@ def compute_device(device: torch.device | str | None = None) -> ComputeDevice:
 # ---------------------------------------------------------------------------- CUDA
 
 
+SPIN_S = 50e-6
+"""How long a host wait polls before it blocks: a copy about to land is seen without a thread switch."""
+
+_blocking_waits = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="nvoffload-event-wait")
+
+
+def bounded_wait(query: Callable[[], bool], block: Callable[[], object], timeout_s: float) -> bool:
+    """Wait on the host until ``query()`` is True, at most ``timeout_s``; True when it is.
+
+    Polls ``query`` for :data:`SPIN_S`, then runs ``block()`` (which returns once the awaited work is done and
+    has no time limit of its own: ``cudaEventSynchronize`` on an event made with ``blocking=True``, which sleeps
+    until the device signals it) on a helper thread, and wakes the moment it returns, or at the time limit (the
+    helper thread stays blocked until the work ends; a wait past it is the caller's error to raise).
+    """
+    spin_until = time.monotonic() + min(SPIN_S, timeout_s)
+    while not query():
+        if time.monotonic() >= spin_until:
+            break
+    else:
+        return True
+    returned = threading.Event()
+
+    def wait() -> None:
+        try:
+            block()
+        finally:
+            returned.set()
+
+    _blocking_waits.submit(wait)
+    returned.wait(timeout_s)
+    return query()
+
+
 class CudaEvent:
     __slots__ = ("raw",)
 
     def __init__(self, stream, *, timed: bool = False):
-        self.raw = torch.cuda.Event(enable_timing=timed)
+        # blocking: a host synchronize sleeps until the device signals the event, instead of spinning a core
+        self.raw = torch.cuda.Event(enable_timing=timed, blocking=True)
         self.raw.record(stream)
 
     def query(self) -> bool:
         return self.raw.query()
 
     def synchronize(self, timeout_s: float) -> bool:
-        # cudaEventSynchronize has no timeout: poll, backing off from 20 us to 1 ms.
-        deadline, pause = time.monotonic() + timeout_s, 2e-5
-        while not self.raw.query():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-        return True
+        # cudaEventSynchronize has no timeout: a helper thread blocks in it, this one waits for that, bounded.
+        return bounded_wait(self.raw.query, self.raw.synchronize, timeout_s)
 
     def error(self) -> BaseException | None:
         return None  # CUDA reports copy failures as sticky errors on the next call
@@ -232,6 +263,30 @@ class _CudaCopyStream:
             if t.is_cuda:
                 t.record_stream(self._stream)
         return event
+
+
+class _SideStream:
+    """A CUDA stream besides the compute stream, current inside ``with`` (see :func:`side_stream`)."""
+
+    def __init__(self, device: torch.device):
+        self._stream = torch.cuda.Stream(device)
+        self._current: list = []
+
+    def __enter__(self) -> _SideStream:
+        current = torch.cuda.stream(self._stream)
+        current.__enter__()
+        self._current.append(current)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._current.pop().__exit__(*exc)
+
+
+def side_stream(device: torch.device) -> _SideStream:
+    """A new stream of the CUDA ``device`` besides its compute stream, made current by ``with``: work queued there
+    runs beside the compute stream's (the readers of a reduction in flight, ordered after it by a stream wait,
+    while backward goes on)."""
+    return _SideStream(concrete(device))
 
 
 class CudaDevice:

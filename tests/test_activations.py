@@ -120,8 +120,13 @@ def wait_for_writes(*offloads):
 def assert_released(offload, graph_alive=False):
     """Swap space free; with the graph freed, nothing held in memory either.
 
-    While a graph is alive its small tensors (left in place) still count as resident.
+    While a graph is alive its small tensors (left in place) still count as resident. What a released tensor
+    held goes once its transfers ended (no host wait where it is released): waited for here first.
     """
+    with offload._locked():
+        offload._writes.drain()
+        if offload._tier is not None:
+            offload._tier.frees.drain()
     stats = offload.stats()
     assert stats.offloaded_bytes == 0
     assert stats.live_records == 0

@@ -165,3 +165,18 @@ def test_the_order_check_refuses_an_import_upwards_and_of_a_private_module():
     assert len(out_of_order([upward, private], rows)) == 2
     node = ast.parse("from nvoffload import finetune").body[0]
     assert "nvoffload.finetune" in imported(node, "nvoffload.core.atomic", False)
+
+
+def test_cuda_streams_and_events_are_made_by_the_device_layer_only():
+    """``nvoffload/device.py`` is the only CUDA-specific code: no other module makes a CUDA stream or event (the
+    gradient buckets' side stream is ``device.side_stream``)."""
+    makers = {"Stream", "Event"}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "device.py" and path.parent == PACKAGE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in makers:
+                if ast.unparse(node.func.value) in ("torch.cuda", "cuda"):
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert found == []

@@ -14,10 +14,11 @@ import pytest
 import torch
 from torch import nn
 
+from nvoffload import trace
 from nvoffload.device import CudaDevice, SimDevice
-from nvoffload.optim._chunk_io import ChunkIO
+from nvoffload.optim._chunk_io import ChunkIO, ModelWeights
 from nvoffload.optim.offload import NVMeAdamW
-from nvoffload.transfer import TransferEngine
+from nvoffload.transfer import Future, TransferEngine
 
 CHUNK = 4096 * 4
 
@@ -63,15 +64,21 @@ def test_late_copies_give_adamw_exactly(tmp_path, monkeypatch):
 
 
 def test_a_gradient_copy_not_waited_for_gives_wrong_weights(tmp_path, monkeypatch):
-    """The test above fails when the worker does not wait for the gradient's copy to land."""
+    """The test above fails when the worker does not wait for the gradient's copy to land. (It starts that copy
+    ahead of the update, before the fp32 weights' copy it waits for on the same stream: that wait is left out
+    too, or it would cover the first.)"""
     monkeypatch.setenv("NVOFFLOAD_SIM_COPY_DELAY_US", "3000")
 
     def without_wait(self, grad, slot, ready):
         host = slot.grad(grad.dtype, grad.numel())
-        self.transfer.to_host(host, grad, after=ready, what="a gradient")  # .result() left out
-        return host
+        self.transfer.to_host(host, grad, after=ready, what="a gradient")  # not waited for
+        return Future.completed(host)
+
+    def weights_without_wait(self, elements, out, slot, *, after=None):
+        self._transfer.to_host(out, self.flat[elements], after=after, what="weights")  # not waited for
 
     monkeypatch.setattr(ChunkIO, "grad_to_host", without_wait)
+    monkeypatch.setattr(ModelWeights, "read", weights_without_wait)
     model, ref = pair("cpu")
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     with NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path, chunk_bytes=CHUNK) as opt:
@@ -184,3 +191,28 @@ def test_cuda_parameters_match_fused_adamw(tmp_path, dtype):
                     q.grad = None
             for p, q in zip(model.parameters(), ref.parameters()):
                 assert torch.equal(p, q)
+
+
+def test_the_next_chunks_gradient_copy_is_queued_before_this_chunks_update(tmp_path):
+    """The worker starts chunk k+1's gradient copy before it runs chunk k's update, so that the copy overlaps
+    the kernel: on the device-to-host stream (in order; the trace lists its copies as they ran) the second
+    gradient comes before the first fp32 weights' copy, which the first update waits for before it computes.
+    (The worker is lent out while backward's hooks queue the step's requests, so it finds them all queued.)"""
+    model, ref = pair("cpu")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(16, 64, generator=gen) for _ in range(2)]
+    with NVMeAdamW(model.parameters(), lr=1e-2, swap_dir=tmp_path, chunk_bytes=CHUNK, release_grads=True) as opt:
+        for x in xs:
+            with trace.tracing() as recording:
+                with opt._pipeline.lend():  # the worker waits: every request of the step is queued first
+                    (model(x) - 1).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+    for x in xs:
+        (ref(x) - 1).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    copies = [name for track, name, *_ in recording.spans() if track == "d2h"]  # the second step's
+    assert copies[:3] == ["a gradient", "a gradient", "weights"]

@@ -17,9 +17,9 @@ buffer, as in host memory, while the tensors kept there fit in
 beside the staging of the store's transfers (the config sizes it so).
 
 A slab buffer is given back only once the last transfer that reads or writes
-it is done: :meth:`Tier.retire` queues it behind that transfer in a
-:class:`~nvoffload.transfer.WriteBehind` (``retiring``: its done hook gives the
-buffer back). A staging buffer (NVMe) is retired as soon as its transfer
+it is done: :meth:`Tier.retire` queues it behind that transfer in the tier's
+:class:`~nvoffload.transfer.FreeBehind` (:attr:`Tier.frees`, which activation
+offload also frees its device tensors read back behind). A staging buffer (NVMe) is retired as soon as its transfer
 starts, so a wait for room waits for transfers in flight, never for backward
 to use a tensor. The slab is the only count of the host memory the tier holds.
 
@@ -38,7 +38,7 @@ import torch
 
 from nvoffload.core.buffers import ALIGNMENT_BYTES
 from nvoffload.memory import MemoryBudgetError
-from nvoffload.transfer import Future, TransferEngine, WriteBehind
+from nvoffload.transfer import FreeBehind, Future, TransferEngine
 
 __all__ = ["Load", "Tier", "Write"]
 
@@ -88,8 +88,8 @@ class Tier:
         self.store = store
         self._owns_engine = owns_engine
         self._owns_store = owns_store
-        # Slab buffers that transfers in flight still use; errors belong to whoever holds those transfers.
-        self._retiring = WriteBehind(engine.slab.capacity_bytes, "activation offload's retiring buffers", keep_errors=False)
+        # Memory that transfers in flight still use (slab buffers, tensors read back), freed behind them.
+        self.frees = FreeBehind("activation offload's buffers in use by transfers")
         self._pieces: dict[str, list[tuple[str, int, int]]] = {}  # name -> (store name, start, end) of a pieced one
 
     @property
@@ -127,8 +127,7 @@ class Tier:
         if buffer is not None and future is None:
             self.slab.free(buffer)
         elif buffer is not None:
-            free = functools.partial(_give_back, self.slab, buffer)
-            self._retiring.submit(buffer.numel() * buffer.element_size(), lambda: future, free)
+            self.frees.free(future, functools.partial(self.slab.free, buffer), buffer.numel() * buffer.element_size())
         self.reap()
 
     def release_host(self, buffer: torch.Tensor | None, future: Future | None) -> None:
@@ -139,12 +138,12 @@ class Tier:
         self.retire(buffer, future)
 
     def reap(self) -> None:
-        """Give back the retired buffers whose transfers are done (oldest first), without waiting."""
-        self._retiring.poll()
+        """Free what transfers that are done used (retired buffers), without waiting."""
+        self.frees.reap()
 
     def wait_retiring(self) -> bool:
-        """Wait for the oldest retired buffer's transfer and give it back; False when none is retiring."""
-        return self._retiring.wait_oldest()
+        """Wait for the oldest transfer that memory is freed behind, and free it; False when none is."""
+        return self.frees.wait_oldest()
 
     # ---------------------------------------------------------------- out
     def write(self, name: str, flat: torch.Tensor) -> Write:
@@ -229,13 +228,9 @@ class Tier:
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:
         """Wait for the transfers using slab buffers, give the buffers back, close what this tier owns."""
-        self._retiring.drain()
+        self.frees.drain()
         if self._owns_store and self.store is not None:
             self.store.close()
         if self._owns_engine:
             self.engine.close()
 
-
-def _give_back(slab, buffer: torch.Tensor, error: BaseException | None) -> None:
-    """A retired buffer's done hook: its transfer ended (its ``error`` is reported by whoever holds the transfer)."""
-    slab.free(buffer)

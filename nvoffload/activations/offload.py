@@ -370,6 +370,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             self._closed = True
             for record in list(self._records.values()):
                 self._release(record)
+            self._writes.drain()  # the writes of those released (their done hooks free the rest)
             if self._close_tier is not None:
                 self._close_tier()
             self._tier = None
@@ -572,6 +573,9 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             record.host = write.host
         else:
             self._tier.release_host(write.host, None)
+        if record.state is _State.RELEASED:  # released while it was written
+            self._forget(record)
+            return
         if record.error is None and record.original._version != record.version:
             record.error = self._modified_error(record, record.original._version)
         record.state = _State.STORED
@@ -711,11 +715,10 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         return record.load.future, record.nbytes
 
     def _drop_read(self, handle: int, future: Future) -> None:
-        """:class:`ReadAhead`'s ``drop``: a read ahead (or a tensor kept) that backward will not take."""
+        """:class:`ReadAhead`'s ``drop``: a read ahead (or a tensor kept) that backward will not take; a read still
+        running frees its device tensor once it ended (:meth:`_drop_load`), without a wait here."""
         record = self._records.get(handle)
         if record is not None:
-            with contextlib.suppress(Exception):
-                future.exception()  # the copy ends before its device tensor is freed
             self._drop_load(record)
 
     def _drop_load(self, record: _Record) -> None:
@@ -726,10 +729,11 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             if record.state is _State.STORED:  # written: drop the original (a write in flight drops it when done)
                 self._drop_original(record)
         if record.load is not None:
-            record.load = None
-            self._tier.reap()  # its staging buffers, retired when its transfers started
-            self._ledger.remove(record.loaded_key)
-            record.loaded_key = None
+            load, key = record.load, record.loaded_key
+            record.load = record.loaded_key = None
+            # Counted and kept until its copy ended (a read ahead dropped may still be running); its staging
+            # buffers were retired behind its transfers when they started.
+            self._tier.frees.free(load.future, functools.partial(_uncount, self._ledger, key, load))
 
     # ----------------------------------------------------------------- release
 
@@ -746,23 +750,15 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             self._release(record)
 
     def _release(self, record: _Record) -> None:
+        """Forget ``record``: its handles are gone. What it holds is freed behind the transfers that use it: a read
+        back behind its copy (:meth:`_drop_load`), its stored copy and its original behind its write in flight
+        (:meth:`_finish_write` calls :meth:`_forget`), never by a wait here."""
         if record.state is _State.RELEASED:
             return
         if record.handle in self._window:
             del self._window[record.handle]
             self._window_bytes -= record.nbytes
-        if record.write is not None:
-            self._writes.wait_for(record.write.future)  # and the writes before it; its done hook ran
-        if record.load is not None:
-            with contextlib.suppress(Exception):
-                record.load.future.result()
         self._drop_load(record)
-        self._drop_original(record)
-        if record.written:
-            self._tier.delete(record.name)
-            self._tier.release_host(record.host, record.host_reader)
-            record.host = record.host_reader = None
-            self._offloaded_bytes -= record.nbytes
         record.state = _State.RELEASED
         del self._records[record.handle]
         if self._by_key.get(record.key) is record:
@@ -772,3 +768,25 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             self._by_extent[extent].remove(record)
             if not self._by_extent[extent]:
                 del self._by_extent[extent]
+        if record.write is None:
+            self._forget(record)
+        else:  # the tier's close (also when this context is dropped first) waits for the write to end
+            self._tier.frees.free(record.write.future, _nothing)
+
+    def _forget(self, record: _Record) -> None:
+        """Free a released record's original and stored copy (its write, if it had one, ended)."""
+        self._drop_original(record)
+        if record.written:
+            self._tier.delete(record.name)
+            self._tier.release_host(record.host, record.host_reader)
+            record.host = record.host_reader = None
+            self._offloaded_bytes -= record.nbytes
+
+
+def _nothing() -> None:
+    """A release with nothing to give back: the transfer is only waited for by the tier's close."""
+
+
+def _uncount(ledger: StorageLedger, key, load: Load) -> None:
+    """A tensor read back is freed: its copy ended (``load``, kept until then)."""
+    ledger.remove(key)

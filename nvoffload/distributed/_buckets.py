@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from nvoffload.core.deferred import Deferred
-from nvoffload.device import untracked
+from nvoffload.device import side_stream, untracked
 from nvoffload.distributed._partition import Partition
 from nvoffload.distributed._ranks import Ranks
 from nvoffload.memory import MemoryManager
@@ -119,7 +119,7 @@ class GradientBuckets:
         self._launched = 0
         # Launched buckets still read by update requests (no gradients: nothing is ever queued).
         self._read = WriteBehind(max(budget_bytes, 1), "the reduced gradient buckets the optimizer reads")
-        self._side: torch.cuda.Stream | None = None  # on a GPU: the stream the readers are ordered on
+        self._side = None  # on a GPU: the side stream (device.side_stream) the readers are ordered on
 
     # ------------------------------------------------------------------ released gradients
     def add(self, index: int, grad: torch.Tensor, deliver: Deliver) -> None:
@@ -188,8 +188,8 @@ class GradientBuckets:
             yield
             return
         if self._side is None:
-            self._side = torch.cuda.Stream(self.ranks.device)
-        with torch.cuda.stream(self._side):
+            self._side = side_stream(self.ranks.device)
+        with self._side:
             pending.wait()  # NCCL's work.wait(): the side stream waits
             yield
 
@@ -376,7 +376,12 @@ def gather_weights(ranks: Ranks, partition: Partition, indexed: Sequence[tuple[i
                    bucket_bytes: int) -> None:  # fmt: skip
     """Give every rank the owners' weights of the parameters ``indexed`` (``(index in partition, parameter)``,
     the same list on every rank). ``weights(param, modify)`` is a context manager yielding the parameter's
-    flat weights (device or host memory) to read this rank's elements from, or to write the others' into."""
+    flat weights (device or host memory) to read this rank's elements from, or to write the others' into.
+
+    Each bucket's broadcasts are queued and the current stream ordered after them (:meth:`Ranks.order`: on a GPU
+    no host wait), the others' elements copied from there on it; the host waits once, at the end, for the
+    current stream (:meth:`Ranks.settle`). Only a copy into host memory (a streamer's weights) waits for its
+    bucket, as it must before the host owns the bytes; on the CPU the host is the stream and waits for each."""
     for bucket in _split(indexed, lambda item: item[1].dtype, lambda item: item[1], bucket_bytes):
         dtype = bucket[0][1].dtype
         flat = torch.empty(sum(p.numel() for _, p in bucket), dtype=dtype, device=ranks.device)
@@ -391,7 +396,7 @@ def gather_weights(ranks: Ranks, partition: Partition, indexed: Sequence[tuple[i
             at += p.numel()
         works = [ranks.broadcast_async(flat[start:end], owner) for owner, start, end in partition.runs(placed)]
         for work in works:
-            ranks.wait(work, "the updated weights' broadcast")
+            ranks.order(work, "the updated weights' broadcast")
         at = 0
         for index, p in bucket:
             lo, hi = partition.owned(index, ranks.rank)
@@ -402,3 +407,4 @@ def gather_weights(ranks: Ranks, partition: Partition, indexed: Sequence[tuple[i
                     if hi < p.numel():
                         untracked(w[hi:]).copy_(flat[at + hi : at + p.numel()])
             at += p.numel()
+    ranks.settle("the updated weights' broadcast")

@@ -203,10 +203,11 @@ class ChunkIO:
             for rec in records:
                 untracked(rec.param.detach().view(-1)).copy_(self.staged[rec.index])
 
-    def grad_to_host(self, grad: torch.Tensor, slot: Slot, ready: Event | None) -> torch.Tensor:
-        """Copy a chunk's gradient (device memory, final at the event ``ready``) into ``slot``; returns the host copy."""
+    def grad_to_host(self, grad: torch.Tensor, slot: Slot, ready: Event | None) -> Future:
+        """Start copying a chunk's gradient (device memory, final at the event ``ready``) into ``slot``; the future's
+        result is the host copy."""
         host = slot.grad(grad.dtype, grad.numel())
-        return self.transfer.to_host(host, grad, after=ready, what="a gradient").result()
+        return self.transfer.to_host(host, grad, after=ready, what="a gradient")
 
     def read(self, chunk: Chunk, gen: int, slot: Slot, *, state: bool = True, master: bool = True) -> Future:
         """Start reading generation ``gen`` of ``chunk`` into ``slot`` (or only its state or its master row)."""

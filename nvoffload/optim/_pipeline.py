@@ -16,6 +16,12 @@ reached the model. Reads ahead hold at most ``prefetch_chunks`` of the
 ``prefetch_chunks + 2`` slots, so when none is free a write holds one, and the
 worker waits for the oldest write.
 
+A request's transfers start before its turn: at the previous request's, before that one's update runs
+(``_stage_next``), the next request takes its slot (its chunk's read ahead, or a free one) and starts its
+state's read (unless read ahead), its kept gradient's read and its gradient's copy to the host, so the copy
+runs while the kernel computes. A read ahead dropped gives its slot back once it ended (a
+:class:`~nvoffload.transfer.FreeBehind`), not by a wait.
+
 A request that only keeps a gradient (``update=False``) is taken ahead of the
 updates queued before it: its gradient is device memory that backward may be
 waiting for, and what it writes (the step's kept gradient) is not what those
@@ -45,7 +51,7 @@ from nvoffload.core.workers import start_thread
 from nvoffload.optim._chunk_io import ChunkIO
 from nvoffload.optim._layout import Chunk, Slot
 from nvoffload.optim._updates import Request, Update
-from nvoffload.transfer import WAIT_LIMIT_S, Future, ReadAhead, WriteBehind
+from nvoffload.transfer import WAIT_LIMIT_S, FreeBehind, Future, ReadAhead, WriteBehind
 
 THREAD_NAME = "nvoffload-optimizer"
 
@@ -61,6 +67,19 @@ class _Handover:
         self.given_back = threading.Event()
 
 
+class _Staged:
+    """A request's transfers started ahead of its update: its ``slot``, whether its state's read holds the
+    ``master`` row, and the futures of its ``state`` read (None: none started), its ``grad``'s copy to the host
+    and its ``kept`` gradient's read."""
+
+    __slots__ = ("slot", "master", "state", "grad", "kept")
+
+    def __init__(self, slot: Slot, master: bool, state: Future | None):
+        self.slot, self.master, self.state = slot, master, state
+        self.grad: Future | None = None
+        self.kept: Future | None = None
+
+
 class Pipeline:
     """One worker thread over ``slots``; errors of updates are collected for ``take_error``, not lost."""
 
@@ -69,6 +88,8 @@ class Pipeline:
         self._update = update
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from a finalizer
         self._keeps: collections.deque[Request] = collections.deque()  # requests that only keep a gradient, first
+        self._peeked: collections.deque = collections.deque()  # items taken off the queue to look at, in order
+        self._next: tuple[Request, _Staged] | None = None  # the next request, its transfers started (_stage_next)
         self._free = slots
         self._slot_bytes = io.layout.slot_bytes
         # The slots bound the writes in flight: the budget never holds one back.
@@ -78,6 +99,7 @@ class Pipeline:
         # A chunk read ahead: its slot, whether the read holds the master row, the bytes read (counted when
         # the read is used or dropped).
         self._ahead: dict[Chunk, tuple[Slot, bool, int]] = {}
+        self._frees = FreeBehind("the optimizer's slots of reads ahead dropped")  # free once their reads ended
         self._prefetch = prefetch_chunks
         self._short_of_slots = False  # the last pump stopped at a read that found no free slot
         self._lock = threading.Condition()
@@ -217,6 +239,7 @@ class Pipeline:
             if kind == "stop":
                 self._read_ahead.clear()
                 self._writes.drain()
+                self._frees.drain()
                 self._run_then()
                 return
             if kind == "plan":
@@ -229,6 +252,7 @@ class Pipeline:
                 self._uploads = []
             else:  # drain: writes stay in flight while updates come in (reads ahead overlap them)
                 self._writes.drain()
+                self._frees.drain()
                 self._uploads = []
                 self._done()
 
@@ -238,6 +262,8 @@ class Pipeline:
         while True:
             if self._keeps:
                 return self._keeps.popleft()
+            if self._peeked:
+                return self._peeked.popleft()
             try:
                 return self._queue.get_nowait()
             except queue.Empty:
@@ -245,10 +271,24 @@ class Pipeline:
             if not self._read_on():
                 return self._queue.get()  # idle: stop() ends this wait
 
+    def _peek(self):
+        """The item :meth:`_next_item` returns next, if one is queued (None: none is)."""
+        if self._keeps:
+            return self._keeps[0]
+        if not self._peeked:
+            try:
+                self._peeked.append(self._queue.get_nowait())
+            except queue.Empty:
+                return None
+        return self._peeked[0]
+
     def _run_request(self, req: Request) -> None:
         try:
             if not self._errors:
                 self._process(req)
+            elif self._next is not None and self._next[0] is req:  # staged before the step failed
+                self._unstage(self._next[1])
+                self._next = None
         except BaseException as exc:  # noqa: BLE001 - reported from step()
             self._errors.append(exc)
         # The gradient is device memory that backward, short of budget, may be waiting for: neither the request
@@ -293,8 +333,8 @@ class Pipeline:
     # ---- reads ahead and writes behind (the transfer engine's queues)
     def _read_on(self) -> bool:
         """Start the reads ahead that the budget and the free slots allow; when one finds no free slot, wait for
-        the oldest write to free one. True when it waited (a read ahead can start now)."""
-        return self._pump() and self._writes.wait_oldest()
+        the oldest write (or dropped read) to free one. True when it waited (a read ahead can start now)."""
+        return self._pump() and (self._frees.wait_oldest() or self._writes.wait_oldest())
 
     def _pump(self) -> bool:
         """Start the planned reads ahead that the budget and the free slots allow; True when one waits for a slot."""
@@ -313,6 +353,7 @@ class Pipeline:
             return None, 0  # no state yet (its first update initializes it), or updated already this step
         if not self._free:
             self._writes.poll()
+            self._frees.reap()
         if not self._free:
             self._short_of_slots = True
             return None
@@ -330,8 +371,7 @@ class Pipeline:
         """:class:`ReadAhead`'s ``drop``: a read ahead that no update took; its slot is free once it ended."""
         slot, _, nbytes = self._ahead.pop(chunk)
         self._io.count_read(nbytes)  # read for nothing, but read
-        future.exception()  # its error does not matter (the read is not used); a read still running raises
-        self._free.append(slot)
+        self._frees.free(future, functools.partial(self._free.append, slot))  # its error does not matter
 
     def _write_behind(self, slot: Slot, future: Future) -> None:
         """Hand ``future`` (writes out of ``slot``) to the write-behind queue; the slot is free once it finished."""
@@ -344,7 +384,7 @@ class Pipeline:
 
     def _take_slot(self) -> Slot:
         """A free slot, waiting for the oldest writes when none is (see the module docs)."""
-        while not self._free and self._writes.wait_oldest():
+        while not self._free and (self._frees.wait_oldest() or self._writes.wait_oldest()):
             pass
         return self._free.pop()
 
@@ -354,25 +394,15 @@ class Pipeline:
             return
         chunk, io = req.chunk, self._io
         fresh = not chunk.applied  # else the model holds an update of this step: the master comes from the store
-        fut = self._read_ahead.take(chunk)
-        if fut is not None:
-            slot, master, nbytes = self._ahead.pop(chunk)
-            self._io.count_read(nbytes)
-        else:
-            slot = self._take_slot()
-            master = True
-            try:
-                if chunk.gen is None:
-                    io.init(chunk, slot, after=req.ready)
-                else:
-                    fut = io.read(chunk, chunk.gen, slot, master=io.layout.needs_master(chunk))
-            except BaseException:
-                self._free.append(slot)
-                raise
+        staged = self._staged_for(req)
+        slot = staged.slot
         try:
-            if fut is not None:
-                fut.result()
-            if not master and not fresh:  # read ahead without the master, then the update had to be redone
+            if chunk.gen is None:
+                io.init(chunk, slot, after=req.ready)
+            self._stage_next(req)  # the next request's copies and reads overlap this update
+            if staged.state is not None:
+                staged.state.result()
+            if not staged.master and not fresh:  # read ahead without the master, then the update had to be redone
                 io.read(chunk, chunk.gen, slot, state=False).result()
             gen = (chunk.gen or 0) + 1
             rows = io.layout.chunk_rows(chunk, slot)
@@ -382,12 +412,13 @@ class Pipeline:
                 if io.layout.split(chunk.record) and fresh:
                     # the model's weights are the master (as in torch), as they were when the request was queued
                     weights.read(chunk.elements, state.weights, slot, after=req.ready)
-                grad, kept = self._gradient(req, slot)
+                grad, kept = self._gradient(req, staged)
                 out = None
                 if state.weights.dtype != dtype:  # a 16-bit parameter with an fp32 master
                     out = weights.host_view(chunk.elements)
                     out = slot.out(dtype, chunk.numel) if out is None else out
                 chunk.applied = weights.staged is None  # from here on the model may hold new values
+                self._stage_next(req)  # if the next request came in meanwhile
                 started_ns = time.monotonic_ns()
                 updated = self._update(req, state, grad, out)
                 recording = trace.active()
@@ -399,7 +430,7 @@ class Pipeline:
             if kept is not None:
                 wfut = Future.all_of([wfut, kept])
         except BaseException:
-            self._free.append(slot)
+            self._unstage(staged)
             raise
         chunk.pending_gen = gen
         self._uploads.append(upload)
@@ -410,35 +441,89 @@ class Pipeline:
         if self._read_on():
             self._pump()
 
-    def _gradient(self, req: Request, slot: Slot) -> tuple[torch.Tensor, Future | None]:
+    # ---- a request's transfers, started ahead of its update (the next request's while this one computes)
+    def _stage(self, req: Request, *, wait: bool) -> _Staged | None:
+        """Take ``req``'s slot (its chunk's read ahead, or a free one) and start what it reads: its state (unless read
+        ahead), its kept gradient, its gradient's copy to the host. Without ``wait`` (ahead of its turn): None when
+        no slot is free now or its chunk has no state yet, and the gradient of a reduction in flight is left for
+        its turn (its wait is the host's, on the CPU)."""
+        chunk, io = req.chunk, self._io
+        if not wait and req.update and chunk.gen is None:
+            return None  # initialized in its turn, from the model's weights
+        state = self._read_ahead.take(chunk) if req.update else None
+        if state is not None:
+            slot, master, nbytes = self._ahead.pop(chunk)
+            io.count_read(nbytes)
+        else:
+            if not wait and not self._free:
+                self._writes.poll()
+                self._frees.reap()
+                if not self._free:
+                    return None
+            slot, master = self._take_slot(), True
+        staged = _Staged(slot, master, state)
+        try:
+            if req.update and state is None and chunk.gen is not None:
+                staged.state = io.read(chunk, chunk.gen, slot, master=io.layout.needs_master(chunk))
+            if req.grad is None or req.add_kept:
+                staged.kept = io.read_kept(chunk, slot.kept_grad(chunk.numel), req.kept)
+            if req.grad is not None and (wait or req.comm is None):
+                if req.comm is not None:
+                    req.comm.wait()
+                staged.grad = io.grad_to_host(req.grad, slot, req.ready)
+        except BaseException:
+            self._unstage(staged)
+            raise
+        return staged
+
+    def _staged_for(self, req: Request) -> _Staged:
+        """What :meth:`_stage_next` started for ``req``, or all of it started now."""
+        if self._next is not None and self._next[0] is req:
+            staged, self._next = self._next[1], None
+            return staged
+        return self._stage(req, wait=True)
+
+    def _stage_next(self, req: Request) -> None:
+        """Start the reads and copies of the request after ``req`` (when it is the next item, for another chunk),
+        so that its gradient's copy runs while ``req``'s update computes."""
+        if self._next is not None:
+            return
+        nxt = self._peek()
+        if isinstance(nxt, Request) and nxt.chunk is not req.chunk:
+            staged = self._stage(nxt, wait=False)
+            if staged is not None:
+                self._next = (nxt, staged)
+
+    def _unstage(self, staged: _Staged) -> None:
+        """Give ``staged``'s slot back once what was started into it ended (its errors are not this one's)."""
+        started = [f for f in (staged.state, staged.grad, staged.kept) if f is not None]
+        self._frees.free(Future.all_of(started), functools.partial(self._free.append, staged.slot))
+
+    def _gradient(self, req: Request, staged: _Staged) -> tuple[torch.Tensor, Future | None]:
         """The request's gradient in host memory (summed with the kept one when asked; the kept one alone
         without a device gradient), its norm measured into ``chunk.grad_norm``, and the write
         that keeps it (None when not asked)."""
-        chunk, io = req.chunk, self._io
+        chunk, io, slot = req.chunk, self._io, staged.slot
         if req.grad is None:
-            kept = slot.kept_grad(chunk.numel)
-            io.read_kept(chunk, kept, req.kept).result()
-            return kept, None
-        if req.comm is not None:
+            return staged.kept.result(), None
+        if staged.grad is None:  # left for its turn: a reduction in flight (see _stage)
             req.comm.wait()
-        grad = io.grad_to_host(req.grad, slot, req.ready)
-        if req.add_kept or req.keep:
-            kept = slot.kept_grad(chunk.numel)
-            if req.add_kept:
-                io.read_kept(chunk, kept, req.kept).result()
-                kept.add_(grad)
-            else:
-                kept.copy_(grad)
-            grad = kept
+            staged.grad = io.grad_to_host(req.grad, slot, req.ready)
+        grad = staged.grad.result()
+        if req.add_kept:
+            grad = staged.kept.result().add_(grad)
+        elif req.keep:
+            grad = slot.kept_grad(chunk.numel).copy_(grad)
         chunk.grad_norm = float(torch.linalg.vector_norm(grad, dtype=torch.float32))
         return grad, io.write_kept(chunk, grad, req.kept) if req.keep else None
 
     def _keep_only(self, req: Request) -> None:
         """A micro-batch before the step's last: add the gradient to the kept one, no update."""
-        slot = self._take_slot()
+        staged = self._staged_for(req)
         try:
-            _, kept = self._gradient(req, slot)
+            self._stage_next(req)
+            _, kept = self._gradient(req, staged)
         except BaseException:
-            self._free.append(slot)
+            self._unstage(staged)
             raise
-        self._write_behind(slot, kept)
+        self._write_behind(staged.slot, kept)

@@ -4,6 +4,7 @@ bring them (double buffered through the transfer engine), and gradients' bytes."
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 import weakref
@@ -15,7 +16,7 @@ from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.streaming import _guard
 from nvoffload.streaming._blocks import Block
 from nvoffload.streaming._host_cache import HostCache
-from nvoffload.transfer import WAIT_LIMIT_S, Future, ReadAhead, TransferEngine
+from nvoffload.transfer import WAIT_LIMIT_S, FreeBehind, Future, ReadAhead, TransferEngine
 
 __all__ = ["DeviceResidency", "GradientLedger"]
 
@@ -159,6 +160,9 @@ class DeviceResidency:
         self._ahead = ReadAhead(0, lambda block: block.nbytes, self._start_ahead, self._drop_ahead)
         self._headroom_bytes = 0  # the headroom of the stage() whose read-ahead is starting
         self._copies: dict[Block, Future] = {}  # copies whose host source is still pinned
+        # Blocks gone from the device whose last copy may still run: their memory and host copy go behind it.
+        self._frees = FreeBehind("the device memory of blocks taken off the device")
+        self._leaving: dict[Block, Future] = {}
         self._updates: dict[Block, list[Future]] = {}  # the optimizer's rewrites of a block's host copy in flight
         self._placements: list[_guard.Placement] = []
         self.grad_wait_s = 0.0  # time spent waiting for the optimizer to free gradients' device memory
@@ -257,6 +261,7 @@ class DeviceResidency:
             for block in list(self._holds):
                 del self._holds[block]
                 self._leave(block)
+            self._frees.drain()
             for placement in self._placements:
                 placement.closed = True
 
@@ -279,6 +284,8 @@ class DeviceResidency:
             return None, 0
         if self.updated(block) is not None:
             return None  # copied when held, once its update is done (or raising its failure)
+        if block in self._leaving:
+            return None  # its last copy is still running: copied when held
         try:
             self.memory.allocate("device", block.nbytes, f"{block} (read ahead)", headroom_bytes=self._headroom_bytes)
         except MemoryBudgetError:
@@ -301,6 +308,8 @@ class DeviceResidency:
         """Reserve the block's device memory (a staged block has it: only the headroom), copy it unless staged,
         and order compute after the copy."""
         staged = self._ahead.take(block) is not None
+        if not staged:
+            self._settle(block)
         try:
             self._reserve(block, 0 if staged else block.nbytes, headroom_bytes)
         except BaseException:
@@ -342,26 +351,49 @@ class DeviceResidency:
         self._copies[block] = copy
 
     def _leave(self, block: Block) -> None:
-        """Take the block off the device (its copy landed first: its memory and host copy may be reused)."""
-        self._retire(block)
+        """Take the block off the device: its parameters refuse reads now; its memory, its device bytes and its
+        host copy are given back once its last copy is done (:meth:`_retire`)."""
         for p in block.params:
             _guard.guard(p)
+        self._retire(block)
+
+    def _retire(self, block: Block) -> None:
+        """Free the block's storage and device bytes and unpin its host copy behind its copy (if one is out),
+        without a host wait: the copy may still write the storage and read the host copy."""
+        copy = self._copies.pop(block, None)
+        if copy is not None:
+            self._leaving[block] = copy
+        self._frees.free(copy, functools.partial(self._gone, block, copy), block.nbytes)
+
+    def _gone(self, block: Block, copy: Future | None) -> None:
+        """:meth:`_retire`'s release, once ``copy`` (the block's last, if any) is done."""
+        if copy is not None:
+            del self._leaving[block]
+            self._unpin(block, copy)
         block.params[0].untyped_storage().resize_(0)
         self.memory.free("device", block.nbytes)
 
-    def _retire(self, block: Block) -> None:
-        """Wait for the block's copy on the host (if one is out) and unpin its host copy."""
-        copy = self._copies.pop(block, None)
-        if copy is not None:
-            try:
-                copy.exception()  # a failure was raised by the hold that waited for it
-            finally:
-                self.cache.unpin(block, modified=False)
+    def _settle(self, block: Block) -> None:
+        """Before ``block`` comes back: run the release its leaving queued, waiting (bounded) for the copy that last
+        brought it if that is still running (a block brought back at once; else it ended long ago)."""
+        leaving = self._leaving.get(block)
+        if leaving is not None:
+            leaving.exception()
+            self._frees.reap()
 
     def _reap(self) -> None:
-        """Unpin the host copies of held blocks whose copies are done (compute waited for them already)."""
+        """Unpin the host copies of held blocks whose copies are done (compute waited for them already); give back
+        what blocks taken off the device hold once their copies are done."""
+        self._frees.reap()
         for block in [b for b, copy in self._copies.items() if b in self._holds and copy.done()]:
-            self._retire(block)
+            self._unpin(block, self._copies.pop(block))
+
+    def _unpin(self, block: Block, copy: Future) -> None:
+        """Unpin the block's host copy, read by ``copy``, which is done."""
+        try:
+            copy.exception()  # a failure was raised by the hold that waited for it
+        finally:
+            self.cache.unpin(block, modified=False)
 
     def _reserve(self, block: Block, nbytes: int, headroom_bytes: int) -> None:
         """Count ``nbytes`` of the block's in the device tier, with ``headroom_bytes`` more to follow. Short of
@@ -375,6 +407,8 @@ class DeviceResidency:
                 self.memory.allocate("device", nbytes, str(block), headroom_bytes=headroom_bytes)
                 break
             except MemoryBudgetError as e:
+                if self._frees.wait_oldest():  # a block taken off the device, its copy still running
+                    continue
                 pending = self.gradients.queued_bytes() >= needed - self.memory.available_bytes("device")
                 if not pending or not self.gradients.wait_freed(frees, WAIT_LIMIT_S):
                     why = "nothing that could free it is pending" if not pending else f"no gradient was freed for {WAIT_LIMIT_S:g} s (NVOFFLOAD_WAIT_LIMIT_S)"

@@ -110,8 +110,9 @@ class ReadAhead:
             nbytes)``, or None when it cannot start now (no memory: reading
             ahead stops until the next :meth:`pump`).
         drop: ``drop(key, future)`` releases a read that will not be taken (the
-            plan changed, or :meth:`clear`); it must wait for the read to end
-            before it frees the buffer.
+            plan changed, or :meth:`clear`); it frees the buffer only once the
+            read ended, behind it (:class:`~nvoffload.transfer.FreeBehind`),
+            not by a wait.
     """
 
     def __init__(
