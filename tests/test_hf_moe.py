@@ -241,3 +241,73 @@ def test_finetune_refuses_a_model_it_cannot_save_before_step_1(tmp_path, mode):
     assert last.startswith("nvoffload finetune: error: ") and "Chunk(dim=0)" in last, run.stderr
     assert "Traceback" not in run.stderr and run.stderr.count("error") == 1, run.stderr
     assert sorted(os.listdir(tmp_path)) == ["start", "swap"] and os.listdir(tmp_path / "swap") == []
+
+
+PEFT_ASKS_A_DEPRECATED_QUESTION = pytest.mark.filterwarnings(  # of transformers 5: theirs, not the library's
+    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
+)
+
+
+@PEFT_ASKS_A_DEPRECATED_QUESTION
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_lora_on_a_streamed_moe_model_trains_like_torch_and_peft(tmp_path, kind):
+    """The README's LoRA recipe over a mixture of experts (build_meta_model, get_peft_model, initialize(checkpoint=the
+    hub's files)): each expert's tensors fill their part of the fused parameters through PEFT's wrapping, three steps
+    train the adapters as torch + PEFT do, the experts stay as they were; the adapter opens with PeftModel, the merged
+    model is written in the hub layout. It was refused: the experts' tensors 'converted by transformers'."""
+    peft = pytest.importorskip("peft")
+    hub_dir(kind, tmp_path / "start")
+    lora = lambda: peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)  # noqa: E731
+    batches = [torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    model = peft.get_peft_model(build_meta_model(transformers.AutoConfig.from_pretrained(tmp_path / "start")), lora())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    offload = nvoffload.OffloadConfig(swap_dirs=[tmp_path], cpu_memory_bytes=8 << 20, device_memory_bytes=64 << 20)
+    with open_checkpoint(tmp_path / "start") as ckpt:
+        model, opt = nvoffload.initialize(model, opt, offload, checkpoint=ckpt)
+    with opt:
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "start"), lora())
+        assert reference.state_dict().keys() == start.keys()
+        reference.load_state_dict({k: v for k, v in start.items() if "lora_" in k}, strict=False)
+        losses = train(model, opt, batches)
+        trained = {k: v.clone() for k, v in model.state_dict().items()}
+        opt.session.save_pretrained(tmp_path / "adapter")
+        opt.session.save_pretrained(tmp_path / "merged", merged=True)
+    plain = train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), batches)
+    assert losses == pytest.approx(plain, rel=1e-4)
+    for name, value in reference.state_dict().items():
+        if "lora_" in name:
+            torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        else:
+            assert torch.equal(trained[name], start[name]), name
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "start"), tmp_path / "adapter")
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
+    assert_hub_layout(kind, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    for name, value in loaded.merge_and_unload().state_dict().items():
+        torch.testing.assert_close(merged[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_finetune_lora_of_a_streamed_moe_model_trains_as_in_memory(tmp_path, capsys):
+    """finetune --model <Qwen2-MoE dir> --lora-rank 4 --lora-targets q_proj v_proj, streamed and in memory: the same
+    adapters at the start (the seed's), the same losses and adapters after three steps; without --lora-targets (PEFT
+    knows no default for the family) one line naming the flag and the model's linear layers, exit 2."""
+    from nvoffload.cli import main
+
+    hub_dir("qwen2_moe", tmp_path / "start")
+    common = dict(model_dir=str(tmp_path / "start"), steps=3, batch_size=2, seq_len=16, lr=1e-2, warmup_steps=0,
+                  swap_dir=str(tmp_path), lora_rank=4, lora_targets=("q_proj", "v_proj"))  # fmt: skip
+    plain = finetune(FinetuneConfig(**common, save_to=str(tmp_path / "plain")), progress=False).losses
+    streamed = finetune(FinetuneConfig(**common, save_to=str(tmp_path / "streamed"), **STREAMED), progress=False).losses
+    assert len(plain) == 3 and streamed == pytest.approx(plain, rel=1e-4)
+    a, b = stored(tmp_path / "plain"), stored(tmp_path / "streamed")
+    assert a.keys() == b.keys() and len(a) == 8
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+    capsys.readouterr()
+    assert main(["finetune", "--model", str(tmp_path / "start"), "--lora-rank", "4", "--stream", "--swap-dir",
+                 str(tmp_path), "--no-progress"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["nvoffload finetune: error: --lora-targets: PEFT has no default modules to adapt in a qwen2_moe model:"
+                   " name them (its linear layers: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj,"
+                   " shared_expert_gate, lm_head)"], err  # fmt: skip

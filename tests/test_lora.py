@@ -226,22 +226,34 @@ def test_an_adapter_directory_fills_the_adapter_of_a_streamed_base(tmp_path):
             torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("mode", [[], ["--stream", "--cpu-memory", "8M", "--device-memory", "64M"]], ids=["", "stream"])
-def test_finetune_lora_rank_trains_and_saves_an_adapter(tmp_path, capsys, mode):
-    from nvoffload.cli import main
+STREAM = ["--stream", "--cpu-memory", "8M", "--device-memory", "64M"]
 
-    config = transformers.LlamaConfig(  # no tokenizer: the text as bytes, so a vocabulary of 256 at least
+
+def tiny_llama_dir(path) -> None:
+    """A Llama directory without a tokenizer (the text as bytes, so a vocabulary of 256 at least)."""
+    config = transformers.LlamaConfig(
         vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64,
-    )
+    )  # fmt: skip
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
-    (tmp_path / "swap").mkdir()
-    rc = main([
-        "finetune", "--model", str(tmp_path / "base"), "--lora-rank", "4", "--lora-targets", "q_proj", "v_proj",
-        "--steps", "3", "--seq-len", "16", "--batch-size", "2", "--lr", "1e-2", "--warmup-steps", "0",
-        "--swap-dir", str(tmp_path / "swap"), "--save-to", str(tmp_path / "out"), "--no-progress", *mode,
-    ])  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
+def finetune_lora(*args: str) -> int:
+    from nvoffload.cli import main
+
+    return main(["finetune", "--lora-rank", "4", "--lora-targets", "q_proj", "v_proj", "--seq-len", "16", "--batch-size",
+                 "2", "--warmup-steps", "0", "--no-progress", *args])  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", [[], STREAM], ids=["", "stream"])
+def test_finetune_lora_rank_trains_and_saves_an_adapter(tmp_path, capsys, monkeypatch, mode):
+    """The adapter --save-to writes is PEFT's, and AutoPeftModelForCausalLM opens it from another working directory
+    (the paths given relative): it had task_type null and the base model's path as typed."""
+    monkeypatch.chdir(tmp_path)
+    tiny_llama_dir("base")
+    os.mkdir("swap")
+    rc = finetune_lora("--model", "base", "--steps", "3", "--lr", "1e-2", "--swap-dir", "swap", "--save-to", "out", *mode)
     assert rc == 0, capsys.readouterr()
     assert sorted(os.listdir(tmp_path / "out")) == ["adapter_config.json", "adapter_model.safetensors"]
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
@@ -253,6 +265,55 @@ def test_finetune_lora_rank_trains_and_saves_an_adapter(tmp_path, capsys, mode):
     assert len(trained) == 4 and all(state[name].any() for name in trained)  # lora_B moved from zero
     for name, value in tuned.get_base_model().state_dict().items():  # the base is as it was
         assert "lora_" in name or torch.equal(value, start[name.replace(".base_layer", "")]), name
+    os.mkdir("elsewhere")
+    monkeypatch.chdir("elsewhere")
+    opened = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert opened.peft_config["default"].task_type == "CAUSAL_LM"
+    assert opened.peft_config["default"].base_model_name_or_path == str(tmp_path / "base")
+    assert opened.state_dict().keys() == state.keys() and all(torch.equal(v, state[k]) for k, v in opened.state_dict().items())
+
+
+def test_finetune_lora_starts_from_the_same_adapters_with_and_without_stream(tmp_path, capsys):
+    """The adapters' initial weights depend on --seed alone: PEFT's draw after torch.manual_seed(seed), in memory and
+    streamed. (One step of lr 1e-30 leaves lora_A as it started and lora_B at most 1e-30 from zero.) They differed."""
+    tiny_llama_dir(tmp_path / "base")
+    (tmp_path / "swap").mkdir()
+    saved = {}
+    for name, mode in (("memory", []), ("stream", STREAM)):
+        rc = finetune_lora("--model", str(tmp_path / "base"), "--steps", "1", "--lr", "1e-30", "--seed", "3",
+                           "--swap-dir", str(tmp_path / "swap"), "--save-to", str(tmp_path / name), *mode)  # fmt: skip
+        assert rc == 0, capsys.readouterr()
+        with open_checkpoint(tmp_path / name) as ckpt:
+            saved[name] = {key: ckpt.read(key) for key in ckpt.keys()}
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )  # fmt: skip
+    expected = {name.replace(".default", ""): value for name, value in ref.state_dict().items() if "lora_A" in name}
+    assert len(expected) == 4
+    for state in saved.values():
+        assert state.keys() == {*expected, *(n.replace("lora_A", "lora_B") for n in expected)}
+        assert all(torch.equal(state[name], value) for name, value in expected.items())
+        assert all(float(v.abs().max()) <= 1e-29 for n, v in state.items() if "lora_B" in n)
+
+
+def test_finetune_refuses_lora_targets_the_model_lacks_naming_the_flag_before_anything_is_written(tmp_path, capsys):
+    """--lora-targets with a typo among good names (PEFT adapted the others silently; with every name wrong, PEFT's
+    own message): one line naming the flag, the name and the model's linear layers, exit 2, nothing created."""
+    tiny_llama_dir(tmp_path / "base")
+    (tmp_path / "swap").mkdir()
+    capsys.readouterr()  # transformers' progress bar
+    for targets, wrong in ((["q_proj", "v_prj"], "v_prj"), (["qproj"], "qproj")):
+        rc = finetune_lora("--model", str(tmp_path / "base"), "--lora-targets", *targets, "--steps", "1", "--swap-dir",
+                           str(tmp_path / "swap"), "--save-to", str(tmp_path / "out"), "--checkpoint-dir",
+                           str(tmp_path / "ckpt"), *STREAM)  # fmt: skip
+        captured = capsys.readouterr()
+        assert rc == 2 and captured.out == "" and captured.err == (
+            f"nvoffload finetune: error: --lora-targets {wrong} name no linear layer of the llama model"
+            " (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head)\n"
+        ), captured.err  # fmt: skip
+        assert sorted(os.listdir(tmp_path)) == ["base", "swap"] and os.listdir(tmp_path / "swap") == []
 
 
 @pytest.mark.parametrize(

@@ -49,12 +49,23 @@ def _host_budgets_named(config: FinetuneConfig):
                       f" machine's {human_size(_host_memory_bytes())} is available") from None  # fmt: skip
 
 
+@contextlib.contextmanager
+def named_in_errors(field: str):
+    """An OSError of the body (a directory that cannot be written) raised again led by ``field``, the option that gave
+    the path."""
+    try:
+        yield
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"{field}: {exc.strerror or exc}", exc.filename) from None
+
+
 def _check_save_to(config: FinetuneConfig) -> None:
     """Raise (OSError) before any training when ``save_to`` cannot be written."""
     if config.save_to is None:
         return
     if config.model_dir is not None:
-        check_save_directory(config.save_to)
+        with named_in_errors("save_to"):
+            check_save_directory(config.save_to)
         return
     _check_writable(config.save_to, "save_to", "a safetensors file")
 

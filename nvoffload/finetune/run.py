@@ -12,7 +12,6 @@ import resource
 import shutil
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +35,7 @@ from nvoffload.finetune.checks import (
     _host_budgets_named,
     _model_shape,
     _rank,
+    named_in_errors,
 )
 from nvoffload.finetune.config import (
     _DTYPES,
@@ -43,6 +43,7 @@ from nvoffload.finetune.config import (
     default_swap_root,
     max_text_bytes,
 )
+from nvoffload.finetune.lora import adapters_seeded, with_lora
 from nvoffload.io.ownership import SwapDirectoryInUse, claim
 from nvoffload.memory import resident_state_share
 from nvoffload.metrics import MetricsLog
@@ -203,26 +204,13 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def _with_lora(model: nn.Module, config: FinetuneConfig) -> nn.Module:
-    """``model`` wrapped by PEFT with LoRA adapters of ``lora_rank`` on ``lora_targets``, the rest frozen."""
-    try:
-        import peft
-    except ImportError as exc:
-        raise ImportError(f"lora_rank needs peft ({exc}): pip install peft") from None
-    targets = list(config.lora_targets) if config.lora_targets is not None else None
-    lora = peft.LoraConfig(r=config.lora_rank, target_modules=targets, lora_dropout=0.0)
-    with warnings.catch_warnings():  # transformers 5 deprecates a question peft asks: nothing for the user to do
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        return peft.get_peft_model(model, lora)
-
-
 def _build(config: FinetuneConfig, swap_dir: str, hf: _HFModel | None) -> tuple[nn.Module, OffloadOptimizer]:
     """The model and its NVMe optimizer, in the configured mode."""
     mcfg, dtype = config.model_config, _DTYPES[config.dtype]
     if not config.stream:
         if hf is not None:
             model = hf.load(dtype, config.device)
-            model = _with_lora(model, config) if config.lora_rank is not None else model
+            model = with_lora(model, config) if config.lora_rank is not None else model
         else:
             model = GPT(mcfg).to(device=config.device, dtype=dtype)
         if config.init_from is not None:
@@ -242,7 +230,7 @@ def _build(config: FinetuneConfig, swap_dir: str, hf: _HFModel | None) -> tuple[
         return model, opt
     if hf is not None:
         model = hf.build_on_meta(dtype)
-        model = _with_lora(model, config) if config.lora_rank is not None else model
+        model = with_lora(model, config) if config.lora_rank is not None else model
     else:
         with torch.device("meta"):
             model = GPT(mcfg).to(dtype=dtype)
@@ -259,7 +247,9 @@ def _build(config: FinetuneConfig, swap_dir: str, hf: _HFModel | None) -> tuple[
     start = config.model_dir if hf is not None else config.init_from
     if start is None:
         return initialize(model, opt, offload, param_init_fn=model.init_weights)
-    with open_checkpoint(start) as ckpt:
+    # the adapters (which the base's checkpoint does not hold) are drawn as they are filled, block by block
+    seeded = adapters_seeded(config.seed) if config.lora_rank is not None else contextlib.nullcontext()
+    with open_checkpoint(start) as ckpt, seeded:
         return initialize(model, opt, offload, checkpoint=ckpt)
 
 
@@ -333,13 +323,16 @@ def _finetune(
     if rank == 0:
         _check_save_to(config)
     if config.checkpoint_dir is not None:
-        check_checkpoint_directory(config.checkpoint_dir)
+        with named_in_errors("checkpoint_dir"):
+            check_checkpoint_directory(config.checkpoint_dir)
     if config.trace_path is not None:
         _check_writable(config.trace_path, "trace_path", "a trace file")
     hf = _HFModel(config) if config.model_dir is not None else None
     if hf is not None:
         with open_checkpoint(config.model_dir):  # a damaged or truncated file, named before from_pretrained reads it
             pass
+        if config.lora_rank is not None:  # the targets, on the model built on the meta device
+            with_lora(hf.build_on_meta(_DTYPES[config.dtype]), config)
     if config.init_from is not None:
         _check_init_from(config)
     seq_len = hf.seq_len if hf is not None else config.model_config.seq_len

@@ -257,7 +257,23 @@ def checkpoint_parts(
     """A function giving, for a checkpoint tensor that transformers fuses into one of the model's parameters on load
     (an expert's projection: ``experts.3.up_proj.weight`` of ``experts.gate_up_proj``), that parameter's state-dict
     name (among ``tensors``, by name) and the index of its part; None for any other tensor (see
-    :func:`checkpoint_names`)."""
+    :func:`checkpoint_names`). A PEFT model's fused parameters are its base model's, matched through its wrapping."""
+    view = PeftView.of(model)
+    if view is not None:
+        to_model = {view.base_name(name): name for name in tensors}
+        to_model.pop(None, None)
+        base_part = _hf_parts(view.base, {base: tensors[name] for base, name in to_model.items()})
+
+        def peft_part(key: str) -> tuple[str, Index] | None:
+            found = base_part(key)
+            return None if found is None else (to_model.get(found[0], found[0]), found[1])
+
+        return peft_part
+    return _hf_parts(model, tensors)
+
+
+def _hf_parts(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Callable[[str], tuple[str, Index] | None]:
+    """:func:`checkpoint_parts` of a model that is not a PEFT model."""
     if not _is_pretrained(model):
         return lambda key: None
     renamings, conversions = _weight_transforms(model)
