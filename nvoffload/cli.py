@@ -345,16 +345,37 @@ def _print_options(result, options: dict) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nvoffload`` command; returns the exit status (2 for a bad configuration, file or
     swap directory, with a one-line message on stderr; ``plan`` also for a request that cannot fit)."""
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # said by the command's parser, as its other errors are
-        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
-    formatwarning = warnings.formatwarning
-    warnings.formatwarning = functools.partial(_warning_line, args.command, _flags(parser, args.command))
+    args, formatwarning = None, warnings.formatwarning
     try:
+        parser = build_parser()  # imports torch (``import nvoffload.cli`` does not): a Ctrl-C meanwhile is answered below
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # said by the command's parser, as its other errors are
+            _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
+        warnings.formatwarning = functools.partial(_warning_line, args.command, _flags(parser, args.command))
         return _run(parser, args)
+    except KeyboardInterrupt:  # a run unwound: its swap files are gone, the checkpoints written stay
+        print(_interrupted(args), file=sys.stderr)
+        return 130
     finally:
         warnings.formatwarning = formatwarning
+
+
+def _interrupted(args: argparse.Namespace | None) -> str:
+    """What a Ctrl-C leaves, in one line: nothing before the command started; for ``finetune``, the checkpoint
+    ``--resume`` goes on from, if one was written."""
+    if args is None:
+        return "nvoffload: interrupted (Ctrl-C) while starting: nothing was written"
+    said = f"nvoffload {args.command}: interrupted (Ctrl-C)"
+    if args.command != "finetune":
+        return said
+    if args.checkpoint_dir is None:
+        return f"{said}; no --checkpoint-dir was given: nothing to --resume from"
+    from nvoffload.training_checkpoint import latest_training_checkpoint
+
+    latest = latest_training_checkpoint(args.checkpoint_dir) if os.path.isdir(args.checkpoint_dir) else None
+    if latest is None:
+        return f"{said} before any checkpoint was written in {args.checkpoint_dir}: --resume would start at step 1"
+    return f"{said}; --resume goes on from {latest.path} (step {latest.step})"
 
 
 def _warning_line(command: str, flags: dict[str, str], message, category, filename, lineno, line=None) -> str:
@@ -444,10 +465,6 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         # loss that is not finite
         except (ValueError, KeyError, MemoryBudgetError, OSError, OffloadIOError, ImportError, FloatingPointError) as exc:
             return _error("finetune", exc, flags)
-        except KeyboardInterrupt:  # the run unwound: its swap files are gone, the checkpoints written stay
-            print("nvoffload finetune: interrupted (Ctrl-C); the last checkpoint written is the one to --resume",
-                  file=sys.stderr)  # fmt: skip
-            return 130
         if not lead:
             return 0
         if not result.steps:

@@ -493,21 +493,31 @@ def test_a_write_error_under_offloaded_activations_is_one_line_and_the_last_chec
     assert os.listdir(swap) == [] and latest_training_checkpoint(ckpt).step == 1
 
 
-def test_ctrl_c_is_one_line_exit_130_and_removes_the_swap_files(tmp_path):
-    """SIGINT mid-run: 'interrupted', exit 130, no KeyboardInterrupt traceback; the swap file and lock are gone."""
+def _restore_sigint():
+    """A terminal's Ctrl-C: the child's SIGINT at its default, whatever this process inherited (a job started in the
+    background of a script, as `.ci/stress &`, has SIGINT ignored, and the child would train on)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("checkpoints", ["none", "not yet", "written"])
+def test_ctrl_c_is_one_line_exit_130_and_removes_the_swap_files(tmp_path, checkpoints):
+    """SIGINT mid-run: one line, exit 130, no KeyboardInterrupt traceback; the swap file and lock are gone. The line
+    says what --resume has: nothing without --checkpoint-dir, no checkpoint before the first is written (it said
+    "the last checkpoint written" either way), else the latest's path and step."""
     import queue
     import signal
     import subprocess
     import threading
 
-    swap = tmp_path / "swap"
+    swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
     swap.mkdir()
     cmd = [sys.executable, "-m", "nvoffload", "finetune", "--preset", "tiny", "--steps", "100000", "--batch-size", "2",
            "--swap-dir", str(swap), "--no-progress"]  # fmt: skip
-    # A terminal's Ctrl-C: the child's SIGINT at its default, whatever this process inherited (a job started in the
-    # background of a script, as `.ci/stress &`, has SIGINT ignored, and the child would train on).
-    restore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=restore_sigint) as proc:
+    if checkpoints != "none":  # a checkpoint every step, or after the last only
+        cmd += ["--checkpoint-dir", str(ckpt), *(["--save-every", "1"] if checkpoints == "written" else [])]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_restore_sigint) as proc:
         lines: queue.Queue = queue.Queue()
         reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
         reader.start()
@@ -520,8 +530,48 @@ def test_ctrl_c_is_one_line_exit_130_and_removes_the_swap_files(tmp_path):
             proc.kill()
         err = proc.stderr.read()
         reader.join(timeout=60)  # at the end of its output
-    assert rc == 130 and err == "nvoffload finetune: interrupted (Ctrl-C); the last checkpoint written is the one to --resume\n"
+    said = "nvoffload finetune: interrupted (Ctrl-C)"
+    expected = {
+        "none": f"{said}; no --checkpoint-dir was given: nothing to --resume from\n",
+        "not yet": f"{said} before any checkpoint was written in {ckpt}: --resume would start at step 1\n",
+    }
+    if checkpoints == "written":
+        from nvoffload.training_checkpoint import latest_training_checkpoint
+
+        latest = latest_training_checkpoint(ckpt)
+        expected["written"] = f"{said}; --resume goes on from {latest.path} (step {latest.step})\n"
+    assert rc == 130 and err == expected[checkpoints]
     assert os.listdir(swap) == []
+
+
+CTRL_C_AT_IMPORT = """
+import importlib.abc, os, signal, sys
+
+class CtrlC(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch":  # as torch starts loading: SIGINT, as a terminal's Ctrl-C sends it
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+from nvoffload.cli import main  # what the nvoffload command runs
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_while_torch_loads_is_one_line_exit_130(tmp_path):
+    """Ctrl-C as the command starts, while torch is still being imported (a second or more): one line, exit 130,
+    nothing written. It was a KeyboardInterrupt traceback of 37 lines (``import nvoffload.cli`` imported torch, before
+    main could answer anything)."""
+    import subprocess
+
+    cmd = [sys.executable, "-c", CTRL_C_AT_IMPORT, "finetune", "--preset", "tiny", "--steps", "1", "--swap-dir",
+           str(tmp_path), "--no-progress"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=_restore_sigint)
+    assert (done.returncode, done.stdout) == (130, ""), done.stderr[-3000:]
+    assert done.stderr == "nvoffload: interrupted (Ctrl-C) while starting: nothing was written\n"
+    assert os.listdir(tmp_path) == []
 
 
 def test_host_memory_refused_by_the_system_names_the_budget_and_what_is_available(tmp_path):

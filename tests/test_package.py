@@ -25,7 +25,8 @@ class NotBuilt(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, NotBuilt())
-import nvoffload
+import nvoffload  # imports nothing yet: the API is imported when first used
+from nvoffload import initialize
 """
 
 
