@@ -515,4 +515,8 @@ def _calibrate(args) -> int:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     print(f"profile written to {out}")
+    if profile.busy:
+        print(f"nvoffload calibrate: warning: this machine was busy while it measured ({profile.busy}): its compute"
+              " is timed as if on one core, its drives and copies as that load slowed them; calibrate again when it is"
+              " quiet", file=sys.stderr)  # fmt: skip
     return 0

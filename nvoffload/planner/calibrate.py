@@ -15,7 +15,10 @@
   per tensor);
 - how much compute and the store's I/O slow each other down when they run at once
   (:func:`~nvoffload.planner.contention.measure_contention` beside the first swap directory);
-- the free host and device memory; the GPU's name by NVML (``nvidia-ml-py``) where present.
+- the free host and device memory; the GPU's name by NVML (``nvidia-ml-py``) where present;
+- whether others' work kept the cores busy meanwhile (:func:`cpu_share`, before and after the compute): then the
+  host's compute is timed by one thread's CPU time (:class:`Clock`), not the clock, and the profile says how busy
+  the machine was (``MachineProfile.busy``, which ``plan`` repeats in a note).
 
 The link between GPUs is not measured (one process calibrates): the profile's ``interconnect_gbps`` is the
 host link's (see :class:`~nvoffload.planner.profile.MachineProfile`); edit the JSON for NVLink.
@@ -24,6 +27,7 @@ host link's (see :class:`~nvoffload.planner.profile.MachineProfile`); edit the J
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 import os
 import platform
@@ -39,9 +43,21 @@ from nvoffload.planner.contention import QUICK, measure_contention
 from nvoffload.planner.cost import block_flops
 from nvoffload.planner.profile import Drive, MachineProfile
 
-__all__ = ["calibrate", "default_profile_path"]
+__all__ = ["Clock", "busy_machine", "calibrate", "cpu_share", "default_profile_path"]
 
 _MiB = 1 << 20
+
+
+class Clock(enum.Enum):
+    """How calibrate times the host's compute (the Adam kernel; a block's passes with the CPU as the device)."""
+
+    WALL = "the clock, with torch's threads"  # a quiet machine (and always a GPU's compute)
+    # A busy machine: one torch thread, timed by the CPU time the process got (or the clock, if less). On 2 cores and
+    # a load of 14 the clock made a short pass of one block 100-300 times slower than quiet (the fixed time a pass
+    # 0.5-1.4 s, not 4 ms), and the CPU time of two threads was little better (their spinning at each barrier while
+    # the other waits for a core); one thread's CPU time varies by a few percent. It takes the work as if on one core:
+    # at most the threads' count slower than the machine alone.
+    CPU_TIME = "one thread's CPU time"
 
 
 def default_profile_path() -> str:
@@ -66,13 +82,18 @@ def calibrate(
         drives.append(store_bandwidth([d], per_dir))
         log(f"swap directory {d}: write {drives[-1].write_gbps:.2f} GB/s, read {drives[-1].read_gbps:.2f} GB/s")
     together = store_bandwidth(list(swap_dirs), per_dir * len(swap_dirs)) if len(swap_dirs) > 1 else drives[0]
-    adam = {name: _adam_rate(dtype, quick) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    share = cpu_share()  # below _BUSY_CPU_SHARE: others' work keeps the cores busy; the host's compute is timed by CPU time
+    clock = Clock.CPU_TIME if share < _BUSY_CPU_SHARE else Clock.WALL
+    adam = {name: _adam_rate(dtype, quick, clock) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
     log(f"CPU Adam: {adam['float32'] / 1e6:.0f} M params/s (fp32 gradients), {adam['bfloat16'] / 1e6:.0f} M (bf16)")
     h2d, d2h = _copy_bandwidth(dev, quick)
     log(f"host<->device copies: h2d {h2d:.2f} GB/s, d2h {d2h:.2f} GB/s")
     widths = (256, 512, 1024) if dev.type == "cpu" else (1024, 2048, 4096)
-    blocks = tuple((w, *_block_tflops(dev, w, quick)) for w in (widths[:2] if quick else widths))
-    matmul = _matmul_tflops(dev, quick)
+    on_host = clock if dev.type == "cpu" else Clock.WALL  # a GPU's compute: by the clock
+    blocks = tuple((w, *_block_tflops(dev, w, quick, on_host)) for w in (widths[:2] if quick else widths))
+    matmul = _matmul_tflops(dev, quick, on_host)
+    cores = os.cpu_count() or 1
+    busy = busy_machine(min(share, cpu_share()), os.getloadavg()[0], cores)
     tensor_s = _optimizer_tensor_seconds(swap_dirs[0], quick)
     log(f"NVMe optimizer: {tensor_s * 1e3:.2f} ms a parameter tensor a step, besides its bytes")
     crc = _crc32c_gbps(quick)
@@ -91,7 +112,7 @@ def calibrate(
         name=f"{socket.gethostname()} ({name}, {len(swap_dirs)} swap directories)", device=dev.type,
         device_name=name, device_memory_bytes=int(device_free), host_memory_bytes=int(host_free), block_tflops=blocks,
         matmul_tflops=matmul, h2d_gbps=h2d, d2h_gbps=d2h, drives=tuple(drives), drives_together=together,
-        adam_params_per_s=adam, cpu_cores=os.cpu_count() or 1,
+        adam_params_per_s=adam, cpu_cores=cores, busy=busy,
         compute_with_io=min(1.0, probe.compute_with_io), io_with_compute=min(1.0, probe.io_with_compute),
         optimizer_tensor_s=tensor_s, saved_tensor_s=saved_s, crc32c_gbps=crc,
         source=f"measured by nvoffload calibrate{' --quick' if quick else ''} on {socket.gethostname()},"
@@ -135,7 +156,7 @@ def store_bandwidth(dirs: list[str], nbytes: int) -> Drive:
     return Drive(read_gbps=total / read_s / 1e9, write_gbps=total / write_s / 1e9)
 
 
-def _adam_rate(grad_dtype: torch.dtype, quick: bool) -> float:
+def _adam_rate(grad_dtype: torch.dtype, quick: bool, clock: Clock) -> float:
     from nvoffload.optim.kernels import adam_step
 
     n = 4 * _MiB
@@ -147,7 +168,7 @@ def _adam_rate(grad_dtype: torch.dtype, quick: bool) -> float:
         step[0] += 1
         adam_step(p, g, m, v, step=step[0], lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, param_out=out)
 
-    return n / _median_seconds([once], 3 if quick else 10)[0]
+    return n / _median_seconds([once], 3 if quick else 10, clock)[0]
 
 
 def _optimizer_tensor_seconds(swap_dir: str, quick: bool) -> float:
@@ -214,7 +235,7 @@ def _copy_bandwidth(dev: torch.device, quick: bool) -> tuple[float, float]:
     return h2d, d2h
 
 
-def _block_tflops(dev: torch.device, d_model: int, quick: bool) -> tuple[float, float, float]:
+def _block_tflops(dev: torch.device, d_model: int, quick: bool, clock: Clock = Clock.WALL) -> tuple[float, float, float]:
     """A block's matrices and attention TFLOP/s and fixed seconds per pass, from its forward and backward timed
     on four shapes: short sequences, twice as many of them (the matrices' work doubles, the fixed time does
     not), long sequences of the same tokens (only attention grows), and one short sequence (a small micro-batch:
@@ -237,7 +258,7 @@ def _block_tflops(dev: torch.device, d_model: int, quick: bool) -> tuple[float, 
                 torch.cuda.synchronize(dev)
 
         runs.append(once)
-    seconds = _median_seconds(runs, 2 if quick else 6)
+    seconds = _median_seconds(runs, 2 if quick else 6, clock)
     (m0, a0), (m1, a1), (m2, a2), (m3, a3) = (block_flops(d_model, cfg.mlp_ratio, b, s) for b, s in shapes)
     # seconds[i] = overhead + m_i / matrix_rate + a_i / attention_rate; m1 = 2 m0, a1 = 2 a0, m2 = m0; m3: one sequence's
     # Noise can make the differences small or negative: the fixed time is at most half of the short pass,
@@ -251,7 +272,7 @@ def _block_tflops(dev: torch.device, d_model: int, quick: bool) -> tuple[float, 
     return 1 / matrix_s / 1e12, 1 / attention_s / 1e12, overhead
 
 
-def _matmul_tflops(dev: torch.device, quick: bool) -> float:
+def _matmul_tflops(dev: torch.device, quick: bool, clock: Clock = Clock.WALL) -> float:
     n = (1024 if quick else 2048) if dev.type == "cpu" else 8192
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
@@ -261,22 +282,53 @@ def _matmul_tflops(dev: torch.device, quick: bool) -> float:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    return 2 * n**3 / _median_seconds([once], 3)[0] / 1e12
+    return 2 * n**3 / _median_seconds([once], 3, clock)[0] / 1e12
 
 
-def _median_seconds(runs: Sequence[Callable[[], object]], repeats: int) -> list[float]:
+def _median_seconds(runs: Sequence[Callable[[], object]], repeats: int, clock: Clock = Clock.WALL) -> list[float]:
     """Each run's median of ``repeats`` timings after one warm-up, timed in turns (one of each, then again), so
     that a load that comes and goes on the machine falls on all of them alike, not on one: what matters where
-    the figures are compared with each other (a difference, a slope)."""
-    for run in runs:
-        run()
-    times = [[] for _ in runs]
-    for _ in range(repeats):
-        for run, seconds in zip(runs, times):
-            start = time.perf_counter()
+    the figures are compared with each other (a difference, a slope); each timed by ``clock``."""
+    threads = torch.get_num_threads()
+    if clock is Clock.CPU_TIME:
+        torch.set_num_threads(1)
+    try:
+        for run in runs:
             run()
-            seconds.append(time.perf_counter() - start)
+        times = [[] for _ in runs]
+        for _ in range(repeats):
+            for run, seconds in zip(runs, times):
+                wall, cpu = time.perf_counter(), time.process_time()
+                run()
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                seconds.append(min(wall, cpu) if clock is Clock.CPU_TIME else wall)
+    finally:
+        torch.set_num_threads(threads)
     return [statistics.median(seconds) for seconds in times]
+
+
+# Below this share of the clock in CPU time, a thread that never waits for anything but a core was kept waiting by
+# others' work: the machine is busy (quiet, the share is 1).
+_BUSY_CPU_SHARE = 0.75
+
+
+def cpu_share(seconds: float = 0.2) -> float:
+    """The CPU time this thread gets a second of the clock while it computes for ``seconds`` (a loop of Python
+    arithmetic, which waits for nothing but a core): about 1 on a quiet machine, less on one others keep busy."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    x = 0
+    while time.perf_counter() - wall < seconds:
+        for i in range(1000):
+            x += i
+    return (time.thread_time() - cpu) / (time.perf_counter() - wall)
+
+
+def busy_machine(share: float, load_average: float, cores: int) -> str:
+    """How busy the machine was while calibrate timed its compute (``share``: the least :func:`cpu_share` then,
+    and the load average): a description when below ``_BUSY_CPU_SHARE`` (others' work held it up), else ``""``."""
+    if share >= _BUSY_CPU_SHARE:
+        return ""
+    return f"a thread got {share:.2f} s of CPU time a second, load average {load_average:.1f} on {cores} cores"
 
 
 def host_available_bytes() -> int:

@@ -821,15 +821,22 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
         engine_s=engines, phases_s={"forward": forward, "backward": backward, "step": step_call},
         memory_bytes={"device": int(device_used), "host": int(host_used), "nvme": int(nvme_used)},
         nvme_read_bytes=int(read), nvme_written_bytes=int(written), profile=profile.name,
-        communication_bytes={k: int(v) for k, v in communication.items()}, notes=_accuracy_notes(m, stream, kind),
+        communication_bytes={k: int(v) for k, v in communication.items()}, notes=_accuracy_notes(m, stream, kind, profile),
     )  # fmt: skip
 
 
-def _accuracy_notes(m: ModelShape, stream: bool, kind: str) -> list[str]:
-    """Where the plan is not known to be accurate (see ``_CHECKED_FROM_PARAMS``)."""
+def _accuracy_notes(m: ModelShape, stream: bool, kind: str, profile: MachineProfile) -> list[str]:
+    """Where the plan is not known to be accurate (see ``_CHECKED_FROM_PARAMS``), and a profile calibrated on a busy
+    machine."""
+    notes = []
+    if profile.busy:
+        notes.append(
+            f"the profile was calibrated on a busy machine ({profile.busy}): its compute as if on one core, its drives"
+            " and copies as that load slowed them; calibrate again when it is quiet"
+        )
     if m.params >= _CHECKED_FROM_PARAMS or (not stream and kind == "keep"):
-        return []
-    return [
+        return notes
+    return notes + [
         f"checked within 15% of measured steps from {human_count(_CHECKED_FROM_PARAMS)} parameters up, and below"
         " with the model on the device and activations kept, and on the small preset (3.26M) streamed with activation"
         " offload (1.04x); other choices below that size are not checked: take its tokens/s as an estimate"

@@ -91,6 +91,12 @@ class MachineProfile:
             blocks it moves: the planner counts ``min(IOConfig.num_threads, cpu_cores)`` of them). ``calibrate``
             measures it; 15 in the built-in profiles (SSE4.2's crc32 on three streams: ``bench/results/bench_io.md``)
             and in profiles saved before the field.
+        busy: how busy the machine was while ``calibrate`` timed its compute, when others' work kept it waiting for
+            the cores (:func:`~nvoffload.planner.calibrate.busy_machine`: the CPU time a thread got a second, the
+            load average); ``""`` when it was quiet, and in the built-in profiles. Compute on the host is then timed
+            by one thread's CPU time, not the clock (:class:`~nvoffload.planner.calibrate.Clock`: at most the threads'
+            count slower than the machine alone), but the drives, copies and contention as that load slowed them:
+            ``plan`` says so in a note.
     """
 
     name: str
@@ -113,6 +119,7 @@ class MachineProfile:
     optimizer_tensor_s: float = 0.0
     saved_tensor_s: float = 0.0
     crc32c_gbps: float = 15.0
+    busy: str = ""
 
     def __post_init__(self):
         if self.device not in ("cuda", "cpu"):
@@ -151,6 +158,8 @@ class MachineProfile:
         value = self.crc32c_gbps
         if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
             raise ValueError(f"MachineProfile.crc32c_gbps must be a positive number of GB/s, got {value!r}")
+        if not isinstance(self.busy, str):
+            raise ValueError(f"MachineProfile.busy must be a description (a str; '' when quiet), got {self.busy!r}")
 
     def block_rates(self, d_model: int) -> tuple[float, float, float]:
         """A block's matrices FLOP/s, attention FLOP/s and fixed seconds per pass at width ``d_model``
