@@ -44,7 +44,7 @@ def with_lora(model: nn.Module, config: FinetuneConfig) -> nn.Module:
     except ImportError as exc:
         raise ImportError(f"lora_rank needs peft ({exc}): pip install peft") from None
     targets = list(config.lora_targets) if config.lora_targets is not None else None
-    linears = ", ".join(dict.fromkeys(n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)))
+    linears = ", ".join(dict.fromkeys(n.rpartition(".")[2] for n, m in model.named_modules() if _linear(m)))
     lora = peft.LoraConfig(r=config.lora_rank, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")
     try:
         with warnings.catch_warnings(), adapters_seeded(config.seed):
@@ -62,3 +62,8 @@ def with_lora(model: nn.Module, config: FinetuneConfig) -> nn.Module:
         raise ValueError(f"lora_targets {' '.join(unmatched or targets)} name no linear layer of the {family} model ({linears})")
     wrapped.peft_config[wrapped.active_adapter].base_model_name_or_path = os.path.abspath(config.model_dir)
     return wrapped
+
+
+def _linear(module: nn.Module) -> bool:
+    """A linear layer LoRA adapts: ``nn.Linear``, or GPT-2's (transformers' ``Conv1D``)."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
