@@ -240,7 +240,8 @@ def _block_tflops(dev: torch.device, d_model: int, quick: bool, clock: Clock = C
     on four shapes: short sequences, twice as many of them (the matrices' work doubles, the fixed time does
     not), long sequences of the same tokens (only attention grows), and one short sequence (a small micro-batch:
     the fixed time is at least what its time leaves beside the rates, so a pass of few tokens costs what it
-    measured, which the first two alone can put at 0 when the larger pass runs at a lower rate)."""
+    measured, which the first two alone can put at 0 when the larger pass runs at a lower rate). Each pass timed by
+    ``clock`` (see :class:`Clock`)."""
     from nvoffload.models.gpt import Block, GPTConfig
 
     tokens = 512 if quick else 1024
@@ -290,7 +291,8 @@ def _median_seconds(runs: Sequence[Callable[[], object]], repeats: int, clock: C
     that a load that comes and goes on the machine falls on all of them alike, not on one: what matters where
     the figures are compared with each other (a difference, a slope); each timed by ``clock``."""
     threads = torch.get_num_threads()
-    if clock is Clock.CPU_TIME:
+    one_thread = clock is Clock.CPU_TIME and threads > 1
+    if one_thread:
         torch.set_num_threads(1)
     try:
         for run in runs:
@@ -303,7 +305,8 @@ def _median_seconds(runs: Sequence[Callable[[], object]], repeats: int, clock: C
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
                 seconds.append(min(wall, cpu) if clock is Clock.CPU_TIME else wall)
     finally:
-        torch.set_num_threads(threads)
+        if one_thread:
+            torch.set_num_threads(threads)
     return [statistics.median(seconds) for seconds in times]
 
 
