@@ -16,16 +16,19 @@ Subpackages:
 :func:`initialize` with an :class:`OffloadConfig` puts all of them to work on a
 model and its optimizer; :func:`vertical_step` runs a step's micro-batches block by block
 (:mod:`nvoffload.vertical`); :func:`save_training_checkpoint` and
-:func:`load_training_checkpoint` save and resume a run (:mod:`nvoffload.training_checkpoint`).
+:func:`load_training_checkpoint` save and resume a run (:mod:`nvoffload.training_checkpoint`);
+:func:`start_training_checkpoint` saves one while training goes on.
 """
 
 from nvoffload.optim.loss_scale import LossScaling
 from nvoffload.training import OffloadConfig, OffloadSession, initialize
 from nvoffload.training_checkpoint import (
+    BackgroundCheckpoint,
     TrainingCheckpoint,
     latest_training_checkpoint,
     load_training_checkpoint,
     save_training_checkpoint,
+    start_training_checkpoint,
 )
 from nvoffload.vertical import vertical_step
 
@@ -34,10 +37,12 @@ __all__ = [
     "OffloadConfig",
     "OffloadSession",
     "TrainingCheckpoint",
+    "BackgroundCheckpoint",
     "initialize",
     "latest_training_checkpoint",
     "load_training_checkpoint",
     "save_training_checkpoint",
+    "start_training_checkpoint",
     "vertical_step",
 ]
 __version__ = "0.1.0"
