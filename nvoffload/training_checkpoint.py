@@ -337,7 +337,8 @@ def start_training_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         release()
         raise
-    copy = _Copy(snapshot, writers, writer_of, name_of, max_bytes_in_flight)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    copy = _Copy(snapshot, writers, writer_of, name_of, max_bytes_in_flight, nbytes)
     model_tensors = {f"model/{name}": crcs for name, crcs in model_checksums.items()}
 
     def write(job: BackgroundCheckpoint) -> TrainingCheckpoint:
@@ -354,7 +355,7 @@ def start_training_checkpoint(
         finally:
             release()
 
-    job = _writing[root] = BackgroundCheckpoint(step, write, snapshot.nbytes)
+    job = _writing[root] = BackgroundCheckpoint(step, write, nbytes)
     return job
 
 
@@ -362,16 +363,17 @@ class _Copy:
     """A background checkpoint's copy of the optimizer state: the snapshot's chunks into the state files,
     through the native I/O threads."""
 
-    def __init__(self, snapshot, writers: dict, writer_of: dict, name_of: dict[int, str], max_bytes_in_flight: int):
+    def __init__(
+        self, snapshot, writers: dict, writer_of: dict, name_of: dict[int, str], max_bytes_in_flight: int, nbytes: int
+    ):
         self._snapshot, self._writers, self._writer_of, self._name_of = snapshot, writers, writer_of, name_of
-        self._max_bytes_in_flight = max_bytes_in_flight
-        self.written_bytes = 0
+        self._max_bytes_in_flight, self._nbytes = max_bytes_in_flight, nbytes  # nbytes: of the files' tensors
 
     def run(self) -> dict[str, dict[str, int]]:
         """Copy everything; returns ``{file: {tensor: CRC-32C}}``. The snapshot is released and the files
         closed (complete) or removed (on an error)."""
         engine = EngineWriter()
-        half = self._snapshot.nbytes // 2
+        half = self._nbytes // 2
 
         def sink(placeholder: torch.Tensor, elements: slice, values: torch.Tensor) -> Future:
             name = self._name_of[id(placeholder)]
@@ -393,7 +395,6 @@ class _Copy:
             raise
         finally:
             self._snapshot.release()
-            self.written_bytes = engine.written_bytes
         return {f: dict(w.checksums) for f, w in self._writers.items()}
 
 

@@ -10,7 +10,7 @@ worker, so host memory stays within the budget (plus the tensors returned).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -85,17 +85,12 @@ class StateCodec:
         no step since), chunk by chunk in order of elements; ``values`` (fp32) is valid during the call only."""
         self._pipeline.wait_idle()
         with self._pipeline.lend() as slot:
-            for rec in self._records:
-                st = layout["state"].get(rec.index)
-                if st is None:
-                    continue
-                keys = self._row_keys(rec)
-                for c in rec.chunks:
-                    self._io.read(c, c.gen, slot).result()
-                    values = self._io.layout.chunk_state(c, self._io.layout.chunk_rows(c, slot)).values()
-                    for key, value in zip(keys, values):
-                        if key is not None:
-                            sink(st[key], c.elements, value)  # a compact state's moments widened or decoded
+            for st, keys, c in self._chunks_of(layout):
+                self._io.read(c, c.gen, slot).result()
+                values = self._io.layout.chunk_state(c, self._io.layout.chunk_rows(c, slot)).values()
+                for key, value in zip(keys, values):
+                    if key is not None:
+                        sink(st[key], c.elements, value)  # a compact state's moments widened or decoded
 
     def snapshot(self, layout: dict) -> StateSnapshot:
         """The committed state of ``layout``'s tensors (from :meth:`layout`, no step since), held for
@@ -103,17 +98,21 @@ class StateCodec:
         chunk's rows copied (its buffer takes the generation after next)."""
         self._pipeline.wait_idle()
         items, names = [], []
+        for st, keys, c in self._chunks_of(layout):
+            copy = self._io._home(c, c.gen).clone() if c.home is not None else None
+            items.append(_Held(st, keys, c, c.gen, copy))
+            if copy is None:
+                names += [name for name in self._io.layout.names(c, c.gen) if name in self._io.store]
+        return StateSnapshot(self._io, items, self._io.store.pin(names))
+
+    def _chunks_of(self, layout: dict) -> Iterator[tuple[dict, list[str | None], Chunk]]:
+        """Each chunk with state in ``layout``, in order: its parameter's layout entry, its row keys, itself."""
         for rec in self._records:
             st = layout["state"].get(rec.index)
-            if st is None:
-                continue
-            keys = self._row_keys(rec)
-            for c in rec.chunks:
-                copy = self._io._home(c, c.gen).clone() if c.home is not None else None
-                items.append(_Held(st, keys, c, c.gen, copy))
-                if copy is None:
-                    names += [name for name in self._io.layout.names(c, c.gen) if name in self._io.store]
-        return StateSnapshot(self._io, items, self._io.store.pin(names))
+            if st is not None:
+                keys = self._row_keys(rec)
+                for c in rec.chunks:
+                    yield st, keys, c
 
     def _row_keys(self, rec: Record) -> list[str | None]:
         """The state dict key of each of ``rec``'s chunks' :meth:`ChunkState.values` (None: the weights of a
