@@ -96,10 +96,10 @@ def _pwrite(fd: int, data: torch.Tensor, offset: int) -> None:
 
 class BackgroundCheckpoint:
     """A checkpoint written by a thread of its own while training goes on: :meth:`wait` for it (its errors raise
-    there), :meth:`done` to look. ``started_s`` and ``ended_s`` (``time.monotonic``) and ``nbytes`` say what it
-    took."""
+    there), :meth:`done` to look. ``nbytes``: the bytes of the files it writes behind (the optimizer state's);
+    ``started_s`` and ``ended_s`` (``time.monotonic``): when the thread got them and when it was done."""
 
-    def __init__(self, step: int, write: Callable[[BackgroundCheckpoint], object], nbytes: int):
+    def __init__(self, step: int, write: Callable[[], object], nbytes: int):
         self.step, self.nbytes = step, nbytes
         self.started_s, self.ended_s = time.monotonic(), None
         self._result: Future | None = None
@@ -108,9 +108,9 @@ class BackgroundCheckpoint:
         self._worker.submit(None)
         self._worker.stop()
 
-    def _run(self, write: Callable[[BackgroundCheckpoint], object]) -> None:
+    def _run(self, write: Callable[[], object]) -> None:
         try:
-            self._result = Future.completed(write(self))
+            self._result = Future.completed(write())
         except BaseException as exc:  # raised from wait()
             self._result = Future.failed(exc)
         finally:

@@ -15,8 +15,10 @@ One checkpoint is a directory ``<directory>/checkpoint-<step>/`` holding:
   the optimizer's per-element state in fp32, named ``<parameter index>.<key>``
   (``exp_avg``, ``exp_avg_sq``, ``master_param`` of 16-bit parameters, ...),
   streamed from the NVMe store one chunk at a time (an
-  :class:`~nvoffload.optim.OffloadOptimizer`'s) or taken from its
-  ``state_dict()`` (any other torch optimizer);
+  :class:`~nvoffload.optim.OffloadOptimizer`'s: in one process, read from every
+  swap directory and written by the native I/O threads, O_DIRECT, each block's
+  CRC-32C computed as it goes out) or taken from its ``state_dict()`` (any
+  other torch optimizer);
 - ``trainer_state.pt``: the small rest: the optimizer's hyperparameters and
   scalar state (and its loss scale; a compact state's ``state_precision``, so that
   it loads only into an optimizer of the same precision), the LR scheduler's and ``GradScaler``'s
@@ -32,6 +34,11 @@ fsynced, and renamed to ``checkpoint-<step>`` only when complete, so a crash
 (or ``kill -9``) at any moment leaves the previous checkpoints intact and at
 most a hidden partial directory, which the next run on the directory removes. Only the last
 ``keep_last`` complete checkpoints are kept.
+
+:func:`start_training_checkpoint` writes one while training goes on: the call writes the model and holds the
+step's optimizer state (its generation pinned in the store), a thread of its own copies the state and renames
+the directory; the checkpoint is the state of that step exactly (:func:`save_training_checkpoint` of such an
+optimizer is that, waited for).
 
 One run writes to a directory at a time: a save holds the directory's lock (the swap directories' lock,
 :mod:`nvoffload.io.ownership`) while it writes, and :func:`claim_checkpoint_directory` holds it for a whole
@@ -316,6 +323,8 @@ def start_training_checkpoint(
     _check_save(step, keep_last, max_shard_bytes, optimizer)
     if not isinstance(optimizer, OffloadOptimizer) or optimizer.ranks is not None:
         raise ValueError("background checkpoints need an OffloadOptimizer in one process: use save_training_checkpoint")
+    if isinstance(max_bytes_in_flight, bool) or not isinstance(max_bytes_in_flight, int) or max_bytes_in_flight < 1:
+        raise ValueError(f"max_bytes_in_flight must be a positive int, got {max_bytes_in_flight!r}")
     root = os.path.abspath(os.fspath(directory))
     previous = _writing.pop(root, None)
     if previous is not None:  # back-pressure: one checkpoint of a directory at a time (its errors are its holder's)
@@ -323,6 +332,7 @@ def start_training_checkpoint(
     release = claim_checkpoint_directory(root)
     target = os.path.join(root, f"checkpoint-{step}")
     tmp = new_sibling(target, "tmp")
+    writers: dict[str, SafetensorsWriter] = {}
     try:
         _land(optimizer)
         model_checksums: dict[str, dict[str, int]] = {}
@@ -334,6 +344,8 @@ def start_training_checkpoint(
         torch.save(_trainer_state(skeleton, scheduler, grad_scaler, [_rng_state()], extra), state)
         snapshot = optimizer.snapshot_state(layout)
     except BaseException:
+        for w in writers.values():
+            w.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         release()
         raise
@@ -341,19 +353,20 @@ def start_training_checkpoint(
     copy = _Copy(snapshot, writers, writer_of, name_of, max_bytes_in_flight, nbytes)
     model_tensors = {f"model/{name}": crcs for name, crcs in model_checksums.items()}
 
-    def write(job: BackgroundCheckpoint) -> TrainingCheckpoint:
+    def write() -> TrainingCheckpoint:
         try:
-            try:
-                files = copy.run()
-                _finish(tmp, target, step, 1, {**model_tensors, **files}, lambda f: f.write(state.getbuffer()))
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+            files = copy.run()
+            _finish(tmp, target, step, 1, {**model_tensors, **files}, lambda f: f.write(state.getbuffer()))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            release()
+            raise
+        try:
             if keep_last is not None:
                 _prune(root, keep_last, target)
-            return TrainingCheckpoint(target, step, extra if extra is not None else {})
         finally:
             release()
+        return TrainingCheckpoint(target, step, extra if extra is not None else {})
 
     job = _writing[root] = BackgroundCheckpoint(step, write, nbytes)
     return job

@@ -671,11 +671,6 @@ class StorePin:
         self._store = store
         self._records: dict[str, _Record] | None = records
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the tensors held."""
-        return sum(r.nbytes for r in (self._records or {}).values())
-
     def get(self, name: str, out: torch.Tensor | None = None) -> Future:
         """Read the pinned tensor ``name`` (checked against its CRC-32C, as :meth:`TensorStore.get`)."""
         if self._records is None:

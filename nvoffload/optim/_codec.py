@@ -205,7 +205,6 @@ class StateSnapshot:
 
     def __init__(self, io: ChunkIO, items: list[_Held], pin):
         self._io, self._items, self._pin = io, items, pin
-        self.nbytes = pin.nbytes + sum(h.copy.numel() * 4 for h in items if h.copy is not None)  # as stored
 
     def _rows_numel(self, held: _Held) -> int:
         return self._io.layout.rows(held.chunk.record) * held.chunk.numel
