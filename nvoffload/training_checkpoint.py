@@ -305,9 +305,10 @@ def start_training_checkpoint(
     gives the :class:`TrainingCheckpoint` (or raises what failed it); wait for it before closing the optimizer.
 
     Training waits here (after ``optimizer.step()``) only while the model's weights are written (the 16-bit
-    weights: 2 of the 16 bytes per parameter that mixed-precision AdamW keeps) and the step's state is held:
+    weights: 2 of the 14 bytes per parameter of a bf16 run's checkpoint) and the step's state is held:
     the store's generation of each chunk pinned (:meth:`OffloadOptimizer.snapshot_state`; the next steps'
-    commits leave it on NVMe, one more generation at most, so no step waits for the copy). A thread of its own
+    commits leave it on NVMe, one more generation at most, so no step waits for the copy; the resident state's
+    rows copied in host memory, outside the optimizer's budget until written). A thread of its own
     then copies the state to the checkpoint through the native I/O threads (O_DIRECT, CRC-32C on the I/O
     threads; every swap directory read at once), ``max_bytes_in_flight`` bytes of host buffers at most, writes
     ``trainer_state.pt`` (captured now) and the manifest, and renames the directory into place. A new
