@@ -34,9 +34,10 @@ from nvoffload.io.engine import IOEngine, OpenFile
 
 __all__ = ["PHASES", "BackgroundCheckpoint", "EngineWriter", "hold_at", "reached"]
 
-PHASES = ("state", "manifest")
-"""Where a background checkpoint can be held: ``state``, half its optimizer state written; ``manifest``, every
-file but the manifest written (the directory not yet renamed into place)."""
+PHASES = ("copy", "state", "manifest")
+"""Where a background checkpoint can be held: ``copy``, on its thread before the optimizer state is read;
+``state``, half of it written; ``manifest``, every file but the manifest written (the directory not yet renamed
+into place)."""
 
 _held: dict[str, threading.Event] = {}
 
@@ -56,8 +57,9 @@ class EngineWriter:
         (``writer.placed``): complete the futures of one tensor in order."""
         data = byte_view(values.contiguous())
         path = writer.partial_path
-        if path not in self._files:
+        if path not in self._files:  # its blocks allocated at once: O_DIRECT writes into holes convert extents
             self._files[path] = (self._engine.open(path), os.open(path, os.O_WRONLY))
+            self._engine.allocate(self._files[path][0], 0, os.path.getsize(path))
         file, fd = self._files[path]
         offset = writer.data_offset(name) + start * values.element_size()
         lo = round_up(offset) - offset

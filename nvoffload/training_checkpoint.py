@@ -398,6 +398,7 @@ class _Copy:
             return future
 
         try:
+            reached("copy")
             self._snapshot.stream(sink, max_bytes_in_flight=self._max_bytes_in_flight)
             engine.close()
             for w in self._writers.values():

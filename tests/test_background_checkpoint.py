@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training_checkpoint import SAVE_AT, STEPS, Run, _assert_equal, _state
+from test_training_checkpoint import CFG, SAVE_AT, STEPS, Run, _assert_equal, _batch, _state
 
 import nvoffload
 from nvoffload.checkpoint_writer import hold_at
 from nvoffload.io import TensorStore
+from nvoffload.models import GPT
+from nvoffload.optim import NVMeAdamW
 from nvoffload.training_checkpoint import MANIFEST, latest_training_checkpoint, verify_training_checkpoint
 
 
@@ -89,6 +91,32 @@ def test_a_background_checkpoint_holds_its_step_while_training_goes_on(tmp_path,
     _assert_equal(resumed.weights(), expected_weights)
     _assert_equal(_state(resumed), expected_state)
     resumed.close()
+
+
+def test_a_background_checkpoint_of_resident_state_holds_its_step(tmp_path):
+    """A chunk kept resident in host memory writes the generation after next into the buffer of the one held:
+    the checkpoint copies it when it starts."""
+
+    def train(model, opt, steps: int) -> None:
+        for _ in range(steps):
+            model(*_batch()).backward()
+            opt.step()
+            opt.zero_grad()
+
+    saved = {}
+    for name in ("stopped", "background"):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        with NVMeAdamW(model.parameters(), lr=3e-3, swap_dir=tmp_path, resident_state_bytes=1 << 20) as opt:
+            train(model, opt, SAVE_AT)
+            assert opt.memory_stats().resident_state_bytes > 0
+            with hold_at("copy") as go:  # before the first chunk is read
+                job = nvoffload.start_training_checkpoint(tmp_path / name, step=SAVE_AT, model=model, optimizer=opt)
+                if name == "background":
+                    train(model, opt, 3)  # the held generation's buffers written again
+                go.set()
+                saved[name] = _files(job.wait().path)
+    assert saved["background"] == saved["stopped"]
 
 
 def test_the_writer_holds_a_bounded_number_of_chunks_and_a_new_checkpoint_waits_for_the_last(tmp_path):

@@ -100,9 +100,11 @@ class StateCodec:
         items, names = [], []
         for st, keys, c in self._chunks_of(layout):
             copy = self._io._home(c, c.gen).clone() if c.home is not None else None
-            items.append(_Held(st, keys, c, c.gen, copy))
+            master = keys[0] is not None  # else the weights' row (a split chunk's own entry) is not saved: not read
+            items.append(_Held(st, keys, c, c.gen, copy, master))
             if copy is None:
-                names += [name for name in self._io.layout.names(c, c.gen) if name in self._io.store]
+                held = self._io.layout.names(c, c.gen)[: 2 if master else 1]
+                names += [name for name in held if name in self._io.store]
         return StateSnapshot(self._io, items, self._io.store.pin(names))
 
     def _chunks_of(self, layout: dict) -> Iterator[tuple[dict, list[str | None], Chunk]]:
@@ -194,6 +196,7 @@ class _Held:
     chunk: Chunk
     gen: int
     copy: torch.Tensor | None  # a resident chunk's rows, copied when the snapshot was taken
+    master: bool  # whether its weights' row is saved (and read)
 
 
 class StateSnapshot:
@@ -249,7 +252,7 @@ class StateSnapshot:
         if held.copy is not None:
             rows.copy_(held.copy)
             return Future.completed()
-        entries = self._io.layout.entries(held.chunk, held.gen, rows)
+        entries = self._io.layout.entries(held.chunk, held.gen, rows, master=held.master)
         return Future.all_of([self._pin.get(name, out=out) for name, out in entries])
 
     def release(self) -> None:
