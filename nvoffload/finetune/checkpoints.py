@@ -48,7 +48,8 @@ class Checkpoints:
         self._last_s += waited  # the steps are timed without it: the model's weights written, the state pinned
         self._say(
             f"checkpoint of step {step} started: the model written and the optimizer state held in {waited:.2f} s"
-            f" (training waited), {job.nbytes / 1e9:.2f} GB of it written beside the next steps"
+            f" (training waited), {job.nbytes / 1e9:.2f} GB of it written "
+            + ("now (the run's last step)" if last else "beside the next steps")
         )
         self._writing, self._beside = job, []
         if last:
