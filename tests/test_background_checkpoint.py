@@ -119,6 +119,23 @@ def test_a_background_checkpoint_of_resident_state_holds_its_step(tmp_path):
     assert saved["background"] == saved["stopped"]
 
 
+def test_a_failed_background_checkpoint_raises_from_wait_and_leaves_nothing(tmp_path):
+    run = Run("optimizer", tmp_path / "swap")
+    run.train(1)
+    _start(run, tmp_path / "ckpt").wait()
+    run.train(1)
+    with hold_at("copy") as go:
+        job = _start(run, tmp_path / "ckpt")
+        run.opt._store.inject_fault("eio", after_ops=0)  # the copy's first read of the held state fails
+        go.set()
+        with pytest.raises(OSError, match="Input/output error"):
+            job.wait()
+    assert os.listdir(tmp_path / "ckpt") == ["checkpoint-1"]  # nothing of it left, its lock released
+    run.train(1)  # training goes on, and so do checkpoints
+    assert _start(run, tmp_path / "ckpt").wait().step == 3
+    run.close()
+
+
 def test_the_writer_holds_a_bounded_number_of_chunks_and_a_new_checkpoint_waits_for_the_last(tmp_path):
     run = Run("optimizer", tmp_path / "swap", cpu_memory_bytes=8 << 20)
     run.train(2)
