@@ -16,8 +16,15 @@ Each case saves, then loads, the same training state to the same directory:
 It reports GB/s of checkpoint bytes and the process's resident memory above its level before the save
 (sampled every 5 ms: the plot is that timeline). Runs are interleaved ``--repeats`` times; the median is shown.
 
+With ``--background`` (and in ``--quick``) it also measures a background checkpoint of a streamed model with its
+weights and state on NVMe (``bench/checkpoint_background.py``): the steps' rate beside it against without it,
+its write rate against the disk's copy rate of the same bytes (same run), and ``--kills`` SIGKILLs at random
+moments of background checkpoints, each leaving the previous one loadable, the resume bit-identical.
+
     python bench/bench_checkpoint.py                  # GPT-2 124M: ~1.5 GB per checkpoint
     python bench/bench_checkpoint.py --quick          # the tiny preset: a smoke run
+    python bench/bench_checkpoint.py --repeats 1 --background --background-preset gpt2-1.3b --kills 10 \
+        --cpu-memory 6G --dir /work/bench-tmp         # 1.3B parameters: 18 GB a checkpoint, ~72 GB of disk
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_io import fio_bandwidth  # noqa: E402
+from checkpoint_background import run as background_run  # noqa: E402
 from report import RESULTS_DIR, save_report  # noqa: E402
 
 import nvoffload  # noqa: E402
@@ -131,10 +139,26 @@ def parse_args(argv):
     p.add_argument("--dir", default=None, help="where the swap file and checkpoints go (default: under /tmp)")
     p.add_argument("--quick", action="store_true", help="the tiny preset, one repeat: the smoke run")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--background", action="store_true", help="also measure a background checkpoint (see above)")
+    p.add_argument("--background-preset", dest="bg_preset", default="gpt2-1.3b", help="its model (default %(default)s)")
+    p.add_argument("--steps", type=int, default=3, help="steps timed without a checkpoint (default %(default)s)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens a step (default %(default)s)")
+    p.add_argument("--kills", type=int, default=10, help="SIGKILLs during background checkpoints (default %(default)s)")
+    p.add_argument("--cpu-memory", dest="cpu_memory", default="2G", help="the streamed run's host budget (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="of the kills' moments")
+    p.add_argument("--bg-state-precision", dest="state_precision", default="fp32", choices=("fp32", "bf16-moments"),
+                   help="its optimizer state (default %(default)s: exact AdamW)")
     args = p.parse_args(argv)
     if args.quick:
-        args.preset, args.repeats = "tiny", 1
+        args.preset, args.repeats, args.background, args.bg_preset, args.kills = "tiny", 1, True, "small", 2
+        args.cpu_memory = "64M"
+    args.cpu_memory_bytes = _size(args.cpu_memory)
     return args
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 def main(argv=None) -> Path:
@@ -177,6 +201,10 @@ def main(argv=None) -> Path:
         fio = None
         if shutil.which("fio"):
             fio = (fio_bandwidth([root], nbytes, "write"), fio_bandwidth([root], nbytes, "read"))
+        background = None
+        if args.background:
+            (root / "background").mkdir()
+            background = background_run(argparse.Namespace(**{**vars(args), "preset": args.bg_preset}), root / "background")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -214,9 +242,17 @@ def main(argv=None) -> Path:
         " runs; page cache of the checkpoint dropped (fadvise) before each load. nvoffload's includes the CRC-32C"
         " of every tensor (written and checked) and the fsyncs; torch.save's includes an fsync."
     )
+    if background is not None:
+        notes += (
+            f" Background checkpoint of a streamed {args.bg_preset} ({background['params'] / 1e6:.0f}M parameters,"
+            f" weights and {args.state_precision} AdamW state on NVMe): steps at {background['steps_rate_vs_alone']:.2f}x their rate beside"
+            f" it; {background['checkpoint_GB']:.2f} GB of state at {background['checkpoint_GBps']:.2f} GB/s,"
+            f" {background['checkpoint_vs_copy']:.2f}x the disk's copy rate ({background['copy_GBps']:.2f} GB/s);"
+            f" {background['kills']} kills, resume bit-identical: {background['resume_bit_identical']}."
+        )
     return save_report(
         "bench_checkpoint", rows, settings={"preset": args.preset, "repeats": args.repeats}, plot_column="save_GBps",
-        notes=notes, results_dir=args.results_dir, extra={"timelines": timelines}, plot=plot,
+        notes=notes, results_dir=args.results_dir, extra={"timelines": timelines, "background": background}, plot=plot,
     )  # fmt: skip
 
 

@@ -16,7 +16,8 @@ Subpackages:
 :func:`initialize` with an :class:`OffloadConfig` puts all of them to work on a
 model and its optimizer; :func:`vertical_step` runs a step's micro-batches block by block
 (:mod:`nvoffload.vertical`); :func:`save_training_checkpoint` and
-:func:`load_training_checkpoint` save and resume a run (:mod:`nvoffload.training_checkpoint`).
+:func:`load_training_checkpoint` save and resume a run (:mod:`nvoffload.training_checkpoint`);
+:func:`start_training_checkpoint` saves one while training goes on.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ _API = {
     "OffloadConfig": "nvoffload.training",
     "OffloadSession": "nvoffload.training",
     "initialize": "nvoffload.training",
+    "BackgroundCheckpoint": "nvoffload.training_checkpoint",
     "TrainingCheckpoint": "nvoffload.training_checkpoint",
     "latest_training_checkpoint": "nvoffload.training_checkpoint",
     "load_training_checkpoint": "nvoffload.training_checkpoint",
     "save_training_checkpoint": "nvoffload.training_checkpoint",
+    "start_training_checkpoint": "nvoffload.training_checkpoint",
     "vertical_step": "nvoffload.vertical",
 }
 __all__ = sorted(_API)
@@ -45,10 +48,12 @@ if TYPE_CHECKING:
     from nvoffload.optim.loss_scale import LossScaling
     from nvoffload.training import OffloadConfig, OffloadSession, initialize
     from nvoffload.training_checkpoint import (
+        BackgroundCheckpoint,
         TrainingCheckpoint,
         latest_training_checkpoint,
         load_training_checkpoint,
         save_training_checkpoint,
+        start_training_checkpoint,
     )
     from nvoffload.vertical import vertical_step
 

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from nvoffload.core.atomic import AtomicFile, naming
-from nvoffload.io.checksum import crc32c
+from nvoffload.io.checksum import crc32c, crc32c_combine
 
 __all__ = [
     "CheckpointError",
@@ -622,13 +622,32 @@ class SafetensorsWriter:
         return info
 
     def _put(self, name: str, start: int, tensor: torch.Tensor) -> None:
-        info, offset = self._layout[name]
+        crc = 0
         if tensor.numel():
             data = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
             with naming(self._file.tmp_path):
-                _pwrite_all(self._file.fd, _bytes_of(data), self._data_start + offset + start * data.element_size())
-            self.checksums[name] = crc32c(data, self.checksums[name])
-        self._written[name] = start + tensor.numel()
+                _pwrite_all(self._file.fd, _bytes_of(data), self.data_offset(name) + start * data.element_size())
+            crc = crc32c(data)
+        self.placed(name, start, tensor.numel(), crc)
+
+    @property
+    def partial_path(self) -> str:
+        """The hidden file being written (renamed to ``path`` by :meth:`close`)."""
+        return self._file.tmp_path
+
+    def data_offset(self, name: str) -> int:
+        """Where in the file the bytes of tensor ``name`` start."""
+        return self._data_start + self._layout[name][1]
+
+    def placed(self, name: str, start: int, numel: int, crc: int) -> None:
+        """Count elements ``[start, start + numel)`` of tensor ``name`` as written, with ``crc`` the CRC-32C of
+        their bytes: for a caller that wrote them itself to :attr:`partial_path` at :meth:`data_offset` (the I/O
+        engine's threads, O_DIRECT). The parts of one tensor come in order, as :meth:`write_slice`'s."""
+        info = self._layout[name][0]
+        if start != self._written[name]:
+            raise ValueError(f"placed({name!r}): elements from {start}; the next part must start at {self._written[name]}")
+        self.checksums[name] = crc32c_combine(self.checksums[name], crc, numel * info.dtype.itemsize)
+        self._written[name] = start + numel
         if self._written[name] == math.prod(info.shape):
             self._done.add(name)
 

@@ -390,6 +390,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         import json
 
         from nvoffload.planner import delayed_update_option, plan, plan_batch, state_precision_options
+        from nvoffload.planner.cost import checkpoint_line
 
         args.swap_dirs_count = args.swap_dirs if args.swap_dirs is not None else len(args.swap_dir or ()) or 1
         flags = _flags(parser, "plan")
@@ -411,6 +412,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             print(json.dumps(got, indent=1))
         else:
             _print_plan(result, flags)
+            print(checkpoint_line(result, _profile(args.profile)))
             flagged = {f"--optimizer-state {p}": o for p, o in options.items()}
             if delayed is not None:
                 flagged["--delayed-update" if delayed.request.delayed_update else "without --delayed-update"] = delayed

@@ -15,8 +15,10 @@ One checkpoint is a directory ``<directory>/checkpoint-<step>/`` holding:
   the optimizer's per-element state in fp32, named ``<parameter index>.<key>``
   (``exp_avg``, ``exp_avg_sq``, ``master_param`` of 16-bit parameters, ...),
   streamed from the NVMe store one chunk at a time (an
-  :class:`~nvoffload.optim.OffloadOptimizer`'s) or taken from its
-  ``state_dict()`` (any other torch optimizer);
+  :class:`~nvoffload.optim.OffloadOptimizer`'s: in one process, read from every
+  swap directory and written by the native I/O threads, O_DIRECT, each block's
+  CRC-32C computed as it goes out) or taken from its ``state_dict()`` (any
+  other torch optimizer);
 - ``trainer_state.pt``: the small rest: the optimizer's hyperparameters and
   scalar state (and its loss scale; a compact state's ``state_precision``, so that
   it loads only into an optimizer of the same precision), the LR scheduler's and ``GradScaler``'s
@@ -32,6 +34,11 @@ fsynced, and renamed to ``checkpoint-<step>`` only when complete, so a crash
 (or ``kill -9``) at any moment leaves the previous checkpoints intact and at
 most a hidden partial directory, which the next run on the directory removes. Only the last
 ``keep_last`` complete checkpoints are kept.
+
+:func:`start_training_checkpoint` writes one while training goes on: the call writes the model and holds the
+step's optimizer state (its generation pinned in the store), a thread of its own copies the state and renames
+the directory; the checkpoint is the state of that step exactly (:func:`save_training_checkpoint` of such an
+optimizer is that, waited for).
 
 One run writes to a directory at a time: a save holds the directory's lock (the swap directories' lock,
 :mod:`nvoffload.io.ownership`) while it writes, and :func:`claim_checkpoint_directory` holds it for a whole
@@ -50,6 +57,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import io
 import json
 import math
 import os
@@ -71,7 +79,9 @@ from nvoffload.checkpoint import (
     SafetensorsWriter,
     open_checkpoint,
 )
+from nvoffload.checkpoint_writer import BackgroundCheckpoint, EngineWriter, reached
 from nvoffload.core.atomic import fsync_path, naming, new_sibling, put_in_place
+from nvoffload.core.future import Future
 from nvoffload.distributed import Ranks, RankTimeoutError
 from nvoffload.io.checksum import crc32c
 from nvoffload.io.ownership import claim
@@ -79,17 +89,21 @@ from nvoffload.optim.offload import OffloadOptimizer
 from nvoffload.pretrained import save_pretrained, saved_tensors, shard_files
 
 __all__ = [
+    "DEFAULT_BYTES_IN_FLIGHT",
     "DEFAULT_MAX_SHARD_BYTES",
+    "BackgroundCheckpoint",
     "TrainingCheckpoint",
     "check_checkpoint_directory",
     "claim_checkpoint_directory",
     "latest_training_checkpoint",
     "load_training_checkpoint",
     "save_training_checkpoint",
+    "start_training_checkpoint",
     "verify_training_checkpoint",
 ]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # per optimizer state file (the model's shards: save_pretrained's 50 GB)
+DEFAULT_BYTES_IN_FLIGHT = 256 << 20  # a background checkpoint's host buffers (chunks read ahead, written behind)
 MANIFEST = "checkpoint.json"
 STATE_FILE = "trainer_state.pt"
 _FORMAT = "nvoffload-training-checkpoint"
@@ -209,14 +223,13 @@ def save_training_checkpoint(
         OSError: the directory cannot be written, or an I/O error (nothing is left behind, and the
             checkpoints already there are untouched); the optimizer's errors while reading its state.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-        raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
-    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
-    _check_between_steps(optimizer, "save")
+    _check_save(step, keep_last, max_shard_bytes, optimizer)
     ranks = _ranks_of(optimizer)
+    if isinstance(optimizer, OffloadOptimizer) and ranks is None:  # through the I/O engine, as in the background
+        return start_training_checkpoint(
+            directory, step=step, model=model, optimizer=optimizer, scheduler=scheduler, grad_scaler=grad_scaler,
+            extra=extra, keep_last=keep_last, max_shard_bytes=max_shard_bytes,
+        ).wait()  # fmt: skip
     lead = ranks is None or ranks.rank == 0  # writes the model, the state file and the manifest
     release = None
     try:
@@ -243,29 +256,11 @@ def save_training_checkpoint(
             with _Together(ranks, "saving the training checkpoint"):
                 if lead:
                     tensors = {f: crcs for t, _, _ in every for f, crcs in t.items()}
-                    state = {
-                        "optimizer": _merge_pieces([sk for _, sk, _ in every]),
-                        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                        "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
-                        "rng": every[0][2],
-                        "rng_of_ranks": [rng for _, _, rng in every],
-                        "extra": extra if extra is not None else {},
-                    }
-                    state_path = os.path.join(tmp, STATE_FILE)
-                    _write(state_path, functools.partial(torch.save, state))
-                    manifest = {
-                        "format": _FORMAT,
-                        "version": _VERSION,
-                        "step": step,
-                        "world_size": len(every),
-                        "files": _sizes(tmp),
-                        "tensors": tensors,
-                        "trainer_state_crc32c": _file_crc32c(state_path),
-                    }
-                    text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
-                    _write(os.path.join(tmp, MANIFEST), lambda f: f.write(text.encode()))
-                    fsync_path(tmp)
-                    put_in_place(tmp, target)
+                    state = _trainer_state(
+                        _merge_pieces([sk for _, sk, _ in every]), scheduler, grad_scaler, [rng for _, _, rng in every],
+                        extra,
+                    )  # fmt: skip
+                    _finish(tmp, target, step, len(every), tensors, functools.partial(torch.save, state))
         except BaseException:
             if lead:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -276,6 +271,181 @@ def save_training_checkpoint(
     finally:
         if release is not None:
             release()
+
+
+def _check_save(step, keep_last, max_shard_bytes, optimizer: torch.optim.Optimizer) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    _check_between_steps(optimizer, "save")
+
+
+_writing: dict[str, BackgroundCheckpoint] = {}  # checkpoint directory -> its background checkpoint being written
+
+
+def start_training_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer: OffloadOptimizer,
+    scheduler=None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+    extra: dict | None = None,
+    keep_last: int | None = 2,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    max_bytes_in_flight: int = DEFAULT_BYTES_IN_FLIGHT,
+) -> BackgroundCheckpoint:
+    """Start saving ``<directory>/checkpoint-<step>`` (the same files as :func:`save_training_checkpoint`,
+    atomic as a whole) and return while its optimizer state is written: training goes on beside it, and the
+    checkpoint holds the state of this step exactly. ``wait()`` on the :class:`BackgroundCheckpoint` returned
+    gives the :class:`TrainingCheckpoint` (or raises what failed it); wait for it before closing the optimizer.
+
+    Training waits here (after ``optimizer.step()``) only while the model's weights are written (the 16-bit
+    weights: 2 of the 14 bytes per parameter of a bf16 run's checkpoint) and the step's state is held:
+    the store's generation of each chunk pinned (:meth:`OffloadOptimizer.snapshot_state`; the next steps'
+    commits leave it on NVMe, one more generation at most, so no step waits for the copy; the resident state's
+    rows copied in host memory, outside the optimizer's budget until written). A thread of its own
+    then copies the state to the checkpoint through the native I/O threads (O_DIRECT, CRC-32C on the I/O
+    threads; every swap directory read at once), ``max_bytes_in_flight`` bytes of host buffers at most, writes
+    ``trainer_state.pt`` (captured now) and the manifest, and renames the directory into place. A new
+    checkpoint of the same directory waits for the last one first (``NVOFFLOAD_WAIT_LIMIT_S`` at most).
+
+    An :class:`~nvoffload.optim.OffloadOptimizer` in one process only (any other: :func:`save_training_checkpoint`).
+
+    Raises:
+        ValueError: another optimizer, or the bad arguments :func:`save_training_checkpoint` refuses.
+        RuntimeError, OSError: as :func:`save_training_checkpoint`, here for what is done before it returns;
+            the writer's errors raise from ``wait()``, leaving nothing behind and the other checkpoints intact.
+    """
+    _check_save(step, keep_last, max_shard_bytes, optimizer)
+    if not isinstance(optimizer, OffloadOptimizer) or optimizer.ranks is not None:
+        raise ValueError("background checkpoints need an OffloadOptimizer in one process: use save_training_checkpoint")
+    if isinstance(max_bytes_in_flight, bool) or not isinstance(max_bytes_in_flight, int) or max_bytes_in_flight < 1:
+        raise ValueError(f"max_bytes_in_flight must be a positive int, got {max_bytes_in_flight!r}")
+    root = os.path.abspath(os.fspath(directory))
+    previous = _writing.pop(root, None)
+    if previous is not None:  # back-pressure: one checkpoint of a directory at a time (its errors are its holder's)
+        previous.exception()
+    release = claim_checkpoint_directory(root)
+    target = os.path.join(root, f"checkpoint-{step}")
+    tmp = new_sibling(target, "tmp")
+    writers: dict[str, SafetensorsWriter] = {}
+    try:
+        _land(optimizer)
+        model_checksums: dict[str, dict[str, int]] = {}
+        save_pretrained(model, os.path.join(tmp, "model"), read=_weights(optimizer, write=False), checksums=model_checksums)
+        layout = optimizer.state_layout()
+        skeleton, tensors, name_of, _ = _named_state(optimizer, layout, None)
+        writers, writer_of = _open_shards(tmp, tensors, max_shard_bytes, "optimizer")
+        state = io.BytesIO()
+        torch.save(_trainer_state(skeleton, scheduler, grad_scaler, [_rng_state()], extra), state)
+        snapshot = optimizer.snapshot_state(layout)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        release()
+        raise
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    copy = _Copy(snapshot, writers, writer_of, name_of, max_bytes_in_flight, nbytes)
+    model_tensors = {f"model/{name}": crcs for name, crcs in model_checksums.items()}
+
+    def write() -> TrainingCheckpoint:
+        try:
+            files = copy.run()
+            _finish(tmp, target, step, 1, {**model_tensors, **files}, lambda f: f.write(state.getbuffer()))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            release()
+            raise
+        try:
+            if keep_last is not None:
+                _prune(root, keep_last, target)
+        finally:
+            release()
+        return TrainingCheckpoint(target, step, extra if extra is not None else {})
+
+    job = _writing[root] = BackgroundCheckpoint(step, write, nbytes)
+    return job
+
+
+class _Copy:
+    """A background checkpoint's copy of the optimizer state: the snapshot's chunks into the state files,
+    through the native I/O threads."""
+
+    def __init__(
+        self, snapshot, writers: dict, writer_of: dict, name_of: dict[int, str], max_bytes_in_flight: int, nbytes: int
+    ):
+        self._snapshot, self._writers, self._writer_of, self._name_of = snapshot, writers, writer_of, name_of
+        self._max_bytes_in_flight, self._nbytes = max_bytes_in_flight, nbytes  # nbytes: of the files' tensors
+
+    def run(self) -> dict[str, dict[str, int]]:
+        """Copy everything; returns ``{file: {tensor: CRC-32C}}``. The snapshot is released and the files
+        closed (complete) or removed (on an error)."""
+        engine = EngineWriter()
+        half = self._nbytes // 2
+
+        def sink(placeholder: torch.Tensor, elements: slice, values: torch.Tensor) -> Future:
+            name = self._name_of[id(placeholder)]
+            before = engine.written_bytes
+            future = engine.write(self._writer_of[name], name, elements.start, values)
+            if before < half <= engine.written_bytes:
+                reached("state")
+            return future
+
+        try:
+            reached("copy")
+            self._snapshot.stream(sink, max_bytes_in_flight=self._max_bytes_in_flight)
+            engine.close()
+            for w in self._writers.values():
+                w.close()
+        except BaseException:
+            engine.close()
+            for w in self._writers.values():
+                w.abort()
+            raise
+        finally:
+            self._snapshot.release()
+        return {f: dict(w.checksums) for f, w in self._writers.items()}
+
+
+def _trainer_state(optimizer_state: dict, scheduler, grad_scaler, rng_of_ranks: list, extra: dict | None) -> dict:
+    """What ``trainer_state.pt`` holds."""
+    return {
+        "optimizer": optimizer_state,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
+        "rng": rng_of_ranks[0],
+        "rng_of_ranks": rng_of_ranks,
+        "extra": extra if extra is not None else {},
+    }
+
+
+def _finish(
+    tmp: str, target: str, step: int, world_size: int, tensors: dict, put_state: Callable[[BinaryIO], object]
+) -> None:
+    """Write the trainer state (``put_state(file)``) and the manifest into ``tmp`` (every other file written),
+    fsync it and rename it to ``target``."""
+    state_path = os.path.join(tmp, STATE_FILE)
+    _write(state_path, put_state)
+    manifest = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "step": step,
+        "world_size": world_size,
+        "files": _sizes(tmp),
+        "tensors": tensors,
+        "trainer_state_crc32c": _file_crc32c(state_path),
+    }
+    text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    reached("manifest")
+    _write(os.path.join(tmp, MANIFEST), lambda f: f.write(text.encode()))
+    fsync_path(tmp)
+    put_in_place(tmp, target)
 
 
 def _prune(root: str, keep_last: int, keep: str) -> None:
@@ -423,6 +593,35 @@ def _save_optimizer(
     this rank's piece: the flat elements ``[lo, hi)`` it owns), and ``{file: {tensor: CRC-32C}}``."""
     streamed = isinstance(optimizer, OffloadOptimizer)
     state_dict = optimizer.state_layout() if streamed else optimizer.state_dict()
+    skeleton, tensors, name_of, first = _named_state(optimizer, state_dict, ranks)
+    stem = "optimizer" if ranks is None else f"optimizer-rank{ranks.rank:05d}-of-{ranks.world_size:05d}"
+    writers, writer_of = _open_shards(tmp, tensors, max_shard_bytes, stem)
+    try:
+        if streamed:
+
+            def sink(placeholder: torch.Tensor, elements: slice, values: torch.Tensor) -> None:
+                name = name_of[id(placeholder)]
+                writer_of[name].write_slice(name, elements.start - first.get(id(placeholder), 0), values)
+
+            optimizer.stream_state(state_dict, sink)
+        else:
+            for name, t in tensors.items():
+                writer_of[name].write(name, t)
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    return skeleton, {f: dict(w.checksums) for f, w in writers.items()}
+
+
+def _named_state(
+    optimizer: torch.optim.Optimizer, state_dict: dict, ranks: Ranks | None
+) -> tuple[dict, dict[str, torch.Tensor], dict[int, str], dict[int, int]]:
+    """``state_dict``'s skeleton (each per-element tensor replaced by its name, see :func:`_save_optimizer`), the
+    tensors to write by name, the name of each state tensor (by id) and, over several ranks, its piece's first
+    element (by id)."""
     tensors: dict[str, torch.Tensor] = {}  # name -> tensor (meta: streamed)
     name_of: dict[int, str] = {}  # id(state tensor) -> the name it is written under
     first: dict[int, int] = {}  # id(state tensor) -> its piece's first element (over several ranks)
@@ -443,31 +642,25 @@ def _save_optimizer(
                 tensors[name] = torch.empty(hi - lo, dtype=value.dtype, device="meta")
                 name_of[id(value)], first[id(value)] = name, lo
             entry[key] = {_PIECES: [[name, lo, hi]] if hi > lo else [], "shape": list(value.shape)}
-    stem = "optimizer" if ranks is None else f"optimizer-rank{ranks.rank:05d}-of-{ranks.world_size:05d}"
+    return skeleton, tensors, name_of, first
+
+
+def _open_shards(
+    tmp: str, tensors: dict[str, torch.Tensor], max_shard_bytes: int, stem: str
+) -> tuple[dict[str, SafetensorsWriter], dict[str, SafetensorsWriter]]:
+    """A writer for each optimizer state file of ``tensors`` in ``tmp``, headers written: by file name, and by
+    tensor name."""
     shards = shard_files({n: t.numel() * t.element_size() for n, t in tensors.items()}, max_shard_bytes, stem)
     writers: dict[str, SafetensorsWriter] = {}
     try:
         for filename, names in shards.items():
             info = {n: (tensors[n].dtype, tuple(tensors[n].shape)) for n in names}
             writers[filename] = SafetensorsWriter(os.path.join(tmp, filename), info)
-        writer_of = {n: writers[f] for f, names in shards.items() for n in names}
-        if streamed:
-
-            def sink(placeholder: torch.Tensor, elements: slice, values: torch.Tensor) -> None:
-                name = name_of[id(placeholder)]
-                writer_of[name].write_slice(name, elements.start - first.get(id(placeholder), 0), values)
-
-            optimizer.stream_state(state_dict, sink)
-        else:
-            for name, t in tensors.items():
-                writer_of[name].write(name, t)
-        for w in writers.values():
-            w.close()
     except BaseException:
         for w in writers.values():
             w.abort()
         raise
-    return skeleton, {f: dict(w.checksums) for f, w in writers.items()}
+    return writers, {n: writers[f] for f, names in shards.items() for n in names}
 
 
 def _merge_pieces(skeletons: list[dict]) -> dict:

@@ -1,4 +1,5 @@
-"""Smoke run of bench/bench_checkpoint.py: both cases save and load, with sane figures, and clean up."""
+"""Smoke run of bench/bench_checkpoint.py: both cases save and load, with sane figures, a background checkpoint
+beside steps and killed twice resumes bit-identical, and everything is cleaned up."""
 
 import importlib
 import json
@@ -20,5 +21,8 @@ def test_bench_checkpoint_quick(tmp_path, monkeypatch):
         row = rows[name]
         assert 0 < row["GB"] < 0.1 and row["save_GBps"] > 0 and row["load_GBps"] > 0, row
     assert set(record["timelines"]) == {"nvoffload", "torch.save"}
+    background = record["background"]  # a streamed model's background checkpoint, and kills during two
+    assert background["steps_beside"] >= 1 and background["checkpoint_GBps"] > 0 and background["copy_GBps"] > 0
+    assert background["kills"] == 2 and background["resume_bit_identical"], background
     assert (tmp_path / "results" / "bench_checkpoint.png").exists()
     assert os.listdir(tmp_path / "work") == []  # swap file, checkpoints and fio's file removed

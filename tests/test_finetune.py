@@ -67,6 +67,12 @@ def _checkpoints(directory) -> list[str]:
     return sorted(e for e in os.listdir(directory) if e.startswith("checkpoint-"))
 
 
+def _said(out: str) -> list[str]:
+    """The lines of ``out`` but the steps' and the checkpoints' starts, each checkpoint's end without its figures."""
+    lines = [line for line in out.splitlines() if not line.startswith("step ") and " started: " not in line]
+    return [line.split(" (in ")[0] if line.startswith("checkpoint of step") else line for line in lines]
+
+
 def test_cli_checkpoints_resume_and_refuse_an_unwritable_directory(tmp_path, capsys):
     """The run says, in the command line's words, before step 1: the model and its parameters, where each part
     lives, the budgets and the swap directory; then what --resume found, and each checkpoint and --save-to as it
@@ -89,7 +95,7 @@ def test_cli_checkpoints_resume_and_refuse_an_unwritable_directory(tmp_path, cap
     ]
     assert main([*base, "--steps", "3", "--checkpoint-dir", str(ckpt), "--save-every", "1", "--keep-last", "1", "--resume",
                  "--save-to", str(out_file)]) == 0  # fmt: skip
-    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("step ")]
+    lines = _said(capsys.readouterr().out)
     assert lines[:9] == [*header, f"no checkpoint in {ckpt} to resume from: starting at step 1",
                          *(f"checkpoint of step {s} written: {ckpt}/checkpoint-{s}" for s in (1, 2, 3)),
                          f"weights written to {out_file}"]  # fmt: skip
@@ -98,7 +104,9 @@ def test_cli_checkpoints_resume_and_refuse_an_unwritable_directory(tmp_path, cap
     assert main([*base, "--steps", "5", "--checkpoint-dir", str(ckpt), "--resume"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[:5] == [*header, f"resumed from {ckpt}/checkpoint-3: step 3 of 5 done"]
-    assert [line.split(":")[0] for line in lines[5:8]] == ["step 4", "step 5", "checkpoint of step 5 written"]
+    assert [line.split(":")[0] for line in lines[5:9]] == [
+        "step 4", "step 5", "checkpoint of step 5 started", "checkpoint of step 5 written"
+    ]  # fmt: skip
     assert _checkpoints(ckpt) == ["checkpoint-3", "checkpoint-5"]
     assert main([*base, "--steps", "5", "--checkpoint-dir", str(ckpt), "--resume"]) == 0
     assert "nothing to do: the checkpoint" in capsys.readouterr().out
@@ -402,7 +410,8 @@ def test_a_loss_that_is_not_finite_stops_the_run_naming_the_step_and_saves_nothi
                str(swap), "--checkpoint-dir", str(ckpt), "--save-every", "1", "--no-progress"])  # fmt: skip
     captured = capsys.readouterr()
     assert rc == 2 and captured.out.splitlines()[4].startswith("step 1: loss 5.")  # after the header's 4 lines
-    assert captured.out.splitlines()[5] == f"checkpoint of step 1 written: {ckpt}/checkpoint-1"
+    assert captured.out.splitlines()[5].startswith("checkpoint of step 1 started: ")  # written beside step 2
+    assert captured.out.splitlines()[6].startswith(f"checkpoint of step 1 written: {ckpt}/checkpoint-1 (in ")
     assert "step 2:" not in captured.out and captured.err.count("\n") == 1
     assert captured.err.startswith("nvoffload finetune: error: the loss is nan at step 2: training stopped")
     assert latest_training_checkpoint(ckpt).step == 1 and not any(n.startswith("checkpoint-2") for n in os.listdir(ckpt))

@@ -91,7 +91,8 @@ def _kill_at(process: subprocess.Popen, lines: list[str], ckpt_dir, moment) -> N
         process.send_signal(signal.SIGSTOP)  # stops every thread at once: what it shows now holds at the kill
         try:
             phase = _phase(ckpt_dir)
-            mid_step = isinstance(moment, tuple) and phase is None and lines[-1].startswith("checkpoint of step")
+            # a checkpoint is written in the background beside the steps: mid-step, one may be in flight
+            mid_step = isinstance(moment, tuple) and lines[-1].startswith("checkpoint of step")
             if mid_step or phase == moment:
                 process.send_signal(signal.SIGKILL)
                 return

@@ -25,6 +25,7 @@ from nvoffload.checkpoint import open_checkpoint, save_file
 from nvoffload.data import ByteTokenizer, TokenDataset, load_text
 from nvoffload.data.sft import SFTBatch, SFTDataset
 from nvoffload.distributed import DEFAULT_TIMEOUT_S, rank_swap_dirs
+from nvoffload.finetune.checkpoints import Checkpoints
 from nvoffload.finetune.checks import (
     _check_batch_memory,
     _check_init_from,
@@ -64,7 +65,6 @@ from nvoffload.training_checkpoint import (
     claim_checkpoint_directory,
     latest_training_checkpoint,
     load_training_checkpoint,
-    save_training_checkpoint,
 )
 
 __all__ = ["FinetuneResult", "StepStats", "finetune", "header"]
@@ -386,6 +386,9 @@ def _finetune(
             if config.dtype == "float16" and session is None:
                 scaler = torch.amp.GradScaler(dev.type)
             state = {"model": model, "optimizer": opt, "scheduler": sched, "grad_scaler": scaler}
+            if config.checkpoint_dir is not None:  # written beside the next steps; waited for before opt closes
+                checkpoints = Checkpoints(config.checkpoint_dir, config.keep_last, say, state)
+                cleanup.callback(checkpoints.close)
             staging = session.config.activation_staging_bytes if session is not None else offloaded.config.host_bytes() - config.activation_host_bytes if offloaded else 0
             vertical = uses_vertical_schedule(config, world)
             for line in header(config, result.num_parameters, seq_len, swap_dir, world, activation_staging_bytes=staging):
@@ -492,14 +495,12 @@ def _finetune(
                     bar.update()
                 if on_step is not None:
                     on_step(stats)
+                if config.checkpoint_dir is not None:
+                    checkpoints.after_step()
                 if config.checkpoint_dir is not None and (
                     step == config.steps or (config.save_every is not None and step % config.save_every == 0)
                 ):
-                    saved = save_training_checkpoint(
-                        config.checkpoint_dir, step=step, extra={"data": data.state_dict()}, keep_last=config.keep_last,
-                        **state,
-                    )  # fmt: skip
-                    say(f"checkpoint of step {step} written: {saved.path}")
+                    checkpoints.save(step, {"data": data.state_dict()}, last=step == config.steps)
                     if log is not None and time.monotonic() - drawn >= _REDRAW_AFTER_S:
                         log.plot()
                         drawn = time.monotonic()

@@ -28,7 +28,7 @@ from nvoffload.io.engine import IOEngine, NativePart, OpenFile
 from nvoffload.io.errors import ChecksumError, StoreIOError
 from nvoffload.io.ownership import LOCK_NAME, claim
 
-__all__ = ["ExtentIO", "TensorStore", "swap_directories"]
+__all__ = ["ExtentIO", "StorePin", "TensorStore", "swap_directories"]
 
 ExtentIO = Callable[[str, int, int, int], Any]
 """``io(path, offset, start, nbytes)``: the transfer of bytes ``[start, start + nbytes)`` of a tensor to or from
@@ -137,6 +137,8 @@ class _Record:
     checksum: int | None = None  # CRC-32C of its bytes (with checksums), set when its write ended
     seq: int = 0  # order of submission among puts (a later put of a name wins)
     in_flight: list[Future] = field(default_factory=list)
+    pins: int = 0  # the StorePins holding it: its extents are not reused while there are any
+    dropped: bool = False  # deleted or replaced while pinned: its extents are freed with its last pin
 
 
 class TensorStore:
@@ -336,7 +338,8 @@ class TensorStore:
         return self._read(name, out, io)
 
     def delete(self, name: str) -> None:
-        """Forget ``name`` and free its extents for reuse (after its I/O in flight ends)."""
+        """Forget ``name`` and free its extents for reuse (after its I/O in flight ends; a pinned tensor's once its
+        last :class:`StorePin` is released)."""
         self._wait_pending_put(name)
         with self._lock:
             self._check_open("delete", name)
@@ -344,6 +347,27 @@ class TensorStore:
         if record is None:
             raise KeyError(f"no tensor named {name!r} in the store")
         self._release(record)
+
+    def pin(self, names: Sequence[str]) -> StorePin:
+        """Hold the tensors stored under ``names`` as they are now, for reading later with :meth:`StorePin.get`
+        while the names are deleted or written again meanwhile: their extents are not reused until
+        :meth:`StorePin.release` (a background checkpoint holds a generation of the optimizer's state this way
+        while the next steps commit theirs). A put of a name in flight is waited for first.
+
+        Raises:
+            KeyError: a name not in the store (nothing is pinned).
+        """
+        for name in names:
+            self._wait_pending_put(name)
+        with self._lock:
+            self._check_open("pin", names[0] if names else "")
+            missing = [n for n in names if n not in self._records]
+            if missing:
+                raise KeyError(f"pin: no tensor named {missing[0]!r} in the store (never written, or deleted)")
+            records = {n: self._records[n] for n in names}
+            for record in records.values():
+                record.pins += 1
+        return StorePin(self, records)
 
     def on_close(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` when the store closes, once its I/O in flight is done and before its swap files are removed.
@@ -442,12 +466,16 @@ class TensorStore:
         _start(submitted, future, lambda: _kept(requests, submit(extents)))
         return future
 
-    def _read(self, name: str, out: torch.Tensor | None, io: ExtentIO | None) -> Future:
-        """Read ``name`` into ``out`` (None: a new CPU tensor), natively or, with ``io``, by it."""
-        self._wait_pending_put(name)
+    def _read(
+        self, name: str, out: torch.Tensor | None, io: ExtentIO | None, pinned: _Record | None = None
+    ) -> Future:
+        """Read ``name`` (or the ``pinned`` record of a :class:`StorePin`) into ``out`` (None: a new CPU tensor),
+        natively or, with ``io``, by it."""
+        if pinned is None:
+            self._wait_pending_put(name)
         with self._lock:
             self._check_open("get", name)
-            record = self._records.get(name)
+            record = pinned if pinned is not None else self._records.get(name)
             if record is None:
                 raise KeyError(f"no tensor named {name!r} in the store (never written, or deleted)")
             padded = sum(e.nbytes for e in record.extents)
@@ -500,10 +528,26 @@ class TensorStore:
             _settle(future)
 
     def _release(self, record: _Record) -> None:
+        """Free the extents of ``record`` (deleted or replaced) once its I/O in flight ends, or mark it dropped
+        while a :class:`StorePin` holds it (its last release frees them)."""
         for future in record.in_flight:
             _settle(future)
         with self._lock:
-            self._free(record.extents)
+            if record.pins:
+                record.dropped = True
+            else:
+                self._free(record.extents)
+
+    def _unpin(self, records: list[_Record]) -> None:
+        """A :class:`StorePin` of ``records`` is released: free those dropped meanwhile that it held last."""
+        for record in records:
+            for future in record.in_flight:
+                _settle(future)
+        with self._lock:
+            for record in records:
+                record.pins -= 1
+                if not record.pins and record.dropped and not self._closed:
+                    self._free(record.extents)
 
     def _allocate(self, nbytes: int) -> list[_Extent]:
         """Extents for ``nbytes`` (caller holds the lock): striped when large enough."""
@@ -615,6 +659,32 @@ class TensorStore:
         for swap in swaps:
             self._engine.close_file(swap.file)
         self._swaps = []
+
+
+class StorePin:
+    """Tensors of a :class:`TensorStore` held as they were when :meth:`TensorStore.pin` was called: readable
+    with :meth:`get` (from any thread) until :meth:`release`, whatever is deleted or written under their names
+    meanwhile. Their bytes stay on disk meanwhile: a deleted or replaced one holds its extents (the store grows
+    by them when the space is needed) until the release."""
+
+    def __init__(self, store: TensorStore, records: dict[str, _Record]):
+        self._store = store
+        self._records: dict[str, _Record] | None = records
+
+    def get(self, name: str, out: torch.Tensor | None = None) -> Future:
+        """Read the pinned tensor ``name`` (checked against its CRC-32C, as :meth:`TensorStore.get`)."""
+        if self._records is None:
+            raise RuntimeError(f"get({name!r}): the StorePin is released")
+        if out is not None:
+            _refuse_device("get", name, out)
+        return self._store._read(name, out, None, pinned=self._records[name])
+
+    def release(self) -> None:
+        """Let the store reuse the extents of the tensors deleted or replaced since the pin (after the reads in
+        flight). Idempotent."""
+        records, self._records = self._records, None
+        if records is not None:
+            self._store._unpin(list(records.values()))
 
 
 def _starts(extents: list[_Extent]) -> Iterator[tuple[_Extent, int]]:

@@ -9,17 +9,23 @@ worker, so host memory stays within the budget (plus the tensors returned).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
+from nvoffload.core.buffers import aligned_empty
+from nvoffload.core.future import Future
 from nvoffload.optim._chunk_io import ChunkIO
-from nvoffload.optim._layout import Record, Slot
+from nvoffload.optim._layout import Chunk, Record, Slot
 from nvoffload.optim._pipeline import Pipeline
 from nvoffload.optim._updates import Update
 
 Sink = Callable[[torch.Tensor, slice, torch.Tensor], None]  # (placeholder, elements, fp32 values)
 Source = Callable[[torch.Tensor, slice, torch.Tensor], None]  # (state tensor or placeholder, elements, out)
+# (placeholder, elements, fp32 values) -> the future of their write (None: written); values live until it is done
+AsyncSink = Callable[[torch.Tensor, slice, torch.Tensor], "Future | None"]
 
 
 class StateCodec:
@@ -79,17 +85,36 @@ class StateCodec:
         no step since), chunk by chunk in order of elements; ``values`` (fp32) is valid during the call only."""
         self._pipeline.wait_idle()
         with self._pipeline.lend() as slot:
-            for rec in self._records:
-                st = layout["state"].get(rec.index)
-                if st is None:
-                    continue
+            for st, keys, c in self._chunks_of(layout):
+                self._io.read(c, c.gen, slot).result()
+                values = self._io.layout.chunk_state(c, self._io.layout.chunk_rows(c, slot)).values()
+                for key, value in zip(keys, values):
+                    if key is not None:
+                        sink(st[key], c.elements, value)  # a compact state's moments widened or decoded
+
+    def snapshot(self, layout: dict) -> StateSnapshot:
+        """The committed state of ``layout``'s tensors (from :meth:`layout`, no step since), held for
+        :meth:`StateSnapshot.stream` while the next steps run: the store's generations pinned, a resident
+        chunk's rows copied (its buffer takes the generation after next)."""
+        self._pipeline.wait_idle()
+        items, names = [], []
+        for st, keys, c in self._chunks_of(layout):
+            copy = self._io._home(c, c.gen).clone() if c.home is not None else None
+            master = keys[0] is not None  # else the weights' row (a split chunk's own entry) is not saved: not read
+            items.append(_Held(st, keys, c, c.gen, copy, master))
+            if copy is None:
+                held = self._io.layout.names(c, c.gen)[: 2 if master else 1]
+                names += [name for name in held if name in self._io.store]
+        return StateSnapshot(self._io, items, self._io.store.pin(names))
+
+    def _chunks_of(self, layout: dict) -> Iterator[tuple[dict, list[str | None], Chunk]]:
+        """Each chunk with state in ``layout``, in order: its parameter's layout entry, its row keys, itself."""
+        for rec in self._records:
+            st = layout["state"].get(rec.index)
+            if st is not None:
                 keys = self._row_keys(rec)
                 for c in rec.chunks:
-                    self._io.read(c, c.gen, slot).result()
-                    values = self._io.layout.chunk_state(c, self._io.layout.chunk_rows(c, slot)).values()
-                    for key, value in zip(keys, values):
-                        if key is not None:
-                            sink(st[key], c.elements, value)  # a compact state's moments widened or decoded
+                    yield st, keys, c
 
     def _row_keys(self, rec: Record) -> list[str | None]:
         """The state dict key of each of ``rec``'s chunks' :meth:`ChunkState.values` (None: the weights of a
@@ -160,3 +185,77 @@ class StateCodec:
 
 def _copy_elements(tensor: torch.Tensor, elements: slice, out: torch.Tensor) -> None:
     out.copy_(tensor.detach().reshape(-1)[elements])
+
+
+@dataclass
+class _Held:
+    """One chunk of a :class:`StateSnapshot`: where its values go, and its generation (or a resident copy)."""
+
+    state: dict  # the layout's entry of its parameter: key -> placeholder
+    keys: list[str | None]  # the state dict key of each of its values (None: not saved)
+    chunk: Chunk
+    gen: int
+    copy: torch.Tensor | None  # a resident chunk's rows, copied when the snapshot was taken
+    master: bool  # whether its weights' row is saved (and read)
+
+
+class StateSnapshot:
+    """The optimizer state of one step, held while the next steps run, streamed from any thread by
+    :meth:`stream` through buffers of its own (not the optimizer's slots). The store keeps the step's
+    generation of each chunk (a :class:`~nvoffload.io.StorePin`: the next commits' deletes leave its extents
+    alone, so nothing the snapshot reads is overwritten and no step waits for it) until :meth:`release`:
+    on NVMe, one more generation of the state at most."""
+
+    def __init__(self, io: ChunkIO, items: list[_Held], pin):
+        self._io, self._items, self._pin = io, items, pin
+
+    def _rows_numel(self, held: _Held) -> int:
+        return self._io.layout.rows(held.chunk.record) * held.chunk.numel
+
+    def stream(self, sink: AsyncSink, *, max_bytes_in_flight: int) -> None:
+        """Call ``sink(placeholder, elements, values)`` for every value of every chunk held, chunk by chunk in
+        order of elements (as :meth:`StateCodec.stream`); the reads run ahead and ``sink``'s writes behind,
+        in buffers of at most ``max_bytes_in_flight`` bytes in all (at least two chunks'): a buffer is read
+        into again once the writes ``sink`` returned for it are done."""
+        if not self._items:
+            return
+        largest = max(self._rows_numel(h) * 4 for h in self._items)
+        depth = max(2, min(len(self._items), max_bytes_in_flight // largest))
+        free: deque[torch.Tensor] = deque(aligned_empty(largest).view(torch.float32) for _ in range(depth))
+        reads: deque[tuple[_Held, torch.Tensor, torch.Tensor, Future]] = deque()
+        writes: deque[tuple[torch.Tensor, list[Future]]] = deque()
+
+        def hand_over() -> None:
+            held, buffer, rows, read = reads.popleft()
+            read.result()
+            values = self._io.layout.chunk_state(held.chunk, rows).values()
+            futures = [sink(held.state[key], held.chunk.elements, value) for key, value in zip(held.keys, values) if key]
+            writes.append((buffer, [f for f in futures if f is not None]))
+
+        for held in self._items:
+            if not free:
+                if not writes:
+                    hand_over()
+                buffer, done = writes.popleft()
+                Future.all_of(done).result()
+                free.append(buffer)
+            buffer = free.popleft()
+            rows = buffer[: self._rows_numel(held)].view(-1, held.chunk.numel)
+            reads.append((held, buffer, rows, self._read(held, rows)))
+            if len(reads) > depth // 2:
+                hand_over()
+        while reads:
+            hand_over()
+        Future.all_of([f for _, done in writes for f in done]).result()
+
+    def _read(self, held: _Held, rows: torch.Tensor) -> Future:
+        if held.copy is not None:
+            rows.copy_(held.copy)
+            return Future.completed()
+        entries = self._io.layout.entries(held.chunk, held.gen, rows, master=held.master)
+        return Future.all_of([self._pin.get(name, out=out) for name, out in entries])
+
+    def release(self) -> None:
+        """Let the store reuse the generations held (those the next steps replaced). Idempotent."""
+        self._pin.release()
+        self._items = []

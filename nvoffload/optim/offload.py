@@ -108,7 +108,7 @@ import torch
 from nvoffload.distributed import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, Ranks, Sharding
 from nvoffload.memory import retain_freed_host_memory
 from nvoffload.optim._chunk_io import ChunkIO, ResidentState, WeightHome
-from nvoffload.optim._codec import StateCodec
+from nvoffload.optim._codec import StateCodec, StateSnapshot
 from nvoffload.optim._hf_trainer import check_trainer_optimizer, check_trainer_recipe, log_optimizer_grad_norm
 from nvoffload.optim._layout import ALIGN_NUMEL, STATE_PRECISIONS, Layout, Record
 from nvoffload.optim._pipeline import Pipeline
@@ -740,6 +740,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         than memory (:func:`nvoffload.save_training_checkpoint`)."""
         self._check_open()
         self._codec.stream(layout, sink)
+
+    def snapshot_state(self, layout: dict) -> StateSnapshot:
+        """Hold the state of ``layout``'s tensors (from :meth:`state_layout`, no step since) for streaming while
+        the next steps run (:meth:`StateSnapshot.stream`, from any thread): a background checkpoint
+        (:func:`nvoffload.start_training_checkpoint`). Release it once streamed (one more generation of the
+        state stays on NVMe until then); close the optimizer only after."""
+        self._check_open()
+        return self._codec.snapshot(layout)
 
     def load_state_dict(
         self, state_dict: dict, *, source: Callable[[torch.Tensor, slice, torch.Tensor], None] | None = None

@@ -63,7 +63,10 @@ from nvoffload.optim.kernels import FP8_BLOCK
 from nvoffload.planner.contention import overlapped_s
 from nvoffload.planner.profile import MachineProfile
 
-__all__ = ["ModelShape", "Plan", "PlanRequest", "SwapBytes", "block_flops", "human_count", "human_size", "plan", "swap_bytes"]
+__all__ = [
+    "CheckpointCost", "ModelShape", "Plan", "PlanRequest", "SwapBytes", "block_flops", "checkpoint_cost", "checkpoint_line",
+    "human_count", "human_size", "plan", "swap_bytes",
+]  # fmt: skip
 
 # Bytes of the optimizer state a parameter, (store read, store written, host memory a resident generation takes) per
 # step, by state precision: exact (fp32 master and two moments), bf16 moments beside the fp32 master, and for bf16
@@ -841,3 +844,63 @@ def _accuracy_notes(m: ModelShape, stream: bool, kind: str, profile: MachineProf
         " with the model on the device and activations kept, and on the small preset (3.26M) streamed with activation"
         " offload (1.04x); other choices below that size are not checked: take its tokens/s as an estimate"
     ]
+
+
+@dataclass(frozen=True)
+class CheckpointCost:
+    """What a training checkpoint of a plan's run costs (:func:`checkpoint_cost`), one rank's.
+
+    ``model_bytes`` (the weights, written with training stopped: ``stall_s``) and ``state_bytes`` (the
+    optimizer's state files, fp32 per element: two moments and, for 16-bit weights with a master, the master)
+    are the checkpoint's; ``read_bytes``, one generation of the state read from the swap drives (the resident
+    state's part from host memory). ``seconds``: all of it alone on the drives, the state's copy read and
+    written through the same drives (a checkpoint directory on them). ``idle_s``: the drives' time free in each
+    step of the plan, which the copy fills beside the steps."""
+
+    model_bytes: int
+    state_bytes: int
+    read_bytes: int
+    seconds: float
+    stall_s: float
+    idle_s: float
+    step_s: float
+
+    @property
+    def nbytes(self) -> int:
+        return self.model_bytes + self.state_bytes
+
+    def run_overhead(self, save_every: int) -> float:
+        """The fraction of a run's time ``--save-every save_every`` adds: the model's weights with training
+        stopped, and what the state's copy does not fit in the drives' idle time of the steps until the next."""
+        background = self.seconds - self.stall_s
+        added = self.stall_s + max(0.0, background - save_every * self.idle_s)
+        return added / (save_every * self.step_s)
+
+
+def checkpoint_cost(chosen: Plan, profile: MachineProfile) -> CheckpointCost:
+    """The time and bytes of a checkpoint of ``chosen``'s run (:func:`nvoffload.start_training_checkpoint`), and
+    through :meth:`CheckpointCost.run_overhead` what ``--save-every N`` costs the run."""
+    r = chosen.request
+    trainable = r.trainable_params // r.ranks
+    master = r.dtype != "float32" and not (r.dtype == "bfloat16" and r.state_precision in _WITH_MASTER)
+    state_bytes = trainable * 4 * (3 if master else 2)
+    stored = trainable * state_bytes_per_param(r.state_precision, r.dtype)[1]
+    read_bytes = max(0, stored - chosen.resident_state_bytes // 2)
+    model_bytes = r.model.params * _DTYPE_BYTES[r.dtype]  # rank 0 writes the model
+    drives = profile.nvme(r.swap_dirs)
+    write_s = (model_bytes + state_bytes) / (drives.write_gbps * 1e9)
+    stall_s = model_bytes / (drives.write_gbps * 1e9)
+    seconds = write_s + read_bytes / (drives.read_gbps * 1e9)
+    idle_s = max(0.0, chosen.step_s - chosen.engine_s.get("nvme", 0.0))
+    return CheckpointCost(model_bytes, state_bytes, read_bytes, seconds, stall_s, idle_s, chosen.step_s)
+
+
+def checkpoint_line(chosen: Plan, profile: MachineProfile) -> str:
+    """What ``nvoffload plan`` says of a checkpoint of ``chosen``'s run."""
+    c = checkpoint_cost(chosen, profile)
+    every = ", ".join(f"{100 * c.run_overhead(n):.2g}% every {n} steps" for n in (10, 100, 1000))
+    return (
+        f"checkpoint: {human_size(c.nbytes)} (model {human_size(c.model_bytes)}, optimizer state"
+        f" {human_size(c.state_bytes)}), {c.seconds:.3g} s on the drives, {c.stall_s:.3g} s of it with training"
+        f" stopped (the model), the rest beside the steps; --save-every adds {every}"
+    )

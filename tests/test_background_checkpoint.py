@@ -1,0 +1,221 @@
+"""Background checkpoints: the state of one step, written while the next steps run, equals a checkpoint taken
+with training stopped (file by file), and a run resumed from it ends bit-identical; the store's pins keep what
+they hold; the writer's host buffers are bounded; a kill at a named phase of the writer leaves the previous
+checkpoint loadable and the resume bit-identical."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_training_checkpoint import CFG, SAVE_AT, STEPS, Run, _assert_equal, _batch, _state
+
+import nvoffload
+from nvoffload.checkpoint_writer import hold_at
+from nvoffload.io import TensorStore
+from nvoffload.models import GPT
+from nvoffload.optim import NVMeAdamW
+from nvoffload.training_checkpoint import MANIFEST, latest_training_checkpoint, verify_training_checkpoint
+
+
+def _start(run: Run, directory, **kw):
+    return nvoffload.start_training_checkpoint(
+        directory, step=run.step, model=run.model, optimizer=run.opt, scheduler=run.sched,
+        extra={"losses": list(run.losses)}, **kw,
+    )  # fmt: skip
+
+
+def _files(path) -> dict[str, bytes]:
+    root = Path(path)
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def test_a_pin_keeps_a_tensor_deleted_or_replaced_until_released(tmp_path):
+    with TensorStore(tmp_path) as store:
+        store.put("a", torch.arange(4096, dtype=torch.float32)).result()
+        store.put("b", torch.ones(10)).result()
+        pin = store.pin(["a", "b"])
+        store.put("a", torch.zeros(4096)).result()  # replaced
+        store.delete("b")
+        used = store.used_bytes
+        store.put("c", torch.full((8192,), 7.0)).result()  # may not take the pinned extents
+        assert store.used_bytes == used + 8192 * 4
+        assert torch.equal(pin.get("a").result(), torch.arange(4096, dtype=torch.float32))
+        assert torch.equal(pin.get("b").result(), torch.ones(10))
+        assert torch.equal(store.get("a").result(), torch.zeros(4096)) and "b" not in store
+        pin.release()
+        assert store.used_bytes == used + 8192 * 4 - 4096 * 4 - 4096  # the old "a" and "b" freed (4 KiB-aligned)
+        with pytest.raises(RuntimeError, match="released"):
+            pin.get("a")
+        with pytest.raises(KeyError, match="'b'"):
+            store.pin(["a", "b"])
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "stream"])
+def test_a_background_checkpoint_holds_its_step_while_training_goes_on(tmp_path, mode):
+    stopped = Run(mode, tmp_path / "a")
+    stopped.train(SAVE_AT)
+    stopped.save(tmp_path / "stopped")  # training waits until it is written
+    stopped.train(STEPS - SAVE_AT)
+    expected_weights, expected_state, expected_losses = stopped.weights(), _state(stopped), stopped.losses
+    stopped.close()
+
+    run = Run(mode, tmp_path / "b")
+    run.train(SAVE_AT)
+    with hold_at("state") as go:  # the writer stops half-way through the optimizer state
+        job = _start(run, tmp_path / "background")
+        run.train(STEPS - SAVE_AT)  # the next steps commit their state beside it
+        assert not job.done()
+        with pytest.raises(TimeoutError, match=f"checkpoint of step {SAVE_AT} is still being written"):
+            job.wait(timeout_s=0.01)
+        go.set()
+        saved = job.wait()
+    assert saved.step == SAVE_AT and job.seconds is not None and job.nbytes > 0
+    assert run.losses == expected_losses  # the steps beside it trained as without it
+    _assert_equal(run.weights(), expected_weights)
+    run.close()
+
+    ckpt = f"checkpoint-{SAVE_AT}"
+    assert _files(tmp_path / "background" / ckpt) == _files(tmp_path / "stopped" / ckpt)  # bit for bit
+    resumed = Run(mode, tmp_path / "c", seed=7)
+    assert resumed.load(tmp_path / "background").step == SAVE_AT
+    resumed.train(STEPS - SAVE_AT)
+    assert resumed.losses == expected_losses
+    _assert_equal(resumed.weights(), expected_weights)
+    _assert_equal(_state(resumed), expected_state)
+    resumed.close()
+
+
+def test_a_background_checkpoint_of_resident_state_holds_its_step(tmp_path):
+    """A chunk kept resident in host memory writes the generation after next into the buffer of the one held:
+    the checkpoint copies it when it starts."""
+
+    def train(model, opt, steps: int) -> None:
+        for _ in range(steps):
+            model(*_batch()).backward()
+            opt.step()
+            opt.zero_grad()
+
+    saved = {}
+    for name in ("stopped", "background"):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        with NVMeAdamW(model.parameters(), lr=3e-3, swap_dir=tmp_path, resident_state_bytes=1 << 20) as opt:
+            train(model, opt, SAVE_AT)
+            assert opt.memory_stats().resident_state_bytes > 0
+            with hold_at("copy") as go:  # before the first chunk is read
+                job = nvoffload.start_training_checkpoint(tmp_path / name, step=SAVE_AT, model=model, optimizer=opt)
+                if name == "background":
+                    train(model, opt, 3)  # the held generation's buffers written again
+                go.set()
+                saved[name] = _files(job.wait().path)
+    assert saved["background"] == saved["stopped"]
+
+
+def test_a_failed_background_checkpoint_raises_from_wait_and_leaves_nothing(tmp_path):
+    run = Run("optimizer", tmp_path / "swap")
+    run.train(1)
+    _start(run, tmp_path / "ckpt").wait()
+    run.train(1)
+    with hold_at("copy") as go:
+        job = _start(run, tmp_path / "ckpt")
+        run.opt._store.inject_fault("eio", after_ops=0)  # the copy's first read of the held state fails
+        go.set()
+        with pytest.raises(OSError, match="Input/output error"):
+            job.wait()
+    assert os.listdir(tmp_path / "ckpt") == ["checkpoint-1"]  # nothing of it left, its lock released
+    run.train(1)  # training goes on, and so do checkpoints
+    assert _start(run, tmp_path / "ckpt").wait().step == 3
+    run.close()
+
+
+def test_the_writer_holds_a_bounded_number_of_chunks_and_a_new_checkpoint_waits_for_the_last(tmp_path):
+    run = Run("optimizer", tmp_path / "swap", cpu_memory_bytes=8 << 20)
+    run.train(2)
+    layout = run.opt.state_layout()
+    snapshot = run.opt.snapshot_state(layout)
+    buffers, calls = set(), []
+
+    def sink(placeholder, elements, values):
+        buffers.add(values.untyped_storage().data_ptr())
+        calls.append(elements)
+
+    snapshot.stream(sink, max_bytes_in_flight=1)  # the least: two chunks' buffers
+    snapshot.release()
+    assert len(buffers) == 2 and len(calls) > 4
+
+    with hold_at("manifest") as go:
+        first = _start(run, tmp_path / "ckpt", keep_last=2)
+        run.train(1)
+        assert not first.done()
+        go.set()
+        second = _start(run, tmp_path / "ckpt", keep_last=2)  # waits for the first before it starts
+        assert first.done()
+    assert [first.wait().step, second.wait().step] == [2, 3]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint-2", "checkpoint-3"]
+    run.close()
+
+
+_CHILD = """
+import os, sys
+sys.path.insert(0, {tests!r})
+import torch
+from test_background_checkpoint import _start
+from test_training_checkpoint import Run
+run = Run("optimizer", {swap!r})
+run.train(2)
+run.save({ckpt!r})
+run.train(1)
+os.environ["NVOFFLOAD_CHECKPOINT_STOP_AT"] = {stop_at!r}  # this one only
+job = _start(run, {ckpt!r})
+run.train(1)
+job.wait()
+print("not killed")
+"""
+
+
+@pytest.mark.parametrize("phase", ["state", "manifest"])
+def test_a_kill_during_a_background_checkpoint_leaves_the_previous_one(tmp_path, phase):
+    whole = Run("optimizer", tmp_path / "whole")
+    whole.train(STEPS)
+    expected_weights, expected_losses = whole.weights(), whole.losses
+    whole.close()
+
+    marker = tmp_path / "stopped"
+    script = _CHILD.format(
+        tests=str(Path(__file__).parent), swap=str(tmp_path / "swap"), ckpt=str(tmp_path / "ckpt"),
+        stop_at=f"{phase}:{marker}",
+    )  # fmt: skip
+    (tmp_path / "swap").mkdir()
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():  # the writer reached the phase and stopped the process there
+            assert child.poll() is None and time.monotonic() < deadline, child.stdout.read()
+            time.sleep(0.01)
+        assert any(e.startswith(".checkpoint-3.tmp-") for e in os.listdir(tmp_path / "ckpt"))
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(60)
+        child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
+    assert latest_training_checkpoint(tmp_path / "ckpt").step == 2
+    assert verify_training_checkpoint(tmp_path / "ckpt").step == 2
+    assert not os.path.exists(tmp_path / "ckpt" / "checkpoint-3" / MANIFEST)
+
+    resumed = Run("optimizer", tmp_path / "resume", seed=7)
+    with pytest.warns(UserWarning, match="removed 1 partial checkpoint"):
+        release = nvoffload.training_checkpoint.claim_checkpoint_directory(tmp_path / "ckpt")
+    release()
+    assert resumed.load(tmp_path / "ckpt").step == 2
+    resumed.train(STEPS - 2)
+    assert resumed.losses == expected_losses
+    _assert_equal(resumed.weights(), expected_weights)
+    resumed.close()
