@@ -311,15 +311,60 @@ def _join_ranks(config: FinetuneConfig) -> bool:
 def _finetune(
     config: FinetuneConfig, progress: bool, on_step: Callable[[StepStats], None] | None, on_message: Callable[[str], None]
 ) -> FinetuneResult:
+    """The recipe: every check before anything is created, the swap directory, the model and its optimizer, the
+    loop (steps, evaluation, checkpoints), the weights saved."""
+    setup = _checked_setup(config, on_message)
+    swap_dir, owned_dir, release = _run_swap_dir(config, setup.rank, setup.world)
+    checkpoint_release = None
+    try:
+        _check_swap_space(config, setup.shape, setup.seq_len, swap_dir)
+        if config.checkpoint_dir is not None:  # held until the run ends: a second run on it is refused
+            # once every check passed
+            checkpoint_release = _claim_checkpoint_directory(config.checkpoint_dir, setup.rank, setup.world)
+        with _host_budgets_named(config):
+            model, opt = _build(config, swap_dir, setup.hf)
+        with opt, contextlib.ExitStack() as cleanup:
+            _check_saveable(model, config)
+            result = _Loop.started(config, setup, model, opt, swap_dir, progress, on_step, cleanup).run()
+            if config.save_to is not None and setup.rank == 0:  # every rank holds the same weights
+                _save(model, opt, config.save_to, setup.hf)
+                setup.say(f"weights written to {config.save_to}")
+    finally:
+        if owned_dir is not None:
+            shutil.rmtree(owned_dir, ignore_errors=True)
+        if release is not None:
+            release()
+        if checkpoint_release is not None:
+            checkpoint_release()
+    return result
+
+
+@dataclass
+class _Setup:
+    """What the checks before anything is created found: this rank's rows of each batch, the device, the model
+    directory, the data."""
+
+    rank: int
+    world: int
+    say: Callable[[str], None]  # rank 0's messages
+    rows: slice
+    dev: torch.device
+    hf: _HFModel | None
+    seq_len: int
+    data: TokenDataset | SFTDataset
+    eval_data: SFTDataset | None
+    shape: object  # the planner's ModelShape, or None
+
+
+def _checked_setup(config: FinetuneConfig, on_message: Callable[[str], None]) -> _Setup:
+    """Every check before anything is created (the checkpoint directory, the default swap directory, swap files)."""
     rank, world = _rank()
-    say = on_message if rank == 0 else lambda line: None
     if config.batch_size % world:
         raise ValueError(f"batch_size {config.batch_size} does not split evenly between {world} ranks")
     rows = slice(rank * config.batch_size // world, (rank + 1) * config.batch_size // world)  # this rank's part
     dev = torch.device(config.device)
     if dev.type == "cuda" and world > 1:
         dev = torch.device("cuda", torch.cuda.current_device())
-    # Every check before anything is created (the checkpoint directory, the default swap directory, swap files).
     if rank == 0:
         _check_save_to(config)
     if config.checkpoint_dir is not None:
@@ -340,7 +385,12 @@ def _finetune(
     shape = _model_shape(config)
     if shape is not None:
         _check_batch_memory(config, shape, rows.stop - rows.start, seq_len, dev)
+    say = on_message if rank == 0 else lambda line: None
+    return _Setup(rank, world, say, rows, dev, hf, seq_len, data, eval_data, shape)
 
+
+def _run_swap_dir(config: FinetuneConfig, rank: int, world: int) -> tuple[str, str | None, Callable[[], None] | None]:
+    """This run's swap directory, the one it made for itself (removed at the end) and its claim (released then)."""
     owned_dir = release = None
     swap_dir = config.swap_dir
     if swap_dir is not None and world > 1:
@@ -356,169 +406,207 @@ def _finetune(
             owned_dir = swap_dir = tempfile.mkdtemp(prefix=_RUN_DIR_PREFIX, dir=swap_dir)
         else:
             _remove_abandoned_run_dirs(swap_dir)
-    bar = checkpoint_release = None
-    try:
-        _check_swap_space(config, shape, seq_len, swap_dir)
-        if config.checkpoint_dir is not None:  # held until the run ends: a second run on it is refused
-            checkpoint_release = _claim_checkpoint_directory(config.checkpoint_dir, rank, world)  # once every check passed
-        with _host_budgets_named(config):
-            model, opt = _build(config, swap_dir, hf)
-        with opt, contextlib.ExitStack() as cleanup:
-            _check_saveable(model, config)
-            result = FinetuneResult(config, sum(p.numel() for p in model.parameters()))
-            session = opt.session
-            offloaded = None
-            if config.offload_activations and session is None:  # streaming sends them through the session
-                with _host_budgets_named(config):
-                    given = config.activation_memory_bytes
-                    offloaded = cleanup.enter_context(contextlib.closing(offload_activations(
-                        swap_dir, host_memory_bytes=None if given is None else given + config.activation_host_bytes,
-                        host_resident_bytes=config.activation_host_bytes,
-                    )))  # fmt: skip
-            activations = offloaded or contextlib.nullcontext()
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (config.warmup_steps + 1)))
-            if progress and rank == 0:
-                from tqdm import tqdm
+    return swap_dir, owned_dir, release
 
-                bar = tqdm(total=config.steps, desc="finetune", unit="step", dynamic_ncols=True)
-            # float16: dynamic loss scaling, by a GradScaler, or by the optimizer when gradients are released
-            scaler = None
-            if config.dtype == "float16" and session is None:
-                scaler = torch.amp.GradScaler(dev.type)
-            state = {"model": model, "optimizer": opt, "scheduler": sched, "grad_scaler": scaler}
-            if config.checkpoint_dir is not None:  # written beside the next steps; waited for before opt closes
-                checkpoints = Checkpoints(config.checkpoint_dir, config.keep_last, say, state)
-                cleanup.callback(checkpoints.close)
-            staging = session.config.activation_staging_bytes if session is not None else offloaded.config.host_bytes() - config.activation_host_bytes if offloaded else 0
-            vertical = uses_vertical_schedule(config, world)
-            for line in header(config, result.num_parameters, seq_len, swap_dir, world, activation_staging_bytes=staging):
-                say(line)
-            first = 1
-            if config.resume:
-                latest = latest_training_checkpoint(config.checkpoint_dir)
-                if latest is not None:
-                    done = load_training_checkpoint(config.checkpoint_dir, keep_last=config.keep_last, **state)  # the newest that loads
-                    try:
-                        data.load_state_dict(done.extra["data"])
-                    except KeyError:  # a --text run's generator state for --data, or the other way round
-                        raise ValueError(
-                            f"{done.path} holds a position in other data than {config.data_path or 'the text'}"
-                            " (--text and --data take different positions): resume with the data it was trained on"
-                        ) from None
-                    first = done.step + 1
-                    say(f"resumed from {done.path}: step {done.step} of {config.steps} done")
-                    if bar is not None:
-                        bar.update(done.step)
-                else:
-                    say(f"no checkpoint in {config.checkpoint_dir} to resume from: starting at step 1")
-            log, drawn = None, -math.inf
-            if config.metrics_dir is not None and rank == 0:
-                log = cleanup.enter_context(MetricsLog(config.metrics_dir, resume_step=first - 1 if first > 1 else None))
-            traced = min(first + 1, config.steps) if config.trace_path is not None else None
-            for step in range(first, config.steps + 1):
-                if session is not None:
-                    session.reset_stats()
-                else:
-                    opt.reset_io_stats()
+
+@dataclass
+class _Loop:
+    """The training loop of one run: its steps (:meth:`train`), then what each step reports (:meth:`after`):
+    evaluation, the metrics, the progress bar and the checkpoints."""
+
+    config: FinetuneConfig
+    setup: _Setup
+    model: nn.Module
+    opt: OffloadOptimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler | None  # float16 without streaming: dynamic loss scaling by a GradScaler
+    offloaded: offload_activations | None  # activation offload of a run that does not stream
+    result: FinetuneResult
+    on_step: Callable[[StepStats], None] | None
+    vertical: bool
+    bar: object = None
+    checkpoints: Checkpoints | None = None
+    log: MetricsLog | None = None
+    first: int = 1
+    drawn: float = -math.inf
+
+    @classmethod
+    def started(cls, config, setup: _Setup, model, opt, swap_dir: str, progress: bool, on_step, cleanup) -> _Loop:
+        """The loop's parts made, the header said, a checkpoint resumed; ``cleanup`` closes them."""
+        session = opt.session
+        offloaded = None
+        if config.offload_activations and session is None:  # streaming sends them through the session
+            with _host_budgets_named(config):
+                given = config.activation_memory_bytes
+                offloaded = cleanup.enter_context(contextlib.closing(offload_activations(
+                    swap_dir, host_memory_bytes=None if given is None else given + config.activation_host_bytes,
+                    host_resident_bytes=config.activation_host_bytes,
+                )))  # fmt: skip
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (config.warmup_steps + 1)))
+        scaler = torch.amp.GradScaler(setup.dev.type) if config.dtype == "float16" and session is None else None
+        result = FinetuneResult(config, sum(p.numel() for p in model.parameters()))
+        loop = cls(config, setup, model, opt, sched, scaler, offloaded, result, on_step,
+                   uses_vertical_schedule(config, setup.world))  # fmt: skip
+        if progress and setup.rank == 0:
+            from tqdm import tqdm
+
+            loop.bar = tqdm(total=config.steps, desc="finetune", unit="step", dynamic_ncols=True)
+            cleanup.callback(loop.bar.close)  # last: after the checkpoints' messages
+        state = {"model": model, "optimizer": opt, "scheduler": sched, "grad_scaler": scaler}
+        if config.checkpoint_dir is not None:  # written beside the next steps; waited for before opt closes
+            loop.checkpoints = Checkpoints(config.checkpoint_dir, config.keep_last, setup.say, state)
+            cleanup.callback(loop.checkpoints.close)
+        staging = (
+            session.config.activation_staging_bytes if session is not None
+            else offloaded.config.host_bytes() - config.activation_host_bytes if offloaded else 0
+        )  # fmt: skip
+        for line in header(config, loop.result.num_parameters, setup.seq_len, swap_dir, setup.world,
+                           activation_staging_bytes=staging):  # fmt: skip
+            setup.say(line)
+        if config.resume:
+            loop.first = loop._resumed(state)
+        if config.metrics_dir is not None and setup.rank == 0:
+            resume_step = loop.first - 1 if loop.first > 1 else None
+            loop.log = cleanup.enter_context(MetricsLog(config.metrics_dir, resume_step=resume_step))
+        return loop
+
+    def _resumed(self, state: dict) -> int:
+        """The first step to run: after the newest checkpoint that loads into ``state``, or 1 when there is none."""
+        config, say = self.config, self.setup.say
+        if latest_training_checkpoint(config.checkpoint_dir) is None:
+            say(f"no checkpoint in {config.checkpoint_dir} to resume from: starting at step 1")
+            return 1
+        # the newest that loads
+        done = load_training_checkpoint(config.checkpoint_dir, keep_last=config.keep_last, **state)
+        try:
+            self.setup.data.load_state_dict(done.extra["data"])
+        except KeyError:  # a --text run's generator state for --data, or the other way round
+            raise ValueError(
+                f"{done.path} holds a position in other data than {config.data_path or 'the text'}"
+                " (--text and --data take different positions): resume with the data it was trained on"
+            ) from None
+        say(f"resumed from {done.path}: step {done.step} of {config.steps} done")
+        if self.bar is not None:
+            self.bar.update(done.step)
+        return done.step + 1
+
+    def run(self) -> FinetuneResult:
+        config = self.config
+        traced = min(self.first + 1, config.steps) if config.trace_path is not None else None
+        with contextlib.ExitStack() as tracing:
+            for step in range(self.first, config.steps + 1):
                 if step == traced:
-                    cleanup.callback(trace.stop)  # an error in the step ends the trace too (stop() again: no-op)
+                    tracing.callback(trace.stop)  # an error in the step ends the trace too (stop() again: no-op)
                     trace.start()
-                t0 = time.perf_counter()
-                if offloaded is not None:
-                    offloaded.reset_peaks()
-                    offloaded_before = _to_nvme(offloaded.stats())
-                total = torch.zeros((), device=dev)
-                lr = sched.get_last_lr()[0]
-                # Every micro-batch of the step first: the loss is the mean over all their targets. The batches
-                # are the same on every rank: each takes its rows.
-                batches = [_batch(data, config.batch_size) for _ in range(config.grad_accum_steps)]
-                per_rank_items = sum(b.num_items for b in batches) / world  # the ranks' gradients are averaged
-                if not per_rank_items:
-                    raise ValueError(
-                        f"step {step}: its examples have no token to take the loss on; examples longer than seq_len"
-                        f" + 1 = {batches[0].input_ids.shape[1] + 1} tokens are cut there: raise seq_len, or train on every"
-                        " token (loss_on all)"
-                    )
-                norm = None
-                if vertical:  # every block over all the micro-batches while it is on the device; steps the optimizer
-                    parts = [b.select(rows).to(dev) for b in batches]
-                    total += causal_lm_vertical_step(opt, parts, per_rank_items).float().sum()
-                else:
-                    for b in batches:
-                        with activations:
-                            loss = causal_lm_loss(model, b.select(rows).to(dev), per_rank_items)
-                        total += loss.detach().float()
-                        if scaler is not None:
-                            loss = scaler.scale(loss)
-                        elif session is not None:
-                            loss = opt.scale_loss(loss)  # the loss itself without loss_scaling
-                        loss.backward()
-                    if session is None and log is not None:  # from the gradients, there until zero_grad(): a host wait
-                        norm = opt.grad_norm()
-                        norm = norm / scaler.get_scale() if scaler is not None and norm is not None else norm
-                    if scaler is not None:
-                        scaler.step(opt)
-                        scaler.update()
-                    else:
-                        opt.step()
-                if session is not None:
-                    norm = opt.grad_norm()  # measured as backward consumed them: the norm the step clipped against
-                sched.step()
-                opt.zero_grad()
-                if step == config.steps:
-                    opt.synchronize()  # a delayed update lands: the run ends with every update applied
-                total = total.item()  # the step's one wait for the device
-                if world > 1:  # the global batch's loss: the sum of the ranks' parts
-                    total = opt.ranks.sum(total, "the step's loss") / world
-                if not math.isfinite(total):  # every rank sees the same sum: all stop here
-                    kept = f"; the checkpoints in {config.checkpoint_dir} are of the steps before" if config.checkpoint_dir else ""
-                    raise FloatingPointError(
-                        f"the loss is {total} at step {step}: training stopped, nothing of this step saved{kept}"
-                        f" (lower the learning rate, or clip with max_grad_norm)"
-                    )
+                stats = self.train(step)
                 if step == traced:
                     trace.stop(config.trace_path)
-                tokens = sum(b.input_ids.numel() for b in batches)
-                stats = _step_stats(step, total, tokens, time.perf_counter() - t0, opt, dev, lr=lr, grad_norm=norm)
-                if offloaded is not None:
-                    done_offloading = offloaded.stats()
-                    stats = dataclasses.replace(stats, activation_written_bytes=_to_nvme(done_offloading) - offloaded_before,
-                                                activation_held_bytes=done_offloading.peak_resident_bytes)  # fmt: skip
-                if eval_data is not None and (step == config.steps or (config.eval_every and step % config.eval_every == 0)):
-                    ev = evaluate(model, eval_data.batches(config.batch_size), dev)  # on every rank, all of it
-                    stats = dataclasses.replace(stats, eval_loss=ev.loss, eval_perplexity=ev.perplexity)
-                if log is not None:
-                    log.record(step, **{k: v for k, v in dataclasses.asdict(stats).items() if k in _RECORDED})
-                result.steps.append(stats)
-                if bar is not None:
-                    bar.set_postfix_str(step_postfix(stats, dev), refresh=False)
-                    bar.update()
-                if on_step is not None:
-                    on_step(stats)
-                if config.checkpoint_dir is not None:
-                    checkpoints.after_step()
-                if config.checkpoint_dir is not None and (
-                    step == config.steps or (config.save_every is not None and step % config.save_every == 0)
-                ):
-                    checkpoints.save(step, {"data": data.state_dict()}, last=step == config.steps)
-                    if log is not None and time.monotonic() - drawn >= _REDRAW_AFTER_S:
-                        log.plot()
-                        drawn = time.monotonic()
-            if log is not None:
-                result = dataclasses.replace(result, metrics_path=log.path, plot_path=log.plot())
-            if config.save_to is not None and rank == 0:  # every rank holds the same weights
-                _save(model, opt, config.save_to, hf)
-                say(f"weights written to {config.save_to}")
-    finally:
-        if bar is not None:
-            bar.close()
-        if owned_dir is not None:
-            shutil.rmtree(owned_dir, ignore_errors=True)
-        if release is not None:
-            release()
-        if checkpoint_release is not None:
-            checkpoint_release()
-    return result
+                self.after(step, stats)
+        if self.log is not None:
+            self.result = dataclasses.replace(self.result, metrics_path=self.log.path, plot_path=self.log.plot())
+        return self.result
+
+    def train(self, step: int) -> StepStats:
+        """One optimizer step over ``grad_accum_steps`` micro-batches; its statistics."""
+        config, opt, dev, world = self.config, self.opt, self.setup.dev, self.setup.world
+        if opt.session is not None:
+            opt.session.reset_stats()
+        else:
+            opt.reset_io_stats()
+        t0 = time.perf_counter()
+        if self.offloaded is not None:
+            self.offloaded.reset_peaks()
+            offloaded_before = _to_nvme(self.offloaded.stats())
+        lr = self.sched.get_last_lr()[0]
+        # Every micro-batch of the step first: the loss is the mean over all their targets. The batches are the
+        # same on every rank: each takes its rows.
+        batches = [_batch(self.setup.data, config.batch_size) for _ in range(config.grad_accum_steps)]
+        per_rank_items = sum(b.num_items for b in batches) / world  # the ranks' gradients are averaged
+        if not per_rank_items:
+            raise ValueError(
+                f"step {step}: its examples have no token to take the loss on; examples longer than seq_len"
+                f" + 1 = {batches[0].input_ids.shape[1] + 1} tokens are cut there: raise seq_len, or train on every"
+                " token (loss_on all)"
+            )
+        total, norm = self._forward_backward_step(batches, per_rank_items)
+        self.sched.step()
+        opt.zero_grad()
+        if step == config.steps:
+            opt.synchronize()  # a delayed update lands: the run ends with every update applied
+        total = total.item()  # the step's one wait for the device
+        if world > 1:  # the global batch's loss: the sum of the ranks' parts
+            total = opt.ranks.sum(total, "the step's loss") / world
+        if not math.isfinite(total):  # every rank sees the same sum: all stop here
+            kept = f"; the checkpoints in {config.checkpoint_dir} are of the steps before" if config.checkpoint_dir else ""  # fmt: skip
+            raise FloatingPointError(
+                f"the loss is {total} at step {step}: training stopped, nothing of this step saved{kept}"
+                f" (lower the learning rate, or clip with max_grad_norm)"
+            )
+        tokens = sum(b.input_ids.numel() for b in batches)
+        stats = _step_stats(step, total, tokens, time.perf_counter() - t0, opt, dev, lr=lr, grad_norm=norm)
+        if self.offloaded is not None:
+            done_offloading = self.offloaded.stats()
+            stats = dataclasses.replace(stats, activation_written_bytes=_to_nvme(done_offloading) - offloaded_before,
+                                        activation_held_bytes=done_offloading.peak_resident_bytes)  # fmt: skip
+        return stats
+
+    def _forward_backward_step(
+        self, batches: list[SFTBatch], per_rank_items: float
+    ) -> tuple[torch.Tensor, float | None]:  # fmt: skip
+        """Forward and backward of the step's micro-batches and the optimizer's step: their summed loss (on the
+        device) and the gradients' norm (None where it is not known)."""
+        opt, scaler, rows, dev = self.opt, self.scaler, self.setup.rows, self.setup.dev
+        total = torch.zeros((), device=dev)
+        norm = None
+        if self.vertical:  # every block over all the micro-batches while it is on the device; steps the optimizer
+            parts = [b.select(rows).to(dev) for b in batches]
+            total += causal_lm_vertical_step(opt, parts, per_rank_items).float().sum()
+        else:
+            activations = self.offloaded or contextlib.nullcontext()
+            for b in batches:
+                with activations:
+                    loss = causal_lm_loss(self.model, b.select(rows).to(dev), per_rank_items)
+                total += loss.detach().float()
+                if scaler is not None:
+                    loss = scaler.scale(loss)
+                elif opt.session is not None:
+                    loss = opt.scale_loss(loss)  # the loss itself without loss_scaling
+                loss.backward()
+            if opt.session is None and self.log is not None:  # from the gradients, there until zero_grad(): a host wait
+                norm = opt.grad_norm()
+                norm = norm / scaler.get_scale() if scaler is not None and norm is not None else norm
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        if opt.session is not None:
+            norm = opt.grad_norm()  # measured as backward consumed them: the norm the step clipped against
+        return total, norm
+
+    def after(self, step: int, stats: StepStats) -> None:
+        """What a step reports: its evaluation when due, its metrics, the progress bar, and a checkpoint when due."""
+        config = self.config
+        due = step == config.steps or (config.eval_every and step % config.eval_every == 0)
+        if self.setup.eval_data is not None and due:  # on every rank, all of it
+            ev = evaluate(self.model, self.setup.eval_data.batches(config.batch_size), self.setup.dev)
+            stats = dataclasses.replace(stats, eval_loss=ev.loss, eval_perplexity=ev.perplexity)
+        if self.log is not None:
+            self.log.record(step, **{k: v for k, v in dataclasses.asdict(stats).items() if k in _RECORDED})
+        self.result.steps.append(stats)
+        if self.bar is not None:
+            self.bar.set_postfix_str(step_postfix(stats, self.setup.dev), refresh=False)
+            self.bar.update()
+        if self.on_step is not None:
+            self.on_step(stats)
+        if self.checkpoints is None:
+            return
+        self.checkpoints.after_step()
+        if step == config.steps or (config.save_every is not None and step % config.save_every == 0):
+            self.checkpoints.save(step, {"data": self.setup.data.state_dict()}, last=step == config.steps)
+            if self.log is not None and time.monotonic() - self.drawn >= _REDRAW_AFTER_S:
+                self.log.plot()
+                self.drawn = time.monotonic()
 
 
 def uses_vertical_schedule(config: FinetuneConfig, world: int = 1) -> bool:
