@@ -601,8 +601,36 @@ def _tokens_per_step(r: PlanRequest) -> int:
     return r.batch_size * r.grad_accum_steps * r.seq_len
 
 
-def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> Plan:
-    """One choice: ``stream`` or not, activations ``kind`` ("keep", "offload" or "recompute")."""
+@dataclass(frozen=True)
+class _Sizes:
+    """One choice's sizes, one rank's (:func:`_sizes`): bytes, or parameters where named."""
+
+    stream: bool
+    kind: str  # activations: "keep", "offload" or "recompute"
+    offload: bool
+    vertical: bool  # by the vertical schedule: kind "keep" or "offload" the blocks' inputs, the rest recomputed
+    delayed: bool  # a second copy of the trained weights: on the device, or streamed the blocks' twins
+    lora: bool
+    n: int  # ranks
+    g: int  # micro-batches a step
+    passes: int  # how often a step moves each block's weights and gradients
+    rows: int  # a rank's sequences of each micro-batch
+    trainable: int  # parameters: with LoRA the adapters
+    adapters: int  # parameters besides the model's own
+    shard: int  # the parameters whose optimizer state one rank keeps and updates
+    resident_trainable: int  # parameters outside the blocks that are trained
+    dtype_bytes: int
+    activations: int  # a micro-batch's saved activations
+    block_bytes: int
+    changed_block_bytes: int  # what an update writes of a block
+    block_inputs: int  # a micro-batch's
+    device_needs: int  # the weights (streamed: the blocks on the device) and gradients
+    activation_host: int  # activation offload's host memory
+    kept_activations: int  # on the device
+
+
+def _sizes(r: PlanRequest, stream: bool, kind: str) -> _Sizes:
+    """What one choice's weights, gradients and activations weigh, and what the device keeps of them."""
     m = r.model
     n = r.ranks
     rows = -(-r.batch_size // n)  # a rank's sequences of each micro-batch (the busiest rank's when they do not split)
@@ -640,26 +668,71 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
         kept_activations = block_inputs + activations // m.n_layer
     else:
         kept_activations = min(activations, activation_host * 4 // 3) if offload else activations
+    return _Sizes(
+        stream=stream, kind=kind, offload=offload, vertical=vertical, delayed=delayed, lora=lora, n=n, g=g, passes=passes,
+        rows=rows, trainable=trainable, adapters=adapters, shard=shard, resident_trainable=resident_trainable,
+        dtype_bytes=dtype_bytes, activations=activations, block_bytes=block_bytes, changed_block_bytes=changed_block_bytes,
+        block_inputs=block_inputs, device_needs=device_needs, activation_host=activation_host,
+        kept_activations=kept_activations,
+    )  # fmt: skip
 
-    reasons: list[str] = []
+
+@dataclass(frozen=True)
+class _HostSplit:
+    """How one choice's host budget is shared (:func:`_host_split`), bytes."""
+
+    stream_host: int  # left for parameter blocks (less the vertical schedule's block inputs kept in host memory)
+    aligned_block: int  # a block in the store's 4 KiB alignment
+    cached: int  # blocks the host cache holds
+    block_saved: list[int]  # the tensors a block saves for backward, offloaded
+    outside_saved: list[int]  # the tensors saved outside the blocks (the loss's log-probabilities), offloaded
+    act_io: int  # the offloaded activations a step moves between device and host
+    activations_in_host: int  # of them, those kept in host memory, not on NVMe
+    resident_host: int  # host memory holding optimizer state resident (two generations of it), not on NVMe
+
+
+def _host_split(r: PlanRequest, s: _Sizes) -> _HostSplit:
+    """The host budget between the optimizer's staging, the cached blocks, the offloaded block inputs kept there
+    and the optimizer state kept resident."""
+    m = r.model
     optimizer_host = int(r.cpu_memory_bytes * r.optimizer_memory_fraction)
-    stream_host = r.cpu_memory_bytes - optimizer_host - (activation_host if stream else 0)
-    aligned_block = -(-block_bytes // 4096) * 4096
+    stream_host = r.cpu_memory_bytes - optimizer_host - (s.activation_host if s.stream else 0)
+    aligned_block = -(-s.block_bytes // 4096) * 4096
     # delayed: each cached block beside its twin (the new weights its update writes while the block is read)
-    cached = min(m.n_layer, stream_host // ((2 if delayed else 1) * aligned_block)) if stream else m.n_layer
+    cached = min(m.n_layer, stream_host // ((2 if s.delayed else 1) * aligned_block)) if s.stream else m.n_layer
     # Streaming: what caching every block leaves, with OffloadConfig's default prefetch_blocks (1), which the plan's
     # offload_config keeps; the model on the device: what the optimizer's staging leaves (as finetune gives it).
-    leftover = resident_state_share(stream_host, [block_bytes] * m.n_layer if stream else [], 1, delayed_update=delayed)
+    leftover = resident_state_share(stream_host, [s.block_bytes] * m.n_layer if s.stream else [], 1, delayed_update=s.delayed)
     # The vertical schedule's offloaded block inputs (and what the head saves) stay in host memory as far as that
     # leftover holds them, NVMe beyond (OffloadConfig.activation_host_bytes): each byte kept there saves a byte
     # written and a byte read a step, more than a byte of resident optimizer state saves; the rest is for that.
-    block_saved, outside_saved = m.saved_tensor_bytes(rows, r.seq_len, dtype_bytes) if offload else ([], [])
-    if vertical and offload:  # what a checkpointed block saves: its input
-        block_saved = [block_inputs // m.n_layer]
-    act_io = g * ((block_inputs if vertical else activations) + sum(outside_saved)) if offload else 0
-    activations_in_host = min(act_io, leftover) // 4096 * 4096 if vertical and offload and stream else 0
+    block_saved, outside_saved = m.saved_tensor_bytes(s.rows, r.seq_len, s.dtype_bytes) if s.offload else ([], [])
+    if s.vertical and s.offload:  # what a checkpointed block saves: its input
+        block_saved = [s.block_inputs // m.n_layer]
+    act_io = s.g * ((s.block_inputs if s.vertical else s.activations) + sum(outside_saved)) if s.offload else 0
+    activations_in_host = min(act_io, leftover) // 4096 * 4096 if s.vertical and s.offload and s.stream else 0
     stream_host -= activations_in_host
-    resident_host = resident_state_share(stream_host, [block_bytes] * m.n_layer if stream else [], 1, delayed_update=delayed)
+    resident_host = resident_state_share(stream_host, [s.block_bytes] * m.n_layer if s.stream else [], 1, delayed_update=s.delayed)
+    return _HostSplit(
+        stream_host=stream_host, aligned_block=aligned_block, cached=cached, block_saved=block_saved,
+        outside_saved=outside_saved, act_io=act_io, activations_in_host=activations_in_host, resident_host=resident_host,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Memory:
+    """What one choice needs of each tier, bytes, and why it does not fit (:func:`_memory`)."""
+
+    device_used: int
+    host_used: int
+    space: SwapBytes  # what the swap directories hold
+    reasons: list[str]  # why it does not fit, and what would make it fit
+
+
+def _memory(r: PlanRequest, profile: MachineProfile, s: _Sizes, host: _HostSplit) -> _Memory:
+    """Each tier's bytes, and the refusals: what the choice cannot do or does not fit, and what would make it fit."""
+    m, n, delayed, stream_host, aligned_block = r.model, s.n, s.delayed, host.stream_host, host.aligned_block
+    reasons: list[str] = []
     if delayed and n > 1:
         reasons.append("delayed_update runs on one process: not over several ranks")
     if r.seq_len > m.max_seq_len:
@@ -670,69 +743,121 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
             f" of every micro-batch's sequences): take a multiple of {n}"
         )
     in_host = 5 if delayed else 3  # one block computing, one arriving, one read ahead; a twin and its block
-    if stream and stream_host < in_host * aligned_block:
-        need = int((in_host * aligned_block + activation_host) / (1 - r.optimizer_memory_fraction)) + 1
+    if s.stream and stream_host < in_host * aligned_block:
+        need = int((in_host * aligned_block + s.activation_host) / (1 - r.optimizer_memory_fraction)) + 1
         reasons.append(
             f"the host budget left for parameter blocks ({human_size(max(0, stream_host))}) holds fewer than"
-            f" {'five' if delayed else 'three'} blocks of {human_size(block_bytes)}: raise cpu_memory_bytes to at"
+            f" {'five' if delayed else 'three'} blocks of {human_size(s.block_bytes)}: raise cpu_memory_bytes to at"
             f" least {human_size(need)}"
         )
-    device_used = device_needs + kept_activations
+    device_used = s.device_needs + s.kept_activations
     if device_used > r.device_memory_bytes:
-        ways = [w for w, done in (("stream the parameters", stream), ("offload or recompute activations", kind != "keep")) if not done]
+        ways = [w for w, done in (("stream the parameters", s.stream), ("offload or recompute activations", s.kind != "keep")) if not done]
         ways += [f"give device_memory_bytes {human_size(device_used)}", "take a smaller batch or sequence"]
         reasons.append(
-            f"the device needs {human_size(device_used)} ({'streamed blocks and resident parameters' if stream else 'weights and gradients'}"
-            f" {human_size(device_needs)}, activations {human_size(kept_activations)}), more than device_memory_bytes"
+            f"the device needs {human_size(device_used)} ({'streamed blocks and resident parameters' if s.stream else 'weights and gradients'}"
+            f" {human_size(s.device_needs)}, activations {human_size(s.kept_activations)}), more than device_memory_bytes"
             f" {human_size(r.device_memory_bytes)}: {', or '.join(ways)}"
         )
-    # what the swap directories hold; a step reads and writes one generation of the state in the store (the
-    # 8-bit moments' scales, 1/128 byte a parameter, not counted as traffic)
-    space = swap_bytes(r, stream=stream, offload=offload, resident_state_bytes=resident_host)
-    state_read, state_written, _ = state_bytes_per_param(r.state_precision, r.dtype)
-    state, state_in = space.state_params * state_written, space.state_params * state_read
-    kept_grads = space.kept_gradients
-    nvme_used = space.total
-    drives = profile.nvme(r.swap_dirs)
+    # what the swap directories hold
+    space = swap_bytes(r, stream=s.stream, offload=s.offload, resident_state_bytes=host.resident_host)
     host_used = r.cpu_memory_bytes + _HOST_OVERHEAD_BYTES + (0 if profile.device == "cuda" else device_used)
     if host_used > profile.host_memory_bytes:
         each = " per rank" if n > 1 else ""
         reasons.append(f"host memory{each}: {human_size(host_used)} needed, {human_size(profile.host_memory_bytes)} free: lower cpu_memory_bytes")
+    return _Memory(device_used=device_used, host_used=host_used, space=space, reasons=reasons)
 
-    # -- bytes moved per step
-    evicted = m.n_layer - cached
+
+@dataclass(frozen=True)
+class _Traffic:
+    """The bytes a step of one choice moves, one rank's (:func:`_traffic`)."""
+
+    evicted: int  # blocks the host cache does not hold
+    state: int  # of the optimizer state in the store, written
+    state_in: int  # and read
+    act_nvme: int  # offloaded activations written to NVMe, and read back
+    read: int  # from NVMe
+    written: int  # to NVMe
+    h2d: int  # copied host to device
+    d2h: int  # and device to host
+    communication: dict[str, float]  # sent to the other ranks, by collective; {} with one rank
+
+
+def _traffic(r: PlanRequest, s: _Sizes, host: _HostSplit, space: SwapBytes) -> _Traffic:
+    """What a step reads and writes on NVMe, copies between host and device, and sends to the other ranks."""
+    m, n, g, passes, stream, delayed = r.model, s.n, s.g, s.passes, s.stream, s.delayed
+    block_bytes, shard, dtype_bytes, act_io = s.block_bytes, s.shard, s.dtype_bytes, host.act_io
+    # a step reads and writes one generation of the state in the store (the 8-bit moments' scales, 1/128 byte a
+    # parameter, not counted as traffic)
+    state_read, state_written, _ = state_bytes_per_param(r.state_precision, r.dtype)
+    state, state_in = space.state_params * state_written, space.state_params * state_read
+    kept_grads = space.kept_gradients
+    evicted = m.n_layer - host.cached
     # delayed: an evicted block is read once more, to start its twin
     weight_reads = (2 * passes + (1 if delayed else 0)) * evicted * block_bytes if stream else 0
-    weight_writes = m.n_layer * changed_block_bytes if (stream and evicted > 0) else 0
+    weight_writes = m.n_layer * s.changed_block_bytes if (stream and evicted > 0) else 0
     # activation offload moves the blocks' activations and the tensors saved outside them (the loss's log-probabilities):
     # all of them between device and host, to NVMe those not kept in host memory
-    act_nvme = act_io - activations_in_host
+    act_nvme = act_io - host.activations_in_host
     if delayed:  # every micro-batch keeps its gradient (its pass's sum), the next step's update reads the sum
         kept_io = kept_read = passes * kept_grads
     else:  # the micro-batches before the last keep theirs, read back by the next
-        kept_io = kept_grads if vertical else (g - 1) * kept_grads
-        kept_read = 0 if vertical else kept_io
+        kept_io = kept_grads if s.vertical else (g - 1) * kept_grads
+        kept_read = 0 if s.vertical else kept_io
     read = state_in + weight_reads + act_nvme + kept_read
     written = state + weight_writes + act_nvme + kept_io
     h2d = (passes * 2 * m.n_layer * block_bytes if stream else shard * dtype_bytes) + act_io  # a rank's updated weights
     d2h = passes * shard * dtype_bytes + act_io  # the gradients of a rank's parameters
-    wire = (n - 1) / n * trainable * dtype_bytes  # one rank's bytes in a ring collective over all the trained parameters
+    wire = (n - 1) / n * s.trainable * dtype_bytes  # one rank's bytes in a ring collective over all the trained parameters
     communication: dict[str, float] = {}
     if n > 1:  # the gradients to their owners (streaming: each backward's), then the owners' new weights to all
         communication = {"reduce-scatter": g * wire} if stream else {"all-reduce": 2 * wire}
         communication["all-gather"] = wire
+    return _Traffic(
+        evicted=evicted, state=state, state_in=state_in, act_nvme=act_nvme, read=read, written=written, h2d=h2d,
+        d2h=d2h, communication=communication,
+    )  # fmt: skip
 
-    # -- engine times
+
+@dataclass(frozen=True)
+class _EngineTimes:
+    """Each engine's busy time in a step of one choice, seconds, and what the phases take of them
+    (:func:`_engine_times`)."""
+
+    flops: float  # the step's
+    compute: float
+    fwd_share: float  # of compute, forward's
+    adam: float
+    saved_s: float  # activation offload's fixed work per saved tensor, on the training thread
+    serial: float  # the share of the offloaded activations' bytes that compute waits for
+    nvme_read_s: float
+    nvme_write_s: float
+    copies: float
+    crc_rate: float  # bytes/s, of all the I/O threads
+    checksums: float
+    reduce_s: float
+    gather_s: float
+
+    def busy_s(self) -> dict[str, float]:
+        """Each engine's busy time, as :attr:`Plan.engine_s` names them."""
+        return {"compute": self.compute, "cpu adam": self.adam, "checksums": self.checksums,
+                "nvme": self.nvme_read_s + self.nvme_write_s, "copies": self.copies,
+                "interconnect": self.reduce_s + self.gather_s}  # fmt: skip
+
+
+def _engine_times(r: PlanRequest, profile: MachineProfile, s: _Sizes, host: _HostSplit, moved: _Traffic) -> _EngineTimes:
+    """The time of each engine's work in a step: compute, CPU Adam, checksums, NVMe, copies and the interconnect."""
+    m, g, rows, adapters, shard, n = r.model, s.g, s.rows, s.adapters, s.shard, s.n
     matrices, attention = m.flops(rows, r.seq_len)
     # 2 FLOPs a parameter a token forward, 4 backward, of which frozen weights need only the 2 for their input's gradient
     forward_matrices = matrices / 3 + 2 * adapters * rows * r.seq_len
-    if lora:
+    if s.lora:
         matrices = 2 * forward_matrices + 2 * adapters * rows * r.seq_len
     flops = g * (matrices + attention)
     matrix_rate, attention_rate, overhead = profile.block_rates(m.d_model)
     per_micro_batch = matrices / matrix_rate + attention / attention_rate + m.n_layer * overhead
     fwd_share = (forward_matrices / matrix_rate + (attention / attention_rate + m.n_layer * overhead) / 3) / per_micro_batch
-    compute = g * per_micro_batch * (4 / 3 if kind == "recompute" or vertical else 1)
+    compute = g * per_micro_batch * (4 / 3 if s.kind == "recompute" or s.vertical else 1)
     # the updates' work, and each of a rank's tensors' fixed time (its requests to the store, the worker's hand-offs)
     adam = shard / profile.adam_params_per_s["float32" if r.dtype == "float32" else "bfloat16"]
     if r.state_precision == "8bit":  # fewer bytes than the exact update's, more arithmetic
@@ -743,17 +868,46 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     # requests), half in forward and half in backward; and the share of its bytes that compute waits for. Its staging
     # holds half of activation_host in writes in flight and half in reads ahead: a tensor's transfer overlaps compute
     # only as far as that half leaves room beside it (one that fills it is written, or read back, while compute waits).
-    saved = block_saved * m.n_layer + outside_saved
+    saved = host.block_saved * m.n_layer + host.outside_saved
     saved_s = g * len(saved) * profile.saved_tensor_s
-    serial = sum(b * min(1.0, 2 * b / activation_host) for b in saved) / sum(saved) if saved else 0.0
-    nvme_read_s, nvme_write_s = read / (drives.read_gbps * 1e9), written / (drives.write_gbps * 1e9)
-    copies = h2d / (profile.h2d_gbps * 1e9) + d2h / (profile.d2h_gbps * 1e9)
+    serial = sum(b * min(1.0, 2 * b / s.activation_host) for b in saved) / sum(saved) if saved else 0.0
+    drives = profile.nvme(r.swap_dirs)
+    nvme_read_s, nvme_write_s = moved.read / (drives.read_gbps * 1e9), moved.written / (drives.write_gbps * 1e9)
+    copies = moved.h2d / (profile.h2d_gbps * 1e9) + moved.d2h / (profile.d2h_gbps * 1e9)
     # CRC-32C, computed by each I/O thread over the blocks it moves: as many threads at once as the cores allow
     crc_rate = profile.crc32c_gbps * 1e9 * min(IOConfig().num_threads, profile.cpu_cores)
-    checksums = (read + written) / crc_rate if r.checksum else 0.0
+    checksums = (moved.read + moved.written) / crc_rate if r.checksum else 0.0
     link = profile.interconnect_gbps * 1e9
-    reduce_s = (communication.get("all-reduce", 0) + communication.get("reduce-scatter", 0)) / link
-    gather_s = communication.get("all-gather", 0) / link
+    reduce_s = (moved.communication.get("all-reduce", 0) + moved.communication.get("reduce-scatter", 0)) / link
+    gather_s = moved.communication.get("all-gather", 0) / link
+    return _EngineTimes(
+        flops=flops, compute=compute, fwd_share=fwd_share, adam=adam, saved_s=saved_s, serial=serial,
+        nvme_read_s=nvme_read_s, nvme_write_s=nvme_write_s, copies=copies, crc_rate=crc_rate, checksums=checksums,
+        reduce_s=reduce_s, gather_s=gather_s,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Phases:
+    """A step's phases, seconds (:func:`_phases`)."""
+
+    forward: float
+    backward: float
+    step_call: float  # optimizer.step()'s: the held updates, with several ranks the weights' all-gather
+    held: bool  # gradients held for clipping: the updates run in step()
+
+    @property
+    def step_s(self) -> float:
+        return self.forward + self.backward + self.step_call
+
+
+def _phases(r: PlanRequest, profile: MachineProfile, s: _Sizes, moved: _Traffic, t: _EngineTimes) -> _Phases:
+    """The engines' times as the step's phases, forward, backward and the step call, each as long as its busiest
+    engine (see the module's docstring)."""
+    stream, delayed, g, drives = s.stream, s.delayed, s.g, profile.nvme(r.swap_dirs)
+    compute, fwd_share, adam, checksums, copies, serial, saved_s = t.compute, t.fwd_share, t.adam, t.checksums, t.copies, t.serial, t.saved_s
+    nvme_read_s, nvme_write_s, crc_rate, reduce_s, gather_s = t.nvme_read_s, t.nvme_write_s, t.crc_rate, t.reduce_s, t.gather_s
+    state, state_in, act_nvme = moved.state, moved.state_in, moved.act_nvme
     on_cpu = profile.device == "cpu"
 
     def beside_io(compute_s: float, io_s: float) -> float:  # both at once, each slowed by the other as measured
@@ -761,7 +915,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
 
     # forward reads the blocks the cache lacks and writes the offloaded activations; backward does the rest
     act_write_s, act_read_s = act_nvme / (drives.write_gbps * 1e9), act_nvme / (drives.read_gbps * 1e9)
-    fwd_io = (evicted * block_bytes * passes if stream else 0) / (drives.read_gbps * 1e9) + act_write_s
+    fwd_io = (moved.evicted * s.block_bytes * s.passes if stream else 0) / (drives.read_gbps * 1e9) + act_write_s
 
     def with_thread(device_s: float, thread_s: float) -> float:  # the training thread's own work beside the device's
         return device_s + thread_s if on_cpu else max(device_s, thread_s)  # a GPU's thread runs ahead of it
@@ -771,7 +925,7 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     held = r.max_grad_norm and not stream and not delayed  # gradients held for clipping: the updates run in step()
     # The parameters outside the blocks (embeddings, a tied LM head) have their last gradient only as backward
     # ends: their updates and their optimizer state's traffic run after it, a tail the step waits for.
-    last = 0.0 if held else resident_trainable / trainable
+    last = 0.0 if held else s.resident_trainable / s.trainable
     state_io = state_in / (drives.read_gbps * 1e9) + state / (drives.write_gbps * 1e9)
     state_checksums = (state_in + state) / crc_rate if r.checksum else 0.0
     tail = beside_io(last * (adam + state_checksums), last * state_io)
@@ -786,15 +940,25 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
         host = adam + checksums + (compute + copies if on_cpu else 0)
         whole = with_thread(beside_io(max(compute, host, 0 if on_cpu else copies), nvme_read_s + nvme_write_s), saved_s)
         forward, backward, step_call = whole * fwd_share, whole * (1 - fwd_share), gather_s
-    step = forward + backward + step_call
-    engines = {"compute": compute, "cpu adam": adam, "checksums": checksums, "nvme": nvme_read_s + nvme_write_s, "copies": copies,
-               "interconnect": reduce_s + gather_s}  # fmt: skip
+    return _Phases(forward=forward, backward=backward, step_call=step_call, held=held)
+
+
+def _bottleneck(engines: dict[str, float], t: _EngineTimes, held: bool, on_cpu: bool) -> str:
+    """The busiest engine of ``engines`` (:meth:`_EngineTimes.busy_s`), the host's work counted together where it
+    shares the host's cores or is the thread the step waits for."""
+    compute, adam, checksums = t.compute, t.adam, t.checksums
     busiest = max(engines, key=engines.get)
     cpu_thread = adam + checksums  # the host's work beside the device: the updates, and the I/O threads' checksums
     if (held and cpu_thread >= engines["interconnect"]) or (not on_cpu and cpu_thread > max(engines.values())):
         busiest = "cpu adam" if adam >= checksums else "checksums"
     if on_cpu and compute + adam + checksums > max(engines.values()):  # compute shares the host's cores
         busiest = max(("compute", compute), ("cpu adam", adam), ("checksums", checksums), key=lambda kv: kv[1])[0]
+    return busiest
+
+
+def _placement(r: PlanRequest, s: _Sizes, host: _HostSplit, held: bool) -> dict[str, str]:
+    """Where one choice keeps the parameters, the optimizer state, the activations and the gradients, in words."""
+    stream, delayed, n, g, kind = s.stream, s.delayed, s.n, s.g, s.kind
     if delayed:
         grads = "kept in the store for the next step's updates (the delayed update)" if stream else (
             "device until the next forward and backward copy them out (the delayed update)")
@@ -803,28 +967,45 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     else:
         grads = "reduced to their owners during backward" if stream else (
             "device, all-reduced during the last backward" + (", until step()" if held else ", then consumed"))
-    placement = {
+    return {
         "parameters": ("NVMe, streamed block by block through host memory" if stream else "device")
         + ("; every rank its copy" if n > 1 else "")
         + (f"; {'a twin of each block' if stream else 'a second copy'} holds the delayed update's new weights" if delayed else ""),
         "optimizer state": f"NVMe ({STATE_WORDS[r.state_precision]}), updated by the CPU" + (f"; each rank 1/{n} of it" if n > 1 else "")
-        + (f"; {human_size(resident_host // 2)} of it resident in host memory" if resident_host else ""),
-        **({"trainable": f"LoRA adapters of rank {r.lora_rank}, {human_count(trainable)} parameters; the model frozen:"
-                         " no gradients, no optimizer state, never written back"} if lora else {}),
-        "activations": (f"each block's input kept for the {g} micro-batches ({_stash_place(offload, activations_in_host, act_io)}), the rest"
+        + (f"; {human_size(host.resident_host // 2)} of it resident in host memory" if host.resident_host else ""),
+        **({"trainable": f"LoRA adapters of rank {r.lora_rank}, {human_count(s.trainable)} parameters; the model frozen:"
+                         " no gradients, no optimizer state, never written back"} if s.lora else {}),
+        "activations": (f"each block's input kept for the {g} micro-batches ({_stash_place(s.offload, host.activations_in_host, host.act_io)}), the rest"
                         " recomputed in backward (vertical schedule: each block over every micro-batch while on the device)"
-                        if vertical else {"keep": "device", "offload": "NVMe (offloaded)",
-                                          "recompute": "recomputed in backward (each block's input kept)"}[kind]),
+                        if s.vertical else {"keep": "device", "offload": "NVMe (offloaded)",
+                                            "recompute": "recomputed in backward (each block's input kept)"}[kind]),
         "gradients": grads,
     }
+
+
+def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> Plan:
+    """One choice: ``stream`` or not, activations ``kind`` ("keep", "offload" or "recompute"). Its sizes; how the
+    host budget is shared; what each tier needs and why it does not fit; the bytes a step moves; each engine's time;
+    the phases, their bottleneck; and where everything lives."""
+    s = _sizes(r, stream, kind)
+    host = _host_split(r, s)
+    memory = _memory(r, profile, s, host)
+    moved = _traffic(r, s, host, memory.space)
+    times = _engine_times(r, profile, s, host, moved)
+    phases = _phases(r, profile, s, moved, times)
+    engines = times.busy_s()
+    step = phases.step_s
     tokens = _tokens_per_step(r)
     return Plan(
-        request=r, stream=stream, activations=kind, fits=not reasons, reasons=reasons, placement=placement,
-        cached_blocks=cached, resident_state_bytes=resident_host, activation_memory_bytes=activation_host or None, activation_host_bytes=activations_in_host, step_s=step, tokens_per_s=tokens / step, tflops=flops / step / 1e12, bottleneck=busiest,
-        engine_s=engines, phases_s={"forward": forward, "backward": backward, "step": step_call},
-        memory_bytes={"device": int(device_used), "host": int(host_used), "nvme": int(nvme_used)},
-        nvme_read_bytes=int(read), nvme_written_bytes=int(written), profile=profile.name,
-        communication_bytes={k: int(v) for k, v in communication.items()}, notes=_accuracy_notes(m, stream, kind, profile),
+        request=r, stream=stream, activations=kind, fits=not memory.reasons, reasons=memory.reasons,
+        placement=_placement(r, s, host, phases.held), cached_blocks=host.cached, resident_state_bytes=host.resident_host,
+        activation_memory_bytes=s.activation_host or None, activation_host_bytes=host.activations_in_host, step_s=step,
+        tokens_per_s=tokens / step, tflops=times.flops / step / 1e12,
+        bottleneck=_bottleneck(engines, times, phases.held, on_cpu=profile.device == "cpu"), engine_s=engines,
+        phases_s={"forward": phases.forward, "backward": phases.backward, "step": phases.step_call},
+        memory_bytes={"device": int(memory.device_used), "host": int(memory.host_used), "nvme": int(memory.space.total)},
+        nvme_read_bytes=int(moved.read), nvme_written_bytes=int(moved.written), profile=profile.name,
+        communication_bytes={k: int(v) for k, v in moved.communication.items()}, notes=_accuracy_notes(r.model, stream, kind, profile),
     )  # fmt: skip
 
 
