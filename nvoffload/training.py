@@ -478,6 +478,114 @@ def _host_budget_that_fits(config: OffloadConfig, shortfall_bytes: int) -> str:
     )
 
 
+@dataclass(frozen=True)
+class _HostBudgets:
+    """What :func:`_carve_host_slab` gave the optimizer, bytes."""
+
+    optimizer_bytes: int  # its staging: cpu_memory_bytes * optimizer_memory_fraction
+    resident_state_bytes: int  # its state kept resident in host memory, carved beside the staging
+    bucket_bytes: int  # the gradient buckets' between the ranks (the default with one)
+
+
+def _check_arguments(model: nn.Module, optimizer: torch.optim.Optimizer, config: OffloadConfig) -> None:
+    """Refuse what :func:`initialize` cannot stream: a config of another type, an optimizer with state, a model
+    wrapped in ``DistributedDataParallel`` or streamed by a session still open."""
+    if not isinstance(config, OffloadConfig):
+        raise TypeError(f"config must be an nvoffload.OffloadConfig, got {type(config).__name__}")
+    if optimizer.state:
+        raise ValueError("initialize() needs an optimizer without state; load its state afterwards")
+    check_not_ddp(model)
+    previous = getattr(model, _SESSION_ATTR, lambda: None)()
+    if previous is not None and not previous.closed:
+        raise ValueError(
+            f"this {type(model).__name__} is already streamed by an nvoffload session: close that one first"
+            " (optimizer.close()), or build the model again"
+        )
+
+
+def _carve_host_slab(
+    model: nn.Module, optimizer: torch.optim.Optimizer, config: OffloadConfig, blocks: list[nn.Module],
+    ranks: Ranks | None, memory: MemoryManager, resources: _Transfers,
+) -> _HostBudgets:  # fmt: skip
+    """Carve ``resources``' host slab between the engines' transfer engines: the optimizer's staging and resident
+    state, activation offload's bytes, and the rest for parameter streaming (over several ranks, the gradient
+    buckets reserved in it); first check that the swap directories hold what the store will write."""
+    optimizer_bytes = int(config.cpu_memory_bytes * config.optimizer_memory_fraction)
+    # with gloo the reduced gradients (two buckets in flight at most) are host memory, carved from the
+    # streamer's share below, as the host tier counted them before the slab was the one accounting
+    gloo = ranks is not None and ranks.device.type == "cpu"
+    bucket_bytes = DEFAULT_BUCKET_BYTES if ranks is None else _bucket_bytes(model, blocks, config, ranks)
+    bucket_pages = _pages(buckets_budget(list(model.parameters()), bucket_bytes)) if gloo else 0
+    resident_state = _resident_state_bytes(
+        model, blocks, config, optimizer_bytes, resources.slab.available_bytes - bucket_pages
+    )  # fmt: skip
+    _check_free_space(model, optimizer, config, resident_state)  # nothing is written before the store
+    resources.engine("optimizer", optimizer_bytes + resident_state, "the optimizer's host memory")
+    if config.activation_bytes:
+        resources.engine("activations", config.activation_bytes, "activation offload's host memory")
+    streamer_transfer = resources.engine("streamer", None, "parameter streaming's host memory")
+    if ranks is not None:
+        buckets = reserve_buckets(
+            memory, ranks, list(model.parameters()), bucket_bytes, host_slab=streamer_transfer.slab
+        )  # fmt: skip
+        resources.reserved += [buckets] if buckets is not None else []
+    return _HostBudgets(optimizer_bytes=optimizer_bytes, resident_state_bytes=resident_state, bucket_bytes=bucket_bytes)
+
+
+def _offload_optimizer(
+    optimizer: torch.optim.Optimizer, streamer: ParameterStreamer, store: TensorStore, config: OffloadConfig,
+    budgets: _HostBudgets, transfer: TransferEngine, process_group,
+) -> OffloadOptimizer:  # fmt: skip
+    """The offloaded optimizer over the streamer's parameters, its state in ``store``, staged through ``transfer``."""
+    for group in optimizer.param_groups:  # parameters built on the meta device were replaced
+        group["params"] = [streamer.replaced.get(p, p) for p in group["params"]]
+    optimizer_config = dataclasses.replace(
+        config.optimizer_config(budgets.optimizer_bytes, budgets.resident_state_bytes), bucket_bytes=budgets.bucket_bytes
+    )  # fmt: skip
+    return OffloadOptimizer(
+        optimizer, swap_dir=store, transfer=transfer, config=optimizer_config, process_group=process_group,
+    )  # fmt: skip
+
+
+def _open_session(
+    model: nn.Module, config: OffloadConfig, store: TensorStore, memory: MemoryManager, resources: _Transfers,
+    streamer: ParameterStreamer, offloaded: OffloadOptimizer,
+) -> OffloadSession:  # fmt: skip
+    """Wire the engines into a session: the optimizer writes the streamer's weights, activation offload (with
+    ``offload_activations``) and the settling of queued updates run around each of the model's forwards, and the
+    optimizer and the model reach the session."""
+    offloaded.set_weight_home(streamer)
+    activations = None
+    if config.offload_activations:
+        half = config.activation_staging_bytes // 2
+        activations = _offload_activations(
+            store, max_pending_write_bytes=half, prefetch_bytes=half, keep_recent_bytes=config.activation_staging_bytes // 3,
+            retain_host_memory=config.retain_host_memory, host_resident_bytes=config.activation_host_bytes,
+            transfer=resources.engines["activations"],
+        )  # fmt: skip
+    session = OffloadSession(config, store, memory, resources, streamer, offloaded, activations)
+    optimizer_ref = weakref.ref(offloaded)
+
+    def settle(module, args) -> None:
+        opt = optimizer_ref()
+        if opt is not None and opt.session is not None:
+            opt.session.settle()
+
+    session._handles.append(model.register_forward_pre_hook(settle))
+    if activations is not None:
+
+        def enter(module, args) -> None:
+            activations.__enter__()
+
+        def leave(module, args, output) -> None:
+            activations.__exit__(None, None, None)
+
+        session._handles += [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
+    offloaded.session = session
+    setattr(model, _SESSION_ATTR, weakref.ref(session))
+    return session
+
+
 def initialize(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -526,17 +634,7 @@ def initialize(
         MemoryBudgetError: budgets smaller than the model needs (the smallest
             that works is named).
     """
-    if not isinstance(config, OffloadConfig):
-        raise TypeError(f"config must be an nvoffload.OffloadConfig, got {type(config).__name__}")
-    if optimizer.state:
-        raise ValueError("initialize() needs an optimizer without state; load its state afterwards")
-    check_not_ddp(model)
-    previous = getattr(model, _SESSION_ATTR, lambda: None)()
-    if previous is not None and not previous.closed:
-        raise ValueError(
-            f"this {type(model).__name__} is already streamed by an nvoffload session: close that one first"
-            " (optimizer.close()), or build the model again"
-        )
+    _check_arguments(model, optimizer, config)
     if config.trace_path is not None:
         trace.start()  # before anything moves: the materialization is traced too
     if not config.retain_host_memory:
@@ -545,42 +643,21 @@ def initialize(
     memory = MemoryManager(
         device_memory_bytes=config.device_memory_bytes, cpu_memory_bytes=config.cpu_memory_bytes, device=device
     )
-    optimizer_bytes = int(config.cpu_memory_bytes * config.optimizer_memory_fraction)
     ranks = Ranks.resolve(process_group)
     blocks = list(blocks) if blocks is not None else find_blocks(model)
     resources = _Transfers(config.cpu_memory_bytes, device)
     memory.use_host_slab(resources.slab)  # the host tier is the slab's accounting: every host byte is a carve's
     store = streamer = None
     try:
-        # with gloo the reduced gradients (two buckets in flight at most) are host memory, carved from the
-        # streamer's share below, as the host tier counted them before the slab was the one accounting
-        gloo = ranks is not None and ranks.device.type == "cpu"
-        bucket_bytes = DEFAULT_BUCKET_BYTES if ranks is None else _bucket_bytes(model, blocks, config, ranks)
-        bucket_pages = _pages(buckets_budget(list(model.parameters()), bucket_bytes)) if gloo else 0
-        resident_state = _resident_state_bytes(
-            model, blocks, config, optimizer_bytes, resources.slab.available_bytes - bucket_pages
-        )  # fmt: skip
-        _check_free_space(model, optimizer, config, resident_state)  # nothing is written before the store
-        optimizer_transfer = resources.engine("optimizer", optimizer_bytes + resident_state, "the optimizer's host memory")
-        if config.activation_bytes:
-            activation_transfer = resources.engine("activations", config.activation_bytes, "activation offload's host memory")
-        streamer_transfer = resources.engine("streamer", None, "parameter streaming's host memory")
-        if ranks is not None:
-            buckets = reserve_buckets(
-                memory, ranks, list(model.parameters()), bucket_bytes, host_slab=streamer_transfer.slab
-            )  # fmt: skip
-            resources.reserved += [buckets] if buckets is not None else []
+        budgets = _carve_host_slab(model, optimizer, config, blocks, ranks, memory, resources)
         store = TensorStore(list(config.swap_dirs), checksum=config.checksum)
         streamer = ParameterStreamer(
             model, store, memory, device=device, blocks=blocks, prefetch_blocks=config.prefetch_blocks,
-            param_init_fn=param_init_fn, checkpoint=checkpoint, transfer=streamer_transfer,
+            param_init_fn=param_init_fn, checkpoint=checkpoint, transfer=resources.engines["streamer"],
             delayed_update=config.delayed_update,
         )  # fmt: skip
-        for group in optimizer.param_groups:  # parameters built on the meta device were replaced
-            group["params"] = [streamer.replaced.get(p, p) for p in group["params"]]
-        optimizer_config = dataclasses.replace(config.optimizer_config(optimizer_bytes, resident_state), bucket_bytes=bucket_bytes)
-        offloaded = OffloadOptimizer(
-            optimizer, swap_dir=store, transfer=optimizer_transfer, config=optimizer_config, process_group=process_group,
+        offloaded = _offload_optimizer(
+            optimizer, streamer, store, config, budgets, resources.engines["optimizer"], process_group
         )  # fmt: skip
     except BaseException as exc:
         if streamer is not None:
@@ -593,33 +670,5 @@ def initialize(
         if isinstance(exc, MemoryBudgetError) and exc.host_shortfall_bytes:
             raise MemoryBudgetError(f"{exc}. {_host_budget_that_fits(config, exc.host_shortfall_bytes)}") from None
         raise
-    offloaded.set_weight_home(streamer)
-    activations = None
-    if config.offload_activations:
-        half = config.activation_staging_bytes // 2
-        activations = _offload_activations(
-            store, max_pending_write_bytes=half, prefetch_bytes=half, keep_recent_bytes=config.activation_staging_bytes // 3,
-            retain_host_memory=config.retain_host_memory, host_resident_bytes=config.activation_host_bytes,
-            transfer=activation_transfer,
-        )  # fmt: skip
-    session = OffloadSession(config, store, memory, resources, streamer, offloaded, activations)
-    optimizer_ref = weakref.ref(offloaded)
-
-    def settle(module, args) -> None:
-        opt = optimizer_ref()
-        if opt is not None and opt.session is not None:
-            opt.session.settle()
-
-    session._handles.append(model.register_forward_pre_hook(settle))
-    if activations is not None:
-
-        def enter(module, args) -> None:
-            activations.__enter__()
-
-        def leave(module, args, output) -> None:
-            activations.__exit__(None, None, None)
-
-        session._handles += [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
-    offloaded.session = session
-    setattr(model, _SESSION_ATTR, weakref.ref(session))
+    _open_session(model, config, store, memory, resources, streamer, offloaded)
     return model, offloaded
