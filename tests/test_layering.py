@@ -180,3 +180,31 @@ def test_cuda_streams_and_events_are_made_by_the_device_layer_only():
                 if ast.unparse(node.func.value) in ("torch.cuda", "cuda"):
                     found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert found == []
+
+
+MAX_FUNCTION_LINES = 100  # one screen (issue 52)
+
+
+def long_functions(tree: ast.AST, rel: str, most: int = MAX_FUNCTION_LINES) -> list[str]:
+    """The functions and methods of ``tree`` longer than ``most`` lines, from ``def`` to their last line."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > most:
+                found.append(f"{rel}:{node.lineno} {node.name}: {lines} lines")
+    return found
+
+
+def test_the_length_check_counts_from_def_to_the_last_line_nested_functions_too():
+    body = "\n".join(f"        x{i} = {i}" for i in range(98))
+    source = f"class C:\n    def outer(self):\n        def inner():\n            pass\n{body}\n"
+    assert long_functions(ast.parse(source), "c.py") == ["c.py:2 outer: 101 lines"]
+    assert long_functions(ast.parse(source), "c.py", most=101) == []
+
+
+def test_no_function_in_the_package_is_longer_than_a_screen():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += long_functions(ast.parse(path.read_text()), str(path.relative_to(PACKAGE.parent)))
+    assert found == []
