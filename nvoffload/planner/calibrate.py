@@ -94,11 +94,11 @@ def calibrate(
     matmul = _matmul_tflops(dev, quick, on_host)
     cores = os.cpu_count() or 1
     busy = busy_machine(min(share, cpu_share()), os.getloadavg()[0], cores)
-    tensor_s = _optimizer_tensor_seconds(swap_dirs[0], quick)
+    tensor_s = _optimizer_tensor_seconds(swap_dirs[0], quick, clock)
     log(f"NVMe optimizer: {tensor_s * 1e3:.2f} ms a parameter tensor a step, besides its bytes")
     crc = _crc32c_gbps(quick)
     log(f"CRC-32C: {crc:.1f} GB/s on one thread")
-    saved_s = _saved_tensor_seconds(swap_dirs[0], dev, quick)
+    saved_s = _saved_tensor_seconds(swap_dirs[0], dev, quick, clock if dev.type == "cpu" else Clock.WALL)
     log(f"activation offload: {saved_s * 1e3:.2f} ms a saved tensor, written and read back, besides its bytes")
     probe = measure_contention(swap_dirs[0], device=dev, **(QUICK if quick else {"seconds": 3.0}))
     log("block forward+backward, matrices / attention TFLOP/s, fixed ms: " + ", ".join(f"d_model {w}: {m:.3f} / {a:.3f}, {o * 1e3:.1f}" for w, m, a, o in blocks) + f"; matmul {matmul:.3f}")
@@ -171,9 +171,11 @@ def _adam_rate(grad_dtype: torch.dtype, quick: bool, clock: Clock) -> float:
     return n / _median_seconds([once], 3 if quick else 10, clock)[0]
 
 
-def _optimizer_tensor_seconds(swap_dir: str, quick: bool) -> float:
+def _optimizer_tensor_seconds(swap_dir: str, quick: bool, clock: Clock) -> float:
     """The NVMe optimizer's step time per parameter tensor beyond its bytes: steps over 64 and over 16 tensors of
-    1024 elements (whose bytes and Adam work take microseconds), in turns, the difference over 48."""
+    1024 elements (whose bytes and Adam work take microseconds), in turns, the difference over 48; on a busy
+    machine by the CPU time the process got (the clock's difference of two short steps is the load's noise there:
+    it came out negative, and the fixed time 0, at a load of 10 on 2 cores)."""
     from nvoffload.optim import NVMeAdamW
 
     with contextlib.ExitStack() as stack:
@@ -191,14 +193,15 @@ def _optimizer_tensor_seconds(swap_dir: str, quick: bool) -> float:
                 opt.zero_grad()
 
             runs.append(once)
-        few, many = _median_seconds(runs, 3 if quick else 8)
+        few, many = _median_seconds(runs, 3 if quick else 8, clock)
     return max(0.0, (many - few) / 48)
 
 
-def _saved_tensor_seconds(swap_dir: str, dev: torch.device, quick: bool) -> float:
+def _saved_tensor_seconds(swap_dir: str, dev: torch.device, quick: bool, clock: Clock) -> float:
     """Activation offload's time per saved tensor beyond its bytes: forward and backward of a chain of 128 and of
     32 ``sin`` (each saves its input, 1024 elements: its bytes take microseconds), every one written to the store
-    and read back (nothing kept in memory), in turns, the difference over 96."""
+    and read back (nothing kept in memory), in turns, the difference over 96 (timed by ``clock``, as
+    :func:`_optimizer_tensor_seconds`)."""
     from nvoffload.activations import offload_activations
 
     x = torch.zeros(1024, device=dev, requires_grad=True)
@@ -215,7 +218,7 @@ def _saved_tensor_seconds(swap_dir: str, dev: torch.device, quick: bool) -> floa
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
 
-            few, many = _median_seconds([lambda: chain(32), lambda: chain(128)], 3 if quick else 8)
+            few, many = _median_seconds([lambda: chain(32), lambda: chain(128)], 3 if quick else 8, clock)
         finally:
             offload.close()
     return max(0.0, (many - few) / 96)
