@@ -297,6 +297,9 @@ class _SimEvent:
         self._flag.set()
 
 
+_RAN = _SimEvent(complete=True)  # an event on the stand-in's compute stream: complete at once, one for all
+
+
 class _SimCopyStream:
     """One worker thread running queued copies in order, each no sooner than its issue time plus the delay."""
 
@@ -367,7 +370,7 @@ class SimDevice:
         }
 
     def record(self) -> Event:
-        return _SimEvent(complete=True)  # the host thread has run everything queued before
+        return _RAN  # the host thread has run everything queued before
 
     def wait(self, event: Event) -> None:
         from nvoffload.core.future import WAIT_LIMIT_S
