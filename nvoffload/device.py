@@ -316,9 +316,10 @@ class _SimCopyStream:
         nbytes = src.numel() * src.element_size()
         duration_s = nbytes / self._bytes_per_s if self._bytes_per_s else 0.0
         # As on a GPU, autograd sees the write when the copy is issued (``dst.copy_`` bumps the version
-        # counter then); the bytes land later through an alias that leaves the counter alone.
+        # counter then); the bytes land later through an alias that leaves the counter alone (made by the
+        # copy's thread: issuing a copy is all the compute thread does, as on a GPU).
         torch.autograd.graph.increment_version(dst)
-        self._worker.submit((untracked(dst), src, after, time.monotonic() + self._delay_s, duration_s, event, what))
+        self._worker.submit((dst, src, after, time.monotonic() + self._delay_s, duration_s, event, what))
         return event
 
     def close(self) -> None:
@@ -341,7 +342,7 @@ def _run_sim_copy(name: str, op: tuple) -> None:
             time.sleep(left)
         try:
             with torch.no_grad():
-                dst.copy_(src)
+                untracked(dst).copy_(src)
         except BaseException as exc:  # noqa: BLE001 - reported through the event
             error = exc
         recording = trace.active()
