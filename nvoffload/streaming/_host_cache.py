@@ -246,7 +246,7 @@ class HostCache:
                 self._settle_quietly(entry)
                 self._drop(block)
 
-    # ------------------------------------------------------------------ internals (caller holds the lock)
+    # ------------------------------------------------------------------ internals that take the lock themselves
     def _pinned_entry(self, block: Block) -> _Entry:
         """``block``'s entry, pinned: cached, or its read started once there is room (waited for outside the lock)."""
         while True:
@@ -272,6 +272,25 @@ class HostCache:
                     return self.slab.allocate(block.nbytes, f"host copy of {block}")
             _wait_for_room(block, blocker)
 
+    def _settle_write_unlocked(self, entry: _Entry) -> None:
+        """:meth:`_settle_write` of a pinned entry, waiting outside the lock (the caller does not hold it)."""
+        writing = entry.writing
+        if writing is not None:
+            writing.exception()  # the wait; its error is raised below, once
+            with self._lock:
+                if entry.writing is writing:
+                    self._settle_write(entry)
+
+    def _settle_unlocked(self, entry: _Entry) -> None:
+        """Wait for a pinned entry's read outside the lock (the caller does not hold it); raise its error."""
+        loading = entry.loading
+        if loading is not None:
+            loading.result()
+            with self._lock:
+                if entry.loading is loading:
+                    entry.loading = None
+
+    # ------------------------------------------------------------------ internals (caller holds the lock)
     def _start_ahead(self, block: Block) -> tuple[Future | None, int] | None:
         """The read-ahead's start: read ``block`` (a cached one is kept as recently used instead: it counts against
         the read-ahead like a read, so reading further never evicts it); None when the host has no room now."""
@@ -344,24 +363,6 @@ class HostCache:
                 raise
             finally:
                 self._writes.poll()  # the write-backs done, oldest first, leave the write-behind's count
-
-    def _settle_write_unlocked(self, entry: _Entry) -> None:
-        """:meth:`_settle_write` of a pinned entry, waiting outside the lock (the caller does not hold it)."""
-        writing = entry.writing
-        if writing is not None:
-            writing.exception()  # the wait; its error is raised below, once
-            with self._lock:
-                if entry.writing is writing:
-                    self._settle_write(entry)
-
-    def _settle_unlocked(self, entry: _Entry) -> None:
-        """Wait for a pinned entry's read outside the lock (the caller does not hold it); raise its error."""
-        loading = entry.loading
-        if loading is not None:
-            loading.result()
-            with self._lock:
-                if entry.loading is loading:
-                    entry.loading = None
 
     def _give_back(self, block: Block, host: torch.Tensor) -> None:
         self.slab.free(host)
