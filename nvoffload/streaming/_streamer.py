@@ -174,6 +174,7 @@ class ParameterStreamer:
         self._passes = BackwardPasses(self._residency)
         self._closed = False
         self._computing: dict[Block, int] = {}  # with a trace: when each block's forward or backward began
+        self._staged_grads: tuple[Block | None, int] = (None, 0)  # the block backward staged last, its gradients' bytes
         self._grad_hooked: set[nn.Parameter] = set()  # the parameters with a gradient hook (follow_requires_grad)
         weakref.finalize(self, self._residency.close)  # a streamer dropped without close() closes its parameters
         self._install_hooks()
@@ -231,6 +232,7 @@ class ParameterStreamer:
             return
         waited_ns = time.monotonic_ns()
         self._passes.release_unfinished()
+        self._staged_grads = (None, 0)  # found again by the next backward (parameters may be frozen or unfrozen)
         self._residency.hold(block, "forward")
         self._cache.read_ahead(self._blocks, block)
         self._residency.stage(self._blocks[block.pos + 1] if block.pos + 1 < len(self._blocks) else None)
@@ -287,12 +289,14 @@ class ParameterStreamer:
 
     def _before_backward(self, block: Block, module) -> None:
         waited_ns = time.monotonic_ns()
-        grads = self._grad_headroom(block)
+        staged, staged_grads = self._staged_grads  # found by the pre-hook before, which staged this block
+        grads = staged_grads if staged is block else self._grad_headroom(block)
         self._passes.enter(block, headroom_bytes=grads)
         self._cache.read_ahead(self._backward_order, block)
         # the next block arrives now; its gradients and this block's are made while both are on the device
         nxt = self._blocks[block.pos - 1] if block.pos > 0 else None
-        self._residency.stage(nxt, headroom_bytes=grads + (self._grad_headroom(nxt) if nxt else 0))
+        self._staged_grads = (nxt, self._grad_headroom(nxt) if nxt else 0)
+        self._residency.stage(nxt, headroom_bytes=grads + self._staged_grads[1])
         if trace.active() is not None:
             self._compute_began(block, waited_ns)
 
