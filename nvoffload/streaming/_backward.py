@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 
@@ -153,9 +154,9 @@ class CallHooks:
     adds (two per call, each a Python function in forward and in backward).
 
     ``before(module)`` runs when the gradient of a call's output is ready (a pre-hook of the node that made the
-    output: the first of them in a pass when there are several), ``inputs_done(module)`` when the gradients of
-    all its inputs that need one are (hooks on the inputs, set before the call runs, so an input the call
-    changes in place reports its own gradient; right after ``before`` when none needs one: the first block of a
+    output: the first of them in a pass when there are several), ``inputs_done(module, *grads)`` when the
+    gradients of all its inputs that need one are (``grads``: what autograd gives the hook, ignored; hooks on
+    the inputs, set before the call runs, so an input the call changes in place reports its own gradient; right after ``before`` when none needs one: the first block of a
     model with frozen embeddings, LoRA). An input's hook is a tensor hook of the node that made the input, and
     autograd runs those before the node's pre-hooks: the block whose input is the previous block's output lets
     go before the previous block is held.
@@ -202,9 +203,9 @@ class CallHooks:
             else:
                 t.grad_fn.register_prehook(output_ready)
         if len(inputs) == 1:
-            inputs[0].register_hook(lambda _: self._inputs_done(module))
+            inputs[0].register_hook(functools.partial(self._inputs_done, module))  # called with the gradient
         elif inputs:
-            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _: self._inputs_done(module))
+            torch.autograd.graph.register_multi_grad_hook(inputs, functools.partial(self._inputs_done, module))
 
 
 def _node(entry: list):

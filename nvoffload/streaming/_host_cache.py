@@ -114,9 +114,8 @@ class HostCache:
         except BaseException:
             with self._lock:
                 entry.pins -= 1
-                loading = entry.loading
-                if not entry.pins and loading is not None and loading.done() and self._lru.get(block) is entry:
-                    self._drop(block)  # its read failed: read again when next needed
+                if not entry.pins and self._read_failed(entry) and self._lru.get(block) is entry:
+                    self._drop(block)  # its read failed (raised here): read again when next needed
             raise
         return entry.host
 
@@ -134,6 +133,8 @@ class HostCache:
             entry.pins -= 1
             if modified:
                 entry.dirty.update(range(len(block.parts)) if part is None else (part,))
+            elif entry.loading is not None and self._read_failed(entry) and not entry.pins:
+                self._drop(block)  # its read failed, which its pinners saw: read again when next needed
 
     def expect_next(self, block: Block) -> None:
         """A delayed update will write next weights of ``block`` (its twin is made when it does)."""
@@ -303,6 +304,17 @@ class HostCache:
         except MemoryBudgetError:
             return None
         return self._start_read(block).loading, block.nbytes
+
+    @staticmethod
+    def _read_failed(entry: _Entry) -> bool:
+        """Whether the entry's read ended in failure; one that ended well is settled (checked once per read)."""
+        loading = entry.loading
+        if loading is None or not loading.done():
+            return False
+        if loading.exception(0) is None:
+            entry.loading = None
+            return False
+        return True
 
     def _start_read(self, block: Block) -> _Entry:
         """Start reading ``block`` into a new buffer (:meth:`_make_room` made room for it)."""

@@ -184,7 +184,8 @@ class DeviceResidency:
         with self._lock:
             holds = self._holds.get(block)
             if holds is None:
-                self._reap()
+                if self._holds:
+                    self._reap()
                 self._arrive(block, headroom_bytes)
                 holds = self._holds[block] = {}
             holds[why] = holds.get(why, 0) + 1

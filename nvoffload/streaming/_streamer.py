@@ -304,7 +304,7 @@ class ParameterStreamer:
         """Device bytes of the gradients ``block``'s backward makes (the first block's: the resident ones' too)."""
         return block.grad_bytes + (resident_bytes(self._resident, grads=True) if block.pos == 0 else 0)
 
-    def _after_backward_call(self, block: Block, module) -> None:
+    def _after_backward_call(self, block: Block, module, *grads) -> None:
         if self._computing:
             self._compute_ended(block, "backward")
         self._passes.inputs_done(block)
