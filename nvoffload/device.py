@@ -287,7 +287,7 @@ class _SimEvent:
         return self._flag.is_set()
 
     def synchronize(self, timeout_s: float) -> bool:
-        return self._flag.wait(timeout_s)
+        return self._flag.is_set() or self._flag.wait(timeout_s)  # the condition's lock only when it must wait
 
     def error(self) -> BaseException | None:
         return self._error
