@@ -184,7 +184,7 @@ class DeviceResidency:
         with self._lock:
             holds = self._holds.get(block)
             if holds is None:
-                if self._holds:
+                if self._holds:  # (only held blocks are reaped)
                     self._reap()
                 self._arrive(block, headroom_bytes)
                 holds = self._holds[block] = {}
@@ -194,6 +194,7 @@ class DeviceResidency:
         """Start bringing ``block`` to the device ahead of its :meth:`hold`, if the device budget has room for it
         and ``headroom_bytes`` more; let a block staged before and not held since go (None: just that)."""
         with self._lock:
+            self._reap()  # the host copies of held blocks whose copies landed can leave the cache for this one's
             self._headroom_bytes = headroom_bytes
             self._ahead.plan([] if block is None else [block])
             self._ahead.pump()
