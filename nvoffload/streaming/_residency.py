@@ -194,7 +194,6 @@ class DeviceResidency:
         """Start bringing ``block`` to the device ahead of its :meth:`hold`, if the device budget has room for it
         and ``headroom_bytes`` more; let a block staged before and not held since go (None: just that)."""
         with self._lock:
-            self._reap()  # the host copies of held blocks whose copies landed can leave the cache for this one's
             self._headroom_bytes = headroom_bytes
             self._ahead.plan([] if block is None else [block])
             self._ahead.pump()
