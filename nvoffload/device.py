@@ -342,7 +342,7 @@ class _SimEvent:
         return self._flag.is_set()
 
     def synchronize(self, timeout_s: float) -> bool:
-        return self._flag.wait(timeout_s)
+        return self._flag.is_set() or self._flag.wait(timeout_s)  # the condition's lock only when it must wait
 
     def error(self) -> BaseException | None:
         return self._error
@@ -350,6 +350,9 @@ class _SimEvent:
     def _complete(self, error: BaseException | None = None) -> None:
         self._error = error
         self._flag.set()
+
+
+_RAN = _SimEvent(complete=True)  # an event on the stand-in's compute stream: complete at once, one for all
 
 
 class _SimCopyStream:
@@ -368,9 +371,10 @@ class _SimCopyStream:
         nbytes = src.numel() * src.element_size()
         duration_s = nbytes / self._bytes_per_s if self._bytes_per_s else 0.0
         # As on a GPU, autograd sees the write when the copy is issued (``dst.copy_`` bumps the version
-        # counter then); the bytes land later through an alias that leaves the counter alone.
+        # counter then); the bytes land later through an alias that leaves the counter alone (made by the
+        # copy's thread: issuing a copy is all the compute thread does, as on a GPU).
         torch.autograd.graph.increment_version(dst)
-        self._worker.submit((untracked(dst), src, after, time.monotonic() + self._delay_s, duration_s, event, what))
+        self._worker.submit((dst, src, after, time.monotonic() + self._delay_s, duration_s, event, what))
         return event
 
     def close(self) -> None:
@@ -393,7 +397,7 @@ def _run_sim_copy(name: str, op: tuple) -> None:
             time.sleep(left)
         try:
             with torch.no_grad():
-                dst.copy_(src)
+                untracked(dst).copy_(src)
         except BaseException as exc:  # noqa: BLE001 - reported through the event
             error = exc
         recording = trace.active()
@@ -422,7 +426,7 @@ class SimDevice:
         }
 
     def record(self) -> Event:
-        return _SimEvent(complete=True)  # the host thread has run everything queued before
+        return _RAN  # the host thread has run everything queued before
 
     def wait(self, event: Event) -> None:
         from nvoffload.core.future import WAIT_LIMIT_S

@@ -159,7 +159,11 @@ class MemoryManager:
         self._used = dict.fromkeys(TIERS, 0)
         self._tracked = dict.fromkeys(TIERS, 0)  # of which: counted with track(), freed by other threads
         self._peak = dict.fromkeys(TIERS, 0)
-        self._lock = threading.Condition()
+        # Taken by every allocation and free (each streamed block's, each gradient's): held as the plain lock it
+        # is, its condition's Python-level methods only where a wait (wait_s) may need them.
+        self._mutex = threading.RLock()
+        self._lock = threading.Condition(self._mutex)
+        self._waiting = 0  # allocations waiting for memory to be freed (notified by untrack and free)
         self._cuda_device = device if device is not None and device.type == "cuda" else None
         self.host_slab = None  # the HostSlab whose accounting the host tier is (use_host_slab)
 
@@ -191,12 +195,18 @@ class MemoryManager:
         seconds for it to be freed (back-pressure: backward waits for the
         optimizer), then raises :class:`MemoryBudgetError`.
         """
-        self._counted_here(tier)
+        if tier != "device":
+            self._counted_here(tier)
         needed = nbytes + headroom_bytes
-        with self._lock:
-            self._lock.wait_for(
-                lambda: self._used[tier] + needed <= self._limit[tier] or not self._tracked[tier], timeout=wait_s
-            )
+        with self._mutex:
+            if wait_s > 0 and self._used[tier] + needed > self._limit[tier] and self._tracked[tier]:
+                self._waiting += 1
+                try:
+                    self._lock.wait_for(
+                        lambda: self._used[tier] + needed <= self._limit[tier] or not self._tracked[tier], timeout=wait_s
+                    )
+                finally:
+                    self._waiting -= 1
             if self._used[tier] + needed > self._limit[tier]:
                 raise MemoryBudgetError(
                     f"{what} needs {needed} bytes of {tier} memory, but {self._used[tier]} of the "
@@ -206,24 +216,29 @@ class MemoryManager:
 
     def track(self, tier: str, nbytes: int) -> None:
         """Account ``nbytes`` that an engine cannot refuse (gradients autograd made); counted, never refused."""
-        self._counted_here(tier)
-        with self._lock:
+        if tier != "device":
+            self._counted_here(tier)
+        with self._mutex:
             self._add(tier, nbytes)
             self._tracked[tier] += nbytes
 
     def untrack(self, tier: str, nbytes: int) -> None:
         """Free memory counted with :meth:`track`."""
-        self._counted_here(tier)
-        with self._lock:
+        if tier != "device":
+            self._counted_here(tier)
+        with self._mutex:
             self._tracked[tier] -= nbytes
             self._used[tier] -= nbytes
-            self._lock.notify_all()
+            if self._waiting:
+                self._lock.notify_all()
 
     def free(self, tier: str, nbytes: int) -> None:
-        self._counted_here(tier)
-        with self._lock:
+        if tier != "device":
+            self._counted_here(tier)
+        with self._mutex:
             self._used[tier] -= nbytes
-            self._lock.notify_all()
+            if self._waiting:
+                self._lock.notify_all()
 
     def stats(self) -> dict[str, TierStats]:
         """Used, peak and limit of each tier; on CUDA, the device tier with what the allocator reserves."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 
@@ -15,9 +16,9 @@ from nvoffload.streaming._residency import DeviceResidency
 __all__ = ["BackwardPasses", "CallHooks"]
 
 
-def _current_pass() -> int:
-    """The running backward pass (autograd's graph task), or -1 outside backward."""
-    return torch._C._current_graph_task_id()
+_current_pass = torch._C._current_graph_task_id  # the running backward pass (autograd's graph task), or -1 outside
+_will_execute = torch._C._will_engine_execute_node
+_NO_HOLDS: dict = {}
 
 
 class _Hold:
@@ -30,8 +31,6 @@ class _Hold:
         self.pending = pending  # ids of the parameters whose gradient the pass has not accumulated yet
         self.held = True  # on the device for this pass
 
-    def done(self) -> bool:
-        return self.held and not self.calls and not self.pending
 
 
 class BackwardPasses:
@@ -53,7 +52,10 @@ class BackwardPasses:
         self._residency = residency
         self._lock = threading.RLock()
         self._passes: dict[int, dict[Block, _Hold]] = {}
-        self._accumulators: dict[nn.Parameter, object] = {}  # each parameter's gradient node, kept: found once
+        # each block's parameters with their ids and gradient nodes (kept from their first pass, so every graph
+        # accumulates through the same node): found once
+        self._nodes: dict[Block, list[list]] = {}
+        self.closed = False  # the streamer closed: the gradient hooks do nothing
 
     def enter(self, block: Block, headroom_bytes: int) -> None:
         """Backward reached a call of ``block`` (its backward pre-hook); ``headroom_bytes``: its gradients to come."""
@@ -67,25 +69,51 @@ class BackwardPasses:
             if hold is None or not hold.held:
                 self._residency.hold(block, "backward", headroom_bytes=headroom_bytes)
             if hold is None:
-                hold = holds[block] = _Hold({id(p) for p in block.trainable if self._will_get_grad(p)})
+                hold = holds[block] = _Hold(self._will_get_grads(block))
             hold.held = True
             hold.calls += 1
 
     def inputs_done(self, block: Block) -> None:
         """A call of ``block`` has the gradients of its inputs (:class:`CallHooks`)."""
         with self._lock:
-            hold = self._hold(block)
+            hold = self._passes.get(_current_pass(), _NO_HOLDS).get(block)
             if hold is not None:
                 hold.calls -= 1
-                self._let_go_if_done(block, hold)
+                if not hold.calls and not hold.pending and hold.held:
+                    self._let_go(block, hold)
 
-    def grad_done(self, block: Block, param: nn.Parameter) -> None:
-        """The pass accumulated ``param``'s gradient (its post-accumulate-grad hook)."""
+    def grad_hook(self, param_id: int, block: Block | None = None):
+        """The post-accumulate-grad hook of the parameter whose ``id()`` is ``param_id``, a parameter of ``block``
+        (None: outside the blocks): its gradient counted in the device tier (the residency's
+        :class:`~nvoffload.streaming._residency.GradientLedger`), and the pass told that it has it, in one call
+        (it runs for every parameter, and takes the lock only to let the block go); nothing once :attr:`closed`
+        or gone (it does not keep the passes alive)."""
+        ref = weakref.ref(self)
+
+        def hook(param: nn.Parameter) -> None:
+            passes = ref()
+            if passes is None or passes.closed:
+                return
+            if param.grad is not None:  # None when a hook before this one took it
+                passes._residency.gradients.track(param)
+            if block is None:
+                return
+            try:
+                hold = passes._passes[_current_pass()][block]
+            except KeyError:  # a block this pass does not hold (it was not entered in it)
+                return
+            pending = hold.pending
+            pending.discard(param_id)
+            if not pending:
+                passes._grads_done(block, hold)
+
+        return hook
+
+    def _grads_done(self, block: Block, hold: _Hold) -> None:
+        """The pass accumulated every gradient of ``block`` it will give: let it go if its calls are done too."""
         with self._lock:
-            hold = self._hold(block)
-            if hold is not None:
-                hold.pending.discard(id(param))
-                self._let_go_if_done(block, hold)
+            if hold.held and not hold.calls and not hold.pending:
+                self._let_go(block, hold)
 
     def finish(self, task: int) -> None:
         """Let go of every block the pass ``task`` still holds (it ended)."""
@@ -106,20 +134,18 @@ class BackwardPasses:
                 for task in list(self._passes):
                     self.finish(task)
 
-    def _will_get_grad(self, param: nn.Parameter) -> bool:
-        """Whether the running backward pass will accumulate a gradient into ``param``."""
-        node = self._accumulators.get(param)
-        if node is None:  # kept alive from now on, so every graph accumulates through this one
-            node = self._accumulators[param] = get_gradient_edge(param).node
-        return torch._C._will_engine_execute_node(node)
+    def _will_get_grads(self, block: Block) -> set[int]:
+        """The ids of ``block``'s parameters the running backward pass will accumulate a gradient into (its
+        parameters are on the device: plain ones)."""
+        nodes = self._nodes.get(block)
+        if nodes is None:
+            nodes = self._nodes[block] = [[p, id(p), None] for p in block.params]
+        return {e[1] for e in nodes if e[0].requires_grad and _will_execute(e[2] if e[2] is not None else _node(e))}
 
-    def _hold(self, block: Block) -> _Hold | None:
-        return self._passes.get(_current_pass(), {}).get(block)
-
-    def _let_go_if_done(self, block: Block, hold: _Hold) -> None:
-        if hold.done():
-            hold.held = False
-            self._residency.unhold(block, "backward")
+    def _let_go(self, block: Block, hold: _Hold) -> None:
+        """``block`` is done in this pass: every call has its inputs' gradients and every parameter its own."""
+        hold.held = False
+        self._residency.unhold(block, "backward")
 
 
 class CallHooks:
@@ -128,9 +154,9 @@ class CallHooks:
     adds (two per call, each a Python function in forward and in backward).
 
     ``before(module)`` runs when the gradient of a call's output is ready (a pre-hook of the node that made the
-    output: the first of them in a pass when there are several), ``inputs_done(module)`` when the gradients of
-    all its inputs that need one are (hooks on the inputs, set before the call runs, so an input the call
-    changes in place reports its own gradient; right after ``before`` when none needs one: the first block of a
+    output: the first of them in a pass when there are several), ``inputs_done(module, *grads)`` when the
+    gradients of all its inputs that need one are (``grads``: what autograd gives the hook, ignored; hooks on
+    the inputs, set before the call runs, so an input the call changes in place reports its own gradient; right after ``before`` when none needs one: the first block of a
     model with frozen embeddings, LoRA). An input's hook is a tensor hook of the node that made the input, and
     autograd runs those before the node's pre-hooks: the block whose input is the previous block's output lets
     go before the previous block is held.
@@ -177,9 +203,15 @@ class CallHooks:
             else:
                 t.grad_fn.register_prehook(output_ready)
         if len(inputs) == 1:
-            inputs[0].register_hook(lambda _: self._inputs_done(module))
+            inputs[0].register_hook(functools.partial(self._inputs_done, module))  # called with the gradient
         elif inputs:
-            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _: self._inputs_done(module))
+            torch.autograd.graph.register_multi_grad_hook(inputs, functools.partial(self._inputs_done, module))
+
+
+def _node(entry: list):
+    """The gradient node of the parameter of ``entry`` (``[param, id, node]``), found at its first pass and kept."""
+    entry[2] = get_gradient_edge(entry[0]).node
+    return entry[2]
 
 
 def _final_callback(passes: BackwardPasses, task: int):

@@ -103,7 +103,7 @@ class Block:
     def grad_bytes(self) -> int:
         """Device bytes of the gradients a backward pass makes."""
         with torch._C.DisableTorchFunctionSubclass():
-            return sum(nbytes for p, nbytes in zip(self.params, self.param_bytes) if p.requires_grad)
+            return sum([nbytes for p, nbytes in zip(self.params, self.param_bytes) if p.requires_grad])
 
     def twin(self) -> Block:
         """A block of the same layout for this block's next weights (a delayed update's): its parts that hold a

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["StreamedParameterError", "Placement", "attach", "closed_error", "guard", "unguard"]
+__all__ = ["StreamedParameterError", "Placement", "attach", "closed_error", "guard", "guard_all", "homes_of", "unguard", "unguard_all"]
 
 _ALLOWED_GET = frozenset({
     "shape", "dtype", "device", "layout", "ndim", "itemsize", "nbytes", "name", "names", "output_nr",
@@ -180,3 +180,20 @@ def guard(param: nn.Parameter) -> None:
 def unguard(param: nn.Parameter) -> None:
     """``param`` holds its weights again: its own class back."""
     param.__class__ = _placement(param).home_class
+
+
+def homes_of(params: list[nn.Parameter]) -> list[tuple[nn.Parameter, type]]:
+    """Each of ``params`` (:func:`attach`-ed) with its own class, for :func:`unguard_all`: found once, not per call."""
+    return [(p, _placement(p).home_class) for p in params]
+
+
+def guard_all(params: list[nn.Parameter]) -> None:
+    """:func:`guard` each of ``params`` (one call for a block's parameters: it runs in every block's hooks)."""
+    for p in params:
+        p.__class__ = OffDeviceParameter
+
+
+def unguard_all(homes: list[tuple[nn.Parameter, type]]) -> None:
+    """:func:`unguard` each parameter of ``homes`` (from :func:`homes_of`)."""
+    for p, home in homes:
+        p.__class__ = home

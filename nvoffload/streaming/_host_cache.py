@@ -13,8 +13,11 @@ from nvoffload.io import TensorStore
 from nvoffload.memory import MemoryBudgetError
 from nvoffload.streaming._blocks import Block
 from nvoffload.transfer import Future, ReadAhead, TransferEngine, WriteBehind
+from nvoffload.transfer.engine import Lane
 
 __all__ = ["HostCache"]
+
+_CACHED = Future.completed()  # the read-ahead of a block cached already
 
 
 class _Entry:
@@ -49,14 +52,17 @@ class HostCache:
     waiting for the read, for a copy to the device chained after it. :meth:`read_ahead`
     reads the blocks a pass needs next through a :class:`~nvoffload.transfer.ReadAhead`
     (at most ``read_ahead_bytes`` of blocks read or kept for the pass and not used
-    yet), and never waits for a write-back: it starts those its reads need room
-    from, and reads once they are done (a later call); those write-backs are submitted from the
-    transfer engine's dispatcher thread (a submit may wait for an earlier write
-    of the block and for room in the I/O queue), never from the training
-    thread's hooks. A failed write-back leaves the block cached and
-    changed, and raises from the next call that needs its room, pins it or flushes.
-    Thread-safe: the optimizer's worker pins blocks while the training thread brings
-    them to the device.
+    yet). Room is made without waiting (:meth:`_make_room`): a changed block that must
+    leave starts its write-back and leaves once it is done (a later call), a clean one
+    leaves at once; the write-backs are submitted from the transfer engine's write
+    lane (a submit may wait for an earlier write of the block and for room in the
+    I/O queue), never from the training thread's hooks, and copies to the device
+    never queue behind them. A hook that needs a block now waits (bounded) only when
+    every cached block that could leave is already on its way out. A failed write-back
+    leaves the block cached and changed, and raises from the next call that needs its
+    room, pins it or flushes. Thread-safe: the optimizer's worker pins blocks while the
+    training thread brings them to the device; every wait for the store (a read, a
+    write-back, room) happens outside the cache's lock, which the hooks take every block.
 
     Delayed updates write a block's new weights to its twin (:meth:`Block.twin`):
     :meth:`pin_next` makes it from the block's current weights on first use and
@@ -86,41 +92,38 @@ class HostCache:
     def install(self, block: Block, fill: Callable[[torch.Tensor], None]) -> None:
         """Store a new block: ``fill`` writes its weights into a flat host buffer, which is written to the store
         and stays cached."""
-        with self._lock:
-            host = self._new_buffer(block)
-            try:
-                fill(host)
-                self._write_back(block, host, range(len(block.parts)))
-            except BaseException:
+        host = self._buffer(block)
+        try:
+            fill(host)
+            self._write_back(block, host, range(len(block.parts)))
+        except BaseException:
+            with self._lock:
                 self._give_back(block, host)
-                raise
+            raise
+        with self._lock:
             self._lru[block] = _Entry(host)
 
     def pin(self, block: Block) -> torch.Tensor:
         """The block's weights in host memory, its flat bytes (read from the store when not cached); cached until
-        :meth:`unpin`."""
-        with self._lock:
-            entry = self._lru.get(block) or self._start_read(block)
-            self._ahead.take(block)
-            self._settle_write(entry)  # the caller may change the bytes being written
-            try:
-                self._settle(entry)
-            except BaseException:
-                self._drop(block)
-                raise
-            entry.pins += 1
-            self._lru.move_to_end(block)
-            return entry.host
+        :meth:`unpin`. Its read and write-back are waited for outside the cache's lock: the training thread's hooks
+        keep using the cache meanwhile."""
+        entry = self._pinned_entry(block)
+        try:
+            self._settle_write_unlocked(entry)  # the caller may change the bytes being written
+            self._settle_unlocked(entry)
+        except BaseException:
+            with self._lock:
+                entry.pins -= 1
+                if not entry.pins and self._read_failed(entry) and self._lru.get(block) is entry:
+                    self._drop(block)  # its read failed (raised here): read again when next needed
+            raise
+        return entry.host
 
     def pin_loading(self, block: Block) -> tuple[torch.Tensor, Future | None]:
         """Like :meth:`pin`, without waiting for the store: the flat host buffer, and the read that fills it
         (None when it holds the weights already). Unpin it even when the read fails."""
-        with self._lock:
-            entry = self._lru.get(block) or self._start_read(block)
-            self._ahead.take(block)
-            entry.pins += 1
-            self._lru.move_to_end(block)
-            return entry.host, entry.loading
+        entry = self._pinned_entry(block)
+        return entry.host, entry.loading
 
     def unpin(self, block: Block, *, modified: bool, part: int | None = None) -> None:
         """Let the block's host copy go again; ``modified``: its weights changed (written back before it leaves),
@@ -130,6 +133,8 @@ class HostCache:
             entry.pins -= 1
             if modified:
                 entry.dirty.update(range(len(block.parts)) if part is None else (part,))
+            elif entry.loading is not None and self._read_failed(entry) and not entry.pins:
+                self._drop(block)  # its read failed, which its pinners saw: read again when next needed
 
     def expect_next(self, block: Block) -> None:
         """A delayed update will write next weights of ``block`` (its twin is made when it does)."""
@@ -141,16 +146,17 @@ class HostCache:
         use since the last :meth:`promote` or :meth:`drop_next`), cached until ``unpin(next_of(block), ...)``."""
         with self._lock:
             twin = self._next.get(block)
-            if twin is None:
-                twin = block.twin()
-                with self.pinned(block) as current:
-                    host = self._new_buffer(twin)
-                    host.copy_(current)
+        if twin is None:  # made outside the lock (it waits for the block's read and for room)
+            twin = block.twin()
+            with self.pinned(block) as current:
+                host = self._buffer(twin)
+                host.copy_(current)
+            with self._lock:
                 entry = self._lru[twin] = _Entry(host)
                 # its own store entries hold nothing yet: evicted, it writes them
                 entry.dirty = {k for k, part in enumerate(twin.parts) if part[0] != block.parts[k][0]}
                 self._next[block] = twin
-            return self.pin(twin)
+        return self.pin(twin)
 
     def next_of(self, block: Block) -> Block:
         """The twin that holds next weights of ``block`` (made by :meth:`pin_next`)."""
@@ -241,20 +247,78 @@ class HostCache:
                 self._settle_quietly(entry)
                 self._drop(block)
 
+    # ------------------------------------------------------------------ internals that take the lock themselves
+    def _pinned_entry(self, block: Block) -> _Entry:
+        """``block``'s entry, pinned: cached, or its read started once there is room (waited for outside the lock)."""
+        while True:
+            with self._lock:
+                entry = self._lru.get(block)
+                if entry is None:
+                    blocker = self._make_room(block)
+                    if blocker is None:
+                        entry = self._start_read(block)
+                if entry is not None:
+                    self._ahead.take(block)
+                    entry.pins += 1
+                    self._lru.move_to_end(block)
+                    return entry
+            _wait_for_room(block, blocker)
+
+    def _buffer(self, block: Block) -> torch.Tensor:
+        """A slab buffer for ``block``'s host copy, once there is room (waited for outside the lock)."""
+        while True:
+            with self._lock:
+                blocker = self._make_room(block)
+                if blocker is None:
+                    return self.slab.allocate(block.nbytes, f"host copy of {block}")
+            _wait_for_room(block, blocker)
+
+    def _settle_write_unlocked(self, entry: _Entry) -> None:
+        """:meth:`_settle_write` of a pinned entry, waiting outside the lock (the caller does not hold it)."""
+        writing = entry.writing
+        if writing is not None:
+            writing.exception()  # the wait; its error is raised below, once
+            with self._lock:
+                if entry.writing is writing:
+                    self._settle_write(entry)
+
+    def _settle_unlocked(self, entry: _Entry) -> None:
+        """Wait for a pinned entry's read outside the lock (the caller does not hold it); raise its error."""
+        loading = entry.loading
+        if loading is not None:
+            loading.result()
+            with self._lock:
+                if entry.loading is loading:
+                    entry.loading = None
+
     # ------------------------------------------------------------------ internals (caller holds the lock)
     def _start_ahead(self, block: Block) -> tuple[Future | None, int] | None:
         """The read-ahead's start: read ``block`` (a cached one is kept as recently used instead: it counts against
         the read-ahead like a read, so reading further never evicts it); None when the host has no room now."""
         if block in self._lru:
             self._lru.move_to_end(block)
-            return Future.completed(), block.nbytes
+            return _CACHED, block.nbytes
         try:
-            return self._start_read(block, wait=False).loading, block.nbytes
+            if self._make_room(block) is not None:
+                return None  # no room to read ahead yet: the block is read now or when it is needed
         except MemoryBudgetError:
-            return None  # no room to read ahead yet: the block is read now or when it is needed
+            return None
+        return self._start_read(block).loading, block.nbytes
 
-    def _start_read(self, block: Block, *, wait: bool = True) -> _Entry:
-        host = self._new_buffer(block, wait=wait)
+    @staticmethod
+    def _read_failed(entry: _Entry) -> bool:
+        """Whether the entry's read ended in failure; one that ended well is settled (checked once per read)."""
+        loading = entry.loading
+        if loading is None or not loading.done():
+            return False
+        if loading.exception(0) is None:
+            entry.loading = None
+            return False
+        return True
+
+    def _start_read(self, block: Block) -> _Entry:
+        """Start reading ``block`` into a new buffer (:meth:`_make_room` made room for it)."""
+        host = self.slab.allocate(block.nbytes, f"host copy of {block}")
         reads = [self.store.get(name, out=host[start:end]) for name, start, end in block.parts]
         entry = self._lru[block] = _Entry(host, reads[0] if len(reads) == 1 else Future.all_of(reads, what=str(block)))
         self.bytes_read += sum(end - start for _, start, end in block.parts)
@@ -286,7 +350,8 @@ class HostCache:
         self.bytes_written += nbytes
         if behind:
             return self._writes.submit(nbytes, lambda: self.transfer.then(
-                Future.completed(), lambda _: self._put(block, host, parts), what=f"the write-back of {block}"
+                Future.completed(), lambda _: self._put(block, host, parts), what=f"the write-back of {block}",
+                lane=Lane.WRITE,
             ))  # fmt: skip
         return self._writes.submit(nbytes, lambda: self._put(block, host, parts))
 
@@ -303,16 +368,13 @@ class HostCache:
         """Wait for the entry's write-back; when it failed its parts are changed again (and the error raised)."""
         if entry.writing is not None:
             writing, entry.writing = entry.writing, None
-            self._writes.wait_for(writing)
             try:
                 writing.result()
             except BaseException:
                 entry.dirty.update(entry.written)
                 raise
-
-    def _new_buffer(self, block: Block, *, wait: bool = True) -> torch.Tensor:
-        self._make_room(block, wait=wait)
-        return self.slab.allocate(block.nbytes, f"host copy of {block}")
+            finally:
+                self._writes.poll()  # the write-backs done, oldest first, leave the write-behind's count
 
     def _give_back(self, block: Block, host: torch.Tensor) -> None:
         self.slab.free(host)
@@ -324,27 +386,46 @@ class HostCache:
     def _fits(self, block: Block) -> bool:
         return self.slab.fits(block.nbytes)
 
-    def _make_room(self, block: Block, *, wait: bool = True) -> None:
-        """Evict least recently used unpinned blocks (writing back changed ones) until ``block`` fits; without
-        ``wait``, a changed block only starts its write-back and leaves once it is done (a later call)."""
+    def _make_room(self, block: Block) -> Future | None:
+        """Evict least recently used unpinned blocks until ``block`` fits, without waiting: a changed block starts
+        its write-back (submitted from the transfer engine's dispatcher) and leaves once it is done, a block being
+        read leaves once read (a later call). None once ``block`` fits; else a write-back or read in flight that
+        makes room when done, to wait for outside the lock (the rare case: the blocks that could leave are all on
+        their way out). Raises MemoryBudgetError when none is."""
+        in_flight = None
         for cached, entry in list(self._lru.items()):
             if self._fits(block):
-                return
-            if entry.pins or (not wait and any(f is not None and not f.done() for f in (entry.writing, entry.loading))):
+                return None
+            if entry.pins:
                 continue
-            self._settle_write(entry)
+            running = next((f for f in (entry.writing, entry.loading) if f is not None and not f.done()), None)
+            if running is not None:
+                in_flight = in_flight or running
+                continue
+            self._settle_write(entry)  # done: a failed one raises (its parts changed again)
             if entry.loading is not None:  # read ahead, never pinned: a failed read leaves nothing behind
                 with contextlib.suppress(Exception):
                     self._settle(entry)
             if entry.dirty:
-                if not wait:
-                    self._start_write_back(cached, entry)
-                    continue
-                self._write_back(cached, entry.host, entry.dirty)
+                self._start_write_back(cached, entry)
+                in_flight = in_flight or entry.writing
+                continue
             self._drop(cached)
-        if not self._fits(block):
-            pinned = [str(b.index) for b, e in self._lru.items() if e.pins]
-            raise MemoryBudgetError(
-                f"{block} needs {block.nbytes} bytes of host memory, but {self.slab.available_bytes} are left in "
-                f"{self.slab.what} and the cached blocks in use cannot leave (pinned: {', '.join(pinned) or 'none'})"
-            )
+        if self._fits(block):
+            return None
+        if in_flight is not None:
+            return in_flight
+        pinned = [str(b.index) for b, e in self._lru.items() if e.pins]
+        raise MemoryBudgetError(
+            f"{block} needs {block.nbytes} bytes of host memory, but {self.slab.available_bytes} are left in "
+            f"{self.slab.what} and the cached blocks in use cannot leave (pinned: {', '.join(pinned) or 'none'})"
+        )
+
+
+def _wait_for_room(block: Block, blocker: Future) -> None:
+    """Wait (bounded by ``WAIT_LIMIT_S``) for the write-back or read whose end makes room for ``block``; its own
+    failure is raised by the next call that needs that block, not here."""
+    try:
+        blocker.exception()
+    except TimeoutError as e:
+        raise TimeoutError(f"{block} waited for host memory in the block cache, freed by a block on its way out: {e}") from None

@@ -3,7 +3,6 @@ bring them (double buffered through the transfer engine), and gradients' bytes."
 
 from __future__ import annotations
 
-import collections
 import functools
 import threading
 import time
@@ -21,27 +20,31 @@ from nvoffload.transfer import WAIT_LIMIT_S, FreeBehind, Future, ReadAhead, Tran
 __all__ = ["DeviceResidency", "GradientLedger"]
 
 
-def _flat(block: Block) -> torch.Tensor:
-    """The block's device storage as one flat byte tensor with its own version counter (writes do not bump
-    autograd's)."""
-    p = block.params[0]
-    return torch.empty(0, dtype=torch.uint8, device=p.device).set_(p.untyped_storage(), 0, (block.nbytes,), (1,))
+_LANDED = Future.completed()  # a block kept on the device: nothing to copy
+_NONE_HELD: dict[str, int] = {}
+
+
+class _Parked:
+    """A parked block's device side, found once (the hooks use it every call): the storage its parameters view,
+    one flat byte tensor over it (the copies' destination, with a version counter of its own: their writes do not
+    bump autograd's), its parameters with their own classes (given back on the device), its names in messages."""
+
+    __slots__ = ("storage", "flat", "homes", "name", "what")
+
+    def __init__(self, block: Block, storage: torch.Tensor):
+        self.storage = storage.untyped_storage()
+        self.flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(self.storage, 0, (block.nbytes,), (1,))
+        self.homes = _guard.homes_of(block.params)
+        self.name, self.what = str(block), f"the weights of {block}"
 
 
 class _Counted(weakref.ref):
     """One counted gradient, the ledger's record of it: a weak reference to the gradient (whose callback uncounts
-    it once freed), its parameter and its bytes."""
+    it once freed), its parameter and its bytes (set once made: no Python constructor runs per gradient)."""
 
     __slots__ = ("nbytes", "param")
     __hash__ = object.__hash__  # the record is the handle: its identity, never the gradient's (nor its id())
     __eq__ = object.__eq__
-
-    def __new__(cls, grad: torch.Tensor, freed, param: nn.Parameter, nbytes: int):
-        return super().__new__(cls, grad, freed)
-
-    def __init__(self, grad: torch.Tensor, freed, param: nn.Parameter, nbytes: int):
-        super().__init__(grad, freed)
-        self.param, self.nbytes = param, nbytes
 
 
 class GradientLedger:
@@ -72,7 +75,8 @@ class GradientLedger:
         latest = self._latest.get(param)
         if latest is not None and latest() is grad:  # accumulated into the same tensor again
             return
-        record = _Counted(grad, self._freed, param, grad.numel() * grad.element_size())
+        record = _Counted(grad, self._freed)
+        record.param, record.nbytes = param, grad.nbytes
         with self._lock:
             self._counted[record] = None
             self._latest[param] = record
@@ -155,7 +159,8 @@ class DeviceResidency:
         self.gradients = gradients
         self._resident_bytes = resident_bytes
         self._lock = threading.RLock()
-        self._holds: dict[Block, collections.Counter[str]] = {}  # blocks held on the device
+        self._holds: dict[Block, dict[str, int]] = {}  # blocks held on the device: the holds of each reason (> 0)
+        self._parked: dict[Block, _Parked] = {}
         # Blocks on the device (or arriving) and held by no one yet: one at a time (budget 0: one read alone).
         self._ahead = ReadAhead(0, lambda block: block.nbytes, self._start_ahead, self._drop_ahead)
         self._headroom_bytes = 0  # the headroom of the stage() whose read-ahead is starting
@@ -175,25 +180,30 @@ class DeviceResidency:
         for j, (name, p) in enumerate(zip(block.param_names, block.params)):
             p.data = block.view(storage, j)
             self._placements.append(_guard.attach(p, name, block.index))
-            _guard.guard(p)
-        storage.untyped_storage().resize_(0)
+        _guard.guard_all(block.params)
+        parked = self._parked[block] = _Parked(block, storage)
+        parked.storage.resize_(0)
 
     def hold(self, block: Block, why: str, *, headroom_bytes: int = 0) -> None:
         """Keep ``block`` on the device for ``why`` (bringing it there), with ``headroom_bytes`` more to follow.
 
         Compute issued after this call sees the block's weights."""
         with self._lock:
-            self._reap()
-            if block not in self._holds:
+            holds = self._holds.get(block)
+            if holds is None:
+                if self._holds:  # (only held blocks' copies are reaped)
+                    self._reap()
+                else:
+                    self._frees.reap()
                 self._arrive(block, headroom_bytes)
-                self._holds[block] = collections.Counter()
-            self._holds[block][why] += 1
+                holds = self._holds[block] = {}
+            holds[why] = holds.get(why, 0) + 1
 
     def stage(self, block: Block | None, *, headroom_bytes: int = 0) -> None:
         """Start bringing ``block`` to the device ahead of its :meth:`hold`, if the device budget has room for it
         and ``headroom_bytes`` more; let a block staged before and not held since go (None: just that)."""
         with self._lock:
-            self._reap()
+            self._frees.reap()  # the memory of blocks gone whose copies ended: room for the one staged
             self._headroom_bytes = headroom_bytes
             self._ahead.plan([] if block is None else [block])
             self._ahead.pump()
@@ -202,15 +212,18 @@ class DeviceResidency:
         """Drop one hold of ``block`` for ``why``; the last one takes the block off the device, or, with ``stay``
         and no block staged, leaves it there as the staged block (the next hold needs no copy)."""
         with self._lock:
-            holds = self._holds[block]
-            if holds[why] <= 0:
+            holds = self._holds.get(block, _NONE_HELD)
+            count = holds.get(why, 0)
+            if count <= 0:
                 raise RuntimeError(f"{block} is not held on the device for {why}")
-            holds[why] -= 1
-            if not +holds:
+            if count > 1:
+                holds[why] = count - 1
+                return
+            del holds[why]
+            if not holds:
                 del self._holds[block]
-                if stay and self._ahead.keep(block, Future.completed(), block.nbytes):  # already on the device
-                    for p in block.params:
-                        _guard.guard(p)
+                if stay and self._ahead.keep(block, _LANDED, block.nbytes):  # already on the device
+                    _guard.guard_all(block.params)
                 else:
                     self._leave(block)
 
@@ -252,7 +265,7 @@ class DeviceResidency:
 
     def holds(self, block: Block, why: str) -> int:
         with self._lock:
-            return self._holds[block][why] if block in self._holds else 0
+            return self._holds.get(block, _NONE_HELD).get(why, 0)
 
     def close(self) -> None:
         """Take every block off the device; the parameters' reads say the weights are gone from now on."""
@@ -268,7 +281,7 @@ class DeviceResidency:
     def describe(self) -> str:
         """What holds the device memory, for error messages."""
         with self._lock:
-            blocks = [f"{b.index} ({', '.join(sorted(+h))})" for b, h in self._holds.items()]
+            blocks = [f"{b.index} ({', '.join(sorted(h))})" for b, h in self._holds.items()]
             blocks += [f"{b.index} (read ahead)" for b in self._ahead.waiting()]
         return (
             f"device memory in use: {self._resident_bytes} bytes of parameters outside the blocks; "
@@ -282,12 +295,13 @@ class DeviceResidency:
         block is copied when it is held)."""
         if block in self._holds:
             return None, 0
-        if self.updated(block) is not None:
+        if block in self._updates and self.updated(block) is not None:
             return None  # copied when held, once its update is done (or raising its failure)
         if block in self._leaving:
             return None  # its last copy is still running: copied when held
         try:
-            self.memory.allocate("device", block.nbytes, f"{block} (read ahead)", headroom_bytes=self._headroom_bytes)
+            name = self._parked[block].name
+            self.memory.allocate("device", block.nbytes, f"{name} (read ahead)", headroom_bytes=self._headroom_bytes)
         except MemoryBudgetError:
             return None
         try:
@@ -310,8 +324,10 @@ class DeviceResidency:
         staged = self._ahead.take(block) is not None
         if not staged:
             self._settle(block)
+        nbytes = 0 if staged else block.nbytes
         try:
-            self._reserve(block, 0 if staged else block.nbytes, headroom_bytes)
+            if nbytes or headroom_bytes:  # a staged block has its bytes counted
+                self._reserve(block, nbytes, headroom_bytes)
         except BaseException:
             if staged:
                 self._leave(block)
@@ -319,7 +335,8 @@ class DeviceResidency:
         try:
             start = time.perf_counter()
             if not staged:
-                self.wait_updated(block)  # the optimizer's update of its weights (deferred past step())
+                if block in self._updates:
+                    self.wait_updated(block)  # the optimizer's update of its weights (deferred past step())
                 self._bring(block)
             copy = self._copies.get(block)  # none when it stayed from its last hold
             if copy is not None:
@@ -328,15 +345,15 @@ class DeviceResidency:
         except BaseException:
             self._leave(block)
             raise
-        for p in block.params:
-            _guard.unguard(p)
+        _guard.unguard_all(self._parked[block].homes)
 
     def _bring(self, block: Block) -> None:
         """Give the block's storage its bytes and start the copy from its host copy (after the store read, if one
         is running); the host copy stays pinned until the copy is done."""
-        block.params[0].untyped_storage().resize_(block.nbytes)
+        parked = self._parked[block]
+        parked.storage.resize_(block.nbytes)
         host, loading = self.cache.pin_loading(block)
-        dst, what = _flat(block), f"the weights of {block}"
+        dst, what = parked.flat, parked.what
         try:
             if loading is None:
                 copy = self.transfer.to_device(dst, host, what=what)
@@ -353,8 +370,7 @@ class DeviceResidency:
     def _leave(self, block: Block) -> None:
         """Take the block off the device: its parameters refuse reads now; its memory, its device bytes and its
         host copy are given back once its last copy is done (:meth:`_retire`)."""
-        for p in block.params:
-            _guard.guard(p)
+        _guard.guard_all(block.params)
         self._retire(block)
 
     def _retire(self, block: Block) -> None:
@@ -370,7 +386,7 @@ class DeviceResidency:
         if copy is not None:
             del self._leaving[block]
             self._unpin(block, copy)
-        block.params[0].untyped_storage().resize_(0)
+        self._parked[block].storage.resize_(0)
         self.memory.free("device", block.nbytes)
 
     def _settle(self, block: Block) -> None:
@@ -404,7 +420,7 @@ class DeviceResidency:
         while True:
             frees = self.gradients.frees
             try:
-                self.memory.allocate("device", nbytes, str(block), headroom_bytes=headroom_bytes)
+                self.memory.allocate("device", nbytes, self._parked[block].name, headroom_bytes=headroom_bytes)
                 break
             except MemoryBudgetError as e:
                 if self._frees.wait_oldest():  # a block taken off the device, its copy still running

@@ -174,6 +174,7 @@ class ParameterStreamer:
         self._passes = BackwardPasses(self._residency)
         self._closed = False
         self._computing: dict[Block, int] = {}  # with a trace: when each block's forward or backward began
+        self._staged_grads: tuple[Block | None, int] = (None, 0)  # the block backward staged last, its gradients' bytes
         self._grad_hooked: set[nn.Parameter] = set()  # the parameters with a gradient hook (follow_requires_grad)
         weakref.finalize(self, self._residency.close)  # a streamer dropped without close() closes its parameters
         self._install_hooks()
@@ -222,42 +223,43 @@ class ParameterStreamer:
             )
         for p, block in params:
             if p.requires_grad and p not in self._grad_hooked:
-                method = ParameterStreamer._grad_ready if block else ParameterStreamer._resident_grad_ready
-                p.register_post_accumulate_grad_hook(_hook(self, method, *block))
+                p.register_post_accumulate_grad_hook(self._passes.grad_hook(id(p), *block))
                 self._grad_hooked.add(p)
 
     def _before_forward(self, block: Block, calls: CallHooks, module, args) -> None:
-        if _recomputing():  # a checkpointed call recomputed by backward, which holds the block: no read ahead
+        if _graph_task() != -1:  # a checkpointed call recomputed by backward, which holds the block: no read ahead
             self._residency.hold(block, "forward")
             return
         waited_ns = time.monotonic_ns()
         self._passes.release_unfinished()
+        self._staged_grads = (None, 0)  # found again by the next backward (parameters may be frozen or unfrozen)
         self._residency.hold(block, "forward")
         self._cache.read_ahead(self._blocks, block)
         self._residency.stage(self._blocks[block.pos + 1] if block.pos + 1 < len(self._blocks) else None)
-        self._compute_began(block, waited_ns)
+        if trace.active() is not None:
+            self._compute_began(block, waited_ns)
         calls.forward_began(module, args)
 
     def _compute_began(self, block: Block, waited_ns: int) -> None:
         """With a trace: the wait for ``block``'s weights (since ``waited_ns``) as a span; its compute starts now."""
-        recording = trace.active()
-        if recording is not None:
-            now = time.monotonic_ns()
-            recording.add("compute", f"wait {block.index}", waited_ns, now)
-            self._computing[block] = now
+        now = time.monotonic_ns()
+        trace.active().add("compute", f"wait {block.index}", waited_ns, now)
+        self._computing[block] = now
 
     def _compute_ended(self, block: Block, what: str) -> None:
-        recording = trace.active()
+        """With a trace: ``block``'s compute (since :meth:`_compute_began`) as a span."""
         started = self._computing.pop(block, None)
+        recording = trace.active()
         if recording is not None and started is not None:
             recording.add("compute", f"{what} {block.index}", started, time.monotonic_ns())
 
     def _after_forward(self, block: Block, calls: CallHooks, module, args, output) -> None:
-        if _recomputing():
+        if _graph_task() != -1:
             if self._residency.holds(block, "forward"):
                 self._residency.unhold(block, "forward")
             return
-        self._compute_ended(block, "forward")
+        if self._computing:
+            self._compute_ended(block, "forward")
         if self._residency.holds(block, "forward"):  # none when the pre-hook raised
             # The last block is the first backward needs: it stays on the device, unless no backward is coming.
             stay = block.pos == len(self._blocks) - 1 and torch.is_grad_enabled() and bool(block.trainable)
@@ -287,28 +289,25 @@ class ParameterStreamer:
 
     def _before_backward(self, block: Block, module) -> None:
         waited_ns = time.monotonic_ns()
-        grads = self._grad_headroom(block)
+        staged, staged_grads = self._staged_grads  # found by the pre-hook before, which staged this block
+        grads = staged_grads if staged is block else self._grad_headroom(block)
         self._passes.enter(block, headroom_bytes=grads)
         self._cache.read_ahead(self._backward_order, block)
         # the next block arrives now; its gradients and this block's are made while both are on the device
         nxt = self._blocks[block.pos - 1] if block.pos > 0 else None
-        self._residency.stage(nxt, headroom_bytes=grads + (self._grad_headroom(nxt) if nxt else 0))
-        self._compute_began(block, waited_ns)
+        self._staged_grads = (nxt, self._grad_headroom(nxt) if nxt else 0)
+        self._residency.stage(nxt, headroom_bytes=grads + self._staged_grads[1])
+        if trace.active() is not None:
+            self._compute_began(block, waited_ns)
 
     def _grad_headroom(self, block: Block) -> int:
         """Device bytes of the gradients ``block``'s backward makes (the first block's: the resident ones' too)."""
         return block.grad_bytes + (resident_bytes(self._resident, grads=True) if block.pos == 0 else 0)
 
-    def _after_backward_call(self, block: Block, module) -> None:
-        self._compute_ended(block, "backward")
+    def _after_backward_call(self, block: Block, module, *grads) -> None:
+        if self._computing:
+            self._compute_ended(block, "backward")
         self._passes.inputs_done(block)
-
-    def _grad_ready(self, block: Block, param: nn.Parameter) -> None:
-        self._residency.gradients.track(param)
-        self._passes.grad_done(block, param)
-
-    def _resident_grad_ready(self, param: nn.Parameter) -> None:
-        self._residency.gradients.track(param)
 
     def _after_state_dict(self, owned, module, state_dict, prefix, local_metadata) -> None:
         self._weights.after_state_dict(owned, state_dict, prefix)
@@ -402,6 +401,7 @@ class ParameterStreamer:
         if self._closed:
             return
         self._closed = True
+        self._passes.closed = True
         self._residency.close()
         self._cache.close()
         self._close_transfer()
@@ -411,9 +411,7 @@ class ParameterStreamer:
             self.transfer.close()
 
 
-def _recomputing() -> bool:
-    """Whether a block's forward runs inside a backward pass: ``torch.utils.checkpoint`` recomputing it."""
-    return torch._C._current_graph_task_id() != -1
+_graph_task = torch._C._current_graph_task_id  # != -1: a block's forward runs inside a backward pass (recomputed)
 
 
 def _hook(streamer: ParameterStreamer, method, *bound, needs_weights: bool = False):

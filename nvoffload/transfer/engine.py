@@ -26,6 +26,7 @@ missing wait is a wrong result in the tests rather than a corrupted run.
 
 from __future__ import annotations
 
+import enum
 import functools
 import threading
 import weakref
@@ -40,7 +41,16 @@ from nvoffload.device import ComputeDevice, Event, compute_device
 from nvoffload.transfer.gds import GDSFile, gds_available
 from nvoffload.transfer.slab import HostSlab
 
-__all__ = ["TransferEngine"]
+__all__ = ["Lane", "TransferEngine"]
+
+
+class Lane(enum.Enum):
+    """Which of the dispatcher's threads starts a chain's next step (:meth:`TransferEngine.then`): chains run in
+    order within a lane, and never behind another lane's, so a copy that compute will wait for never queues behind
+    a write-back whose store submit waits (for an earlier write of the same entry, for room in the I/O queue)."""
+
+    FETCH = "fetch"  # what compute waits for: reads, copies to the device
+    WRITE = "write"  # what nothing computes with: write-backs and saves to the store
 
 
 class _EventPart:
@@ -85,8 +95,8 @@ class TransferEngine:
             self._owns_device = True
         else:
             self.device, self._owns_device = device, False
-        self._chains = Worker("nvoffload-transfer", _run_chain)
-        self._stop_chains = weakref.finalize(self, self._chains.stop)
+        self._lanes = {lane: Worker(f"nvoffload-transfer-{lane.value}", _run_chain) for lane in Lane}
+        self._stop_chains = weakref.finalize(self, _stop_all, list(self._lanes.values()))
         self._gds_files: dict[str, GDSFile] = {}  # swap file path -> its cuFile handle, open from its first use
         self._gds_lock = threading.Lock()
         self._closed = False
@@ -122,8 +132,8 @@ class TransferEngine:
             future = future.chain.inner
         if future.event is not None:
             self.device.wait(future.event)
-            if future.done():
-                future.result()  # a failed stand-in copy raises here
+            if future.event.error() is not None:  # a failed stand-in copy raises here (CUDA's fail a later call)
+                future.result()
         else:
             future.result()
 
@@ -141,8 +151,10 @@ class TransferEngine:
         )
 
     # ---------------------------------------------------------------- chains of transfers
-    def then(self, first: Future, start_next: Callable[[object], Future], *, what: str | None = None) -> Future:
-        """A future for ``start_next(first.result())``, started by the engine's dispatcher once ``first`` is done.
+    def then(self, first: Future, start_next: Callable[[object], Future], *, what: str | None = None,
+             lane: Lane = Lane.FETCH) -> Future:  # fmt: skip
+        """A future for ``start_next(first.result())``, started by the engine's dispatcher once ``first`` is done,
+        in order behind the chains of the same ``lane`` (:class:`Lane`: ``WRITE`` for a write nothing computes with).
 
         If ``first`` fails, ``start_next`` is not called and the returned future
         raises that error. The returned future carries no device event: use it
@@ -151,7 +163,7 @@ class TransferEngine:
         """
         self._check_open(what)
         chained = Deferred()
-        self._chains.submit((first, start_next, chained))
+        self._lanes[lane].submit((first, start_next, chained))
         future = Future([chained], what=what)
         future.chain = chained
         return future
@@ -208,10 +220,10 @@ class TransferEngine:
         if self.direct(store, src):
             io = self._gds_io(store, src, write=True)
             ready = self._reached(after or self.device.record(), name)
-            return self.then(ready, lambda _: store.put_by(name, src, io), what=name)
+            return self.then(ready, lambda _: store.put_by(name, src, io), what=name, lane=Lane.WRITE)
         _need_staging("save", name, staging)
         copied = self.to_host(staging.view(-1), src.reshape(-1), after=after, what=name)
-        return self.then(copied, lambda _: store.put(name, staging), what=name)
+        return self.then(copied, lambda _: store.put(name, staging), what=name, lane=Lane.WRITE)
 
     @staticmethod
     def _reached(event: Event, what: str) -> Future:
@@ -267,6 +279,11 @@ class TransferEngine:
     def _check_open(self, what: str | None) -> None:
         if self._closed:
             raise RuntimeError(f"transfer of {what or 'a tensor'}: the TransferEngine is closed")
+
+
+def _stop_all(workers: list[Worker]) -> None:
+    for worker in workers:
+        worker.stop()
 
 
 def _close_gds_file(engine_ref: weakref.ref, path: str) -> None:
