@@ -269,7 +269,10 @@ class Pipeline:
             except queue.Empty:
                 pass
             if not self._read_on():
-                return self._queue.get()  # idle: stop() ends this wait
+                # Idle: first what dropped requests still hold goes once their transfers end (a gradient's copy
+                # keeps the gradient, device memory a backward may be waiting for); stop() ends the wait after.
+                self._frees.drain()
+                return self._queue.get()
 
     def _peek(self):
         """The item :meth:`_next_item` returns next, if one is queued (None: none is)."""
