@@ -193,8 +193,6 @@ class DeviceResidency:
             if holds is None:
                 if self._holds:  # (only held blocks' copies are reaped)
                     self._reap()
-                else:
-                    self._frees.reap()
                 self._arrive(block, headroom_bytes)
                 holds = self._holds[block] = {}
             holds[why] = holds.get(why, 0) + 1

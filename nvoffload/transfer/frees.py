@@ -64,6 +64,8 @@ class FreeBehind:
 
     def reap(self) -> int:
         """Run the releases whose transfers are done, without waiting; the bytes they gave back."""
+        if not self._pending:  # the usual case, checked without the lock (a release queued meanwhile waits a reap)
+            return 0
         with self._lock:
             due, waiting = [], collections.deque()
             for entry in self._pending:
