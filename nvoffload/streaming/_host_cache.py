@@ -406,9 +406,10 @@ class HostCache:
             if entry.loading is not None:  # read ahead, never pinned: a failed read leaves nothing behind
                 with contextlib.suppress(Exception):
                     self._settle(entry)
-            if entry.dirty:
-                self._start_write_back(cached, entry)
-                in_flight = in_flight or entry.writing
+            if entry.dirty:  # one write-back at a time makes the room: each holds its old extents until written
+                if in_flight is None:
+                    self._start_write_back(cached, entry)
+                    in_flight = entry.writing
                 continue
             self._drop(cached)
         if self._fits(block):
