@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training_checkpoint import CFG, SAVE_AT, STEPS, Run, _assert_equal, _batch, _state
+from test_training_checkpoint import CFG, SAVE_AT, STEPS, Run, _assert_equal, _batch, _goes_on_as_uninterrupted, _state
 
 import nvoffload
 from nvoffload.checkpoint_writer import hold_at
@@ -86,11 +86,7 @@ def test_a_background_checkpoint_holds_its_step_while_training_goes_on(tmp_path,
     assert _files(tmp_path / "background" / ckpt) == _files(tmp_path / "stopped" / ckpt)  # bit for bit
     resumed = Run(mode, tmp_path / "c", seed=7)
     assert resumed.load(tmp_path / "background").step == SAVE_AT
-    resumed.train(STEPS - SAVE_AT)
-    assert resumed.losses == expected_losses
-    _assert_equal(resumed.weights(), expected_weights)
-    _assert_equal(_state(resumed), expected_state)
-    resumed.close()
+    _goes_on_as_uninterrupted(resumed, expected_losses, expected_weights, expected_state)
 
 
 def test_a_background_checkpoint_of_resident_state_holds_its_step(tmp_path):

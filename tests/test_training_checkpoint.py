@@ -100,6 +100,16 @@ def _assert_equal(a: dict, b: dict) -> None:
             assert a[k] == b[k], k
 
 
+def _goes_on_as_uninterrupted(resumed: Run, losses: list, weights: dict, state: dict) -> None:
+    """Train ``resumed`` (loaded at SAVE_AT) to STEPS: its losses, weights and optimizer state are the
+    uninterrupted run's, bit for bit; then close it."""
+    resumed.train(STEPS - SAVE_AT)
+    assert resumed.losses == losses
+    _assert_equal(resumed.weights(), weights)
+    _assert_equal(_state(resumed), state)
+    resumed.close()
+
+
 def _state(run: Run) -> dict:
     sd = run.opt.state_dict()
     return {"state": sd["state"], "lr": [g["lr"] for g in sd["param_groups"]], "sched": run.sched.state_dict()}
@@ -129,11 +139,7 @@ def test_resume_is_bit_identical(tmp_path, mode, resume_budget):
     resumed = Run(mode, tmp_path / "c", cpu_memory_bytes=resume_budget, seed=7)  # other initial weights
     done = resumed.load(tmp_path / "ckpt")
     assert done.step == SAVE_AT and done.path == saved.path
-    resumed.train(STEPS - SAVE_AT)
-    assert resumed.losses == expected_losses
-    _assert_equal(resumed.weights(), expected_weights)
-    _assert_equal(_state(resumed), expected_state)
-    resumed.close()
+    _goes_on_as_uninterrupted(resumed, expected_losses, expected_weights, expected_state)
 
 
 def test_keeps_the_last_complete_checkpoints_and_removes_partial_ones(tmp_path):
