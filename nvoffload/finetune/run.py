@@ -179,7 +179,7 @@ class FinetuneResult:
     config: FinetuneConfig
     num_parameters: int
     steps: list[StepStats] = field(default_factory=list)
-    metrics_path: str | None = None  # the metrics of every step (JSON lines), with ``metrics_dir``
+    metrics_path: str | None = None  # the metrics of every step (JSON lines), with ``metrics_dir``, once a step ran
     plot_path: str | None = None  # the loss curves (PNG); None without matplotlib or ``metrics_dir``
 
     @property
