@@ -2,6 +2,7 @@
 
 import io
 import json
+import math
 import os
 import re
 import sys
@@ -416,6 +417,27 @@ def test_a_loss_that_is_not_finite_stops_the_run_naming_the_step_and_saves_nothi
     assert captured.err.startswith("nvoffload finetune: error: the loss is nan at step 2: training stopped")
     assert latest_training_checkpoint(ckpt).step == 1 and not any(n.startswith("checkpoint-2") for n in os.listdir(ckpt))
     assert os.listdir(swap) == []
+
+
+def test_a_run_stopped_in_its_first_step_leaves_nothing(tmp_path, capsys):
+    """--init-from weights holding NaN: the loss of step 1, before any update, is not finite. One line naming the
+    weights, exit 2, and nothing left: no checkpoint directory, no --log-dir, no swap file (the checkpoint
+    directory stayed, holding an empty metrics.jsonl, and the line said to lower the learning rate)."""
+    weights = GPT(GPTConfig.preset("tiny")).state_dict()
+    weights["tok_emb.weight"][:] = math.nan
+    save_file(weights, tmp_path / "nan.safetensors")
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    for logs in ([], ["--log-dir", str(tmp_path / "logs")]):
+        rc = main(["finetune", "--preset", "tiny", "--init-from", str(tmp_path / "nan.safetensors"), "--steps", "3",
+                   "--batch-size", "2", "--swap-dir", str(swap), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                   "--save-every", "1", "--no-progress", *logs])  # fmt: skip
+        err = capsys.readouterr().err
+        assert rc == 2 and err == (
+            "nvoffload finetune: error: the loss is nan at step 1, before any update: the weights the run starts from"
+            f" ({tmp_path / 'nan.safetensors'}) give it\n"
+        )
+        assert sorted(os.listdir(tmp_path)) == ["nan.safetensors", "swap"] and os.listdir(swap) == []
 
 
 def test_text_is_read_as_its_encoding_and_a_bad_byte_is_named_with_its_offset(tmp_path):

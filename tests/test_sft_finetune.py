@@ -149,15 +149,6 @@ def test_metrics_of_a_resumed_run_drop_what_came_after_its_checkpoint(tmp_path):
         assert log.records() == []
 
 
-def test_a_step_without_any_target_names_the_cause(tmp_path, capsys):
-    """The shipped chats are longer than the tiny preset's rows: cut, they keep no assistant token."""
-    rc = main(["finetune", "--preset", "tiny", "--data", "chat", "--steps", "1", "--swap-dir", str(tmp_path),
-               "--no-progress"])  # fmt: skip
-    err = capsys.readouterr().err
-    assert rc == 2 and "step 1: its examples have no token to take the loss on" in err
-    assert "raise --seq-len, or train on every token (--loss-on all)" in err
-
-
 def test_data_options_are_checked_before_anything_runs(tmp_path):
     from nvoffload.finetune import FinetuneConfig
 
