@@ -57,18 +57,20 @@ def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical
     process = subprocess.Popen(_command(tmp_path, "run", data, steps), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=env)  # fmt: skip
     lines: list[str] = []
-    third = threading.Event()
+    saved = threading.Event()
 
     def read() -> None:
         for line in process.stdout:
             lines.append(line)
-            if line.startswith("step 3:"):
-                third.set()
-        third.set()
+            # Step 2's checkpoint is written in the background while step 3 runs (one at a time: it ends before
+            # step 3's starts), so "step 3:" may come before it ends: wait for the line that says it ended.
+            if line.startswith("checkpoint of step 2 written"):
+                saved.set()
+        saved.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    assert third.wait(240), "".join(lines)[-3000:]
+    assert saved.wait(240), "".join(lines)[-3000:]
     process.send_signal(signal.SIGKILL)
     assert process.wait(60) == -signal.SIGKILL, "".join(lines)[-3000:]  # killed before it could finish
     reader.join(60)
