@@ -151,6 +151,27 @@ def test_with_activation_host_bytes_the_block_inputs_stay_in_host_memory_as_far_
     assert spilled.offloaded_bytes == 0
 
 
+@pytest.mark.parametrize("host_inputs", [8, 3], ids=["in-host-memory", "nvme-spill"])
+def test_with_the_stash_the_block_inputs_go_through_host_memory_and_the_step_is_torchs(tmp_path, host_inputs):
+    """OffloadConfig.stash_host_bytes: each block's input for each micro-batch (64 KiB here: 4 x 64 x 64 fp32) is
+    copied off the device as forward makes it and kept in host memory up to ``host_inputs`` of them, the rest
+    written to NVMe, and read back ahead of backward; the staging holds one input each way (its writes and reads
+    wait for each other). The steps equal torch's within its own spread; every input is stashed and read back
+    once (or, where its copy out was still running when the read ahead reached it, kept on the device instead),
+    none outlives the step."""
+    block_input = 4 * 64 * 64 * 4
+    session = check_equals_torch(
+        tmp_path, 4, 0.5, stash_host_bytes=host_inputs * block_input, stash_staging_bytes=2 * block_input,
+        cpu_memory_bytes=8 << 20,
+    )  # fmt: skip
+    stats = session.stash.stats()
+    assert session.activation_offload is None
+    assert stats.bytes_written == STEPS * 2 * 4 * block_input  # 2 blocks x 4 micro-batches
+    assert stats.bytes_read + stats.reads_avoided * block_input == stats.bytes_written
+    assert stats.host_bytes_written == STEPS * min(host_inputs, 8) * block_input  # the rest went to NVMe
+    assert stats.offloaded_bytes == 0 and stats.live_records == 0
+
+
 def check_equals_torch(tmp_path, G, max_grad_norm, **offload):
     """STEPS steps of G micro-batches streamed, against fused torch AdamW accumulating the same micro-batches:
     weights within twice torch's own spread (:func:`torch_spread`); returns the (closed) session."""
