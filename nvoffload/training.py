@@ -289,6 +289,7 @@ class OffloadSession:
         self.optimizer = optimizer
         self._activations = activations
         self._stash = stash
+        self._stash_counted = (0, 0)  # the stash's NVMe bytes read and written at the last reset_stats()
         self._handles = []  # the model's forward hooks installed by initialize()
         self.closed = False
 
@@ -302,12 +303,23 @@ class OffloadSession:
         return stats
 
     def io_bytes(self) -> tuple[int, int]:
-        """Bytes read and written by the streamer and the optimizer since the last :meth:`reset_stats`."""
+        """Bytes read and written on NVMe by the streamer, the optimizer and the stash since the last
+        :meth:`reset_stats`."""
         opt = self.optimizer.memory_stats()
-        return self.streamer.bytes_read + opt.read_bytes, self.streamer.bytes_written + opt.written_bytes
+        stash_read, stash_written = (now - then for now, then in zip(self._stash_nvme_bytes(), self._stash_counted))
+        return (self.streamer.bytes_read + opt.read_bytes + stash_read,
+                self.streamer.bytes_written + opt.written_bytes + stash_written)  # fmt: skip
+
+    def _stash_nvme_bytes(self) -> tuple[int, int]:
+        """Bytes the stash has read from and written to NVMe since it opened (not those kept in host memory)."""
+        if self._stash is None:
+            return 0, 0
+        stats = self._stash.stats()
+        return stats.bytes_read - stats.host_bytes_read, stats.bytes_written - stats.host_bytes_written
 
     def reset_stats(self) -> None:
         """Restart the peaks and I/O counters (call at the start of a step)."""
+        self._stash_counted = self._stash_nvme_bytes()
         self.memory.reset_peaks()
         self.optimizer.reset_io_stats()
         self.streamer.bytes_read = self.streamer.bytes_written = 0

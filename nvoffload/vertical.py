@@ -21,6 +21,14 @@ forward and one backward of the model's own code instead:
   post-accumulate-grad hook fires, once a step: the optimizer updates each block
   once, while backward goes on below, and no gradient is written to be accumulated.
 
+What a step keeps for backward is each block's input for each micro-batch (the
+arguments checkpointing saves), G of them a layer: on the device, bounding G by
+device memory, unless the session has a stash (``OffloadConfig.stash_host_bytes``,
+:attr:`~nvoffload.training.OffloadSession.stash`): each call then runs inside
+it, so the input is copied off the device as it is saved, kept in host memory
+(NVMe beyond) and read back ahead of backward, block by block in reverse, and G
+is bound by host memory and the drives.
+
 Clipping is the ordinary loop's speculation, unchanged: each block's update runs
 as its hook fires; with ``max_grad_norm`` the hook also keeps the gradient in the
 store (4 bytes a parameter, written once a step whatever G), and ``step()`` redoes

@@ -46,6 +46,8 @@ def test_config_validation(tmp_path):
     FinetuneConfig(grad_accum_steps=2, max_grad_norm=1.0, dtype="float16")  # a GradScaler, unscaled before clipping
     with pytest.raises(ValueError, match="max_grad_norm must be positive"):
         FinetuneConfig(max_grad_norm=0.0)
+    with pytest.raises(ValueError, match="stash_host_bytes keeps the vertical schedule's block inputs of a streamed model"):
+        FinetuneConfig(stash_host_bytes=1 << 20)  # the stash is the streamed vertical schedule's
     with pytest.raises(ValueError, match="not a Hugging Face model directory"):
         FinetuneConfig(model_dir=str(tmp_path))
     (tmp_path / "config.json").write_text("{}")

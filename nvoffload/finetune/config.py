@@ -186,6 +186,8 @@ class FinetuneConfig:
             raise ValueError(f"activation_memory_bytes must be >= 1, got {self.activation_memory_bytes}")
         check_activation_host_bytes(self.activation_host_bytes, self.offload_activations)
         check_stash_bytes(self.stash_host_bytes, self.stash_staging_bytes)
+        if self.stash_host_bytes is not None and not self.stream:
+            raise ValueError("stash_host_bytes keeps the vertical schedule's block inputs of a streamed model: set stream")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
         context = GPTConfig.preset(self.preset).seq_len
