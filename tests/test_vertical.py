@@ -175,6 +175,25 @@ def test_with_the_stash_the_block_inputs_go_through_host_memory_and_the_step_is_
     assert stats.offloaded_bytes == 0 and stats.live_records == 0
 
 
+def test_the_stash_holds_on_the_device_a_block_or_two_of_inputs_whatever_the_depth(tmp_path):
+    """Six blocks, four micro-batches: the 24 block inputs of a step (64 KiB each) are all stashed, while the device
+    holds at most those of two blocks (the one whose copies out are in flight, over every micro-batch: they share
+    one storage, the concatenated output of the block below; and in backward those read back ahead) and the
+    staging's: not the 24 a step keeps on the device without the stash."""
+    cfg, model = tiny(n_layer=6)
+    block_input, G = 4 * 64 * 64 * 4, 4
+    model, opt = streamed(tmp_path, model, stash_host_bytes=24 * block_input, stash_staging_bytes=2 * block_input,
+                          cpu_memory_bytes=16 << 20)  # fmt: skip
+    try:
+        for step in range(2):
+            vertical_step(opt, micro_batches(cfg, step, G))
+        stats = opt.session.stash.stats()
+    finally:
+        opt.close()
+    assert stats.bytes_written == 2 * 6 * G * block_input and stats.host_bytes_written == stats.bytes_written
+    assert 0 < stats.peak_resident_bytes <= 2 * G * block_input + 2 * block_input < 6 * G * block_input
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"stash_host_bytes": -1}, "stash_host_bytes must be None or an int number of bytes >= 0, got -1"),
     ({"stash_host_bytes": 1 << 20, "stash_staging_bytes": 0}, "stash_staging_bytes must be None or a positive int"),
