@@ -7,6 +7,7 @@ import json
 
 from nvoffload.cli import main
 from nvoffload.planner import BUILTIN_PROFILES, ModelShape, PlanRequest, plan
+from nvoffload.planner.cost import swap_bytes
 
 H100_70B = ["plan", "--model", "llama2-70b", "--profile", "h100-sxm-512g-4xgen4", "--batch-size", "8", "--seq-len",
             "2048", "--dtype", "bfloat16", "--cpu-memory", "448G", "--device-memory", "78G", "--swap-dirs", "4"]  # fmt: skip
@@ -53,6 +54,11 @@ def test_the_stash_spills_to_nvme_what_the_host_budget_does_not_hold():
     config = eight.offload_config(["/tmp"])
     assert (config.stash_host_bytes, config.stash_staging_bytes) == (eight.stash_host_bytes, 2 * 8 * layer)
     assert not config.offload_activations and config.activation_host_bytes == 0
+    # what the swap directories must hold (finetune's free-space check): the spilled inputs besides the rest
+    space = swap_bytes(eight.request, stream=True, offload=False, stash_host_bytes=eight.stash_host_bytes)
+    assert space.stashed == spilled and eight.memory_bytes["nvme"] >= spilled
+    assert f"the stash's block inputs beyond its host memory ({spilled} bytes)" in space.parts()
+    assert swap_bytes(eight.request, stream=True, offload=False).total == space.total - spilled
 
 
 def test_the_stash_is_only_the_vertical_schedules():

@@ -570,10 +570,12 @@ class SwapBytes:
     kept_gradients: int  # one set of fp32 gradient sums kept in the store; the delayed update keeps two
     kept_gradient_sets: int
     activations: int  # a micro-batch's offloaded activations
+    stashed: int = 0  # by the vertical schedule, the stash's block inputs beyond its host memory
 
     @property
     def total(self) -> int:
-        return self.weights + 2 * self.state + self.kept_gradient_sets * self.kept_gradients + self.activations
+        return (self.weights + 2 * self.state + self.kept_gradient_sets * self.kept_gradients + self.activations
+                + self.stashed)  # fmt: skip
 
     def parts(self) -> str:
         """What needs the space, each part's bytes named (for the free-space check's message)."""
@@ -583,12 +585,16 @@ class SwapBytes:
             parts.append(f"the kept gradients ({self.kept_gradient_sets * self.kept_gradients} bytes)")
         if self.activations:
             parts.append(f"a micro-batch's offloaded activations ({self.activations} bytes)")
+        if self.stashed:
+            parts.append(f"the stash's block inputs beyond its host memory ({self.stashed} bytes)")
         return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
 
 
-def swap_bytes(r: PlanRequest, *, stream: bool, offload: bool, resident_state_bytes: int = 0) -> SwapBytes:
+def swap_bytes(r: PlanRequest, *, stream: bool, offload: bool, resident_state_bytes: int = 0,
+               stash_host_bytes: int | None = None) -> SwapBytes:  # fmt: skip
     """The bytes one rank of ``r`` keeps in its swap directories (``stream``: the parameters streamed; ``offload``:
-    the activations offloaded): what the plan's NVMe memory is, and what ``finetune`` checks the free space for
+    the activations offloaded; ``stash_host_bytes``, by the vertical schedule: the block inputs of every
+    micro-batch in the stash, those beyond it on NVMe): what the plan's NVMe memory is, and what ``finetune`` checks the free space for
     before anything is written. ``resident_state_bytes`` of host memory keep two generations of some parameters'
     state out of the store (the plan's share; the check counts none, the most the store can hold).
 
@@ -612,8 +618,11 @@ def swap_bytes(r: PlanRequest, *, stream: bool, offload: bool, resident_state_by
     kept = shard * 4 if stream and (r.delayed_update or g > 1 and (not vertical or r.max_grad_norm)) else 0
     rows = -(-r.batch_size // r.ranks)
     activations = r.model.activation_bytes(rows, r.seq_len, dtype_bytes) if offload else 0
+    stashed = 0
+    if stash_host_bytes is not None and vertical:
+        stashed = max(0, g * r.model.n_layer * rows * r.seq_len * r.model.d_model * dtype_bytes - stash_host_bytes)
     return SwapBytes(weights=weights, state=on_nvme * written + scales, state_params=on_nvme, kept_gradients=kept,
-                     kept_gradient_sets=2 if r.delayed_update else 1, activations=activations)  # fmt: skip
+                     kept_gradient_sets=2 if r.delayed_update else 1, activations=activations, stashed=stashed)  # fmt: skip
 
 
 def _tokens_per_step(r: PlanRequest) -> int:
@@ -791,9 +800,8 @@ def _memory(r: PlanRequest, profile: MachineProfile, s: _Sizes, host: _HostSplit
             f" {human_size(r.device_memory_bytes)}: {', or '.join(ways)}"
         )
     # what the swap directories hold
-    space = swap_bytes(r, stream=s.stream, offload=s.offload, resident_state_bytes=host.resident_host)
-    if s.stash:  # the block inputs the host does not hold
-        space = replace(space, activations=host.act_io - host.activations_in_host)
+    space = swap_bytes(r, stream=s.stream, offload=s.offload, resident_state_bytes=host.resident_host,
+                       stash_host_bytes=host.activations_in_host if s.stash else None)  # fmt: skip
     host_used = r.cpu_memory_bytes + _HOST_OVERHEAD_BYTES + (0 if profile.device == "cuda" else device_used)
     if host_used > profile.host_memory_bytes:
         each = " per rank" if n > 1 else ""
