@@ -15,9 +15,10 @@ the more tokens that traffic serves. The table gives each case's median tokens/s
 NVMe bytes a step (the streamer's, the optimizer's and the stash's: ``read_bytes``/``written_bytes`` of the run's
 metrics) and tokens/s over G = 2's. The plot shows each step's tokens/s and NVMe bytes.
 
-The CPU stands in for the GPU here: its "device memory" for activations is not a hard limit, so the device budget
-is set as the issue states it (what streaming needs, plus 2 micro-batches' block inputs) and G = 2 is the most a GPU
-of that budget would run with the inputs on it.
+On the CPU standing in for the GPU (the default; ``--device cuda`` on a GPU) "device memory" for activations is not
+a hard limit, and the device budget counts no activations on a GPU either, so the budget is set as the issue states
+it (what streaming needs, plus 2 micro-batches' block inputs) and G = 2 is the most a GPU of that budget would run
+with the inputs on it.
 
     python bench/bench_stash.py              # GPT-2 124M, 1 x 32 tokens a micro-batch, 4 steps a case
     python bench/bench_stash.py --quick      # the tiny preset, in this process: a smoke run
@@ -45,6 +46,7 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=4, help="steps of each case (the first is not counted)")
+    p.add_argument("--device", default="cpu", help="finetune's --device: cpu (default) or cuda")
     p.add_argument("--swap-dir", default=None, help="default: a temporary directory under /tmp")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
@@ -76,7 +78,7 @@ def cases(args) -> tuple[list[str], dict[str, list[str]], dict]:
     staging = 2 * 8 * inputs // layers  # one block's inputs over the 8 micro-batches each way, as the planner's
     host = args.cpu_memory_mib * MiB
     common = ["--preset", args.preset, "--stream", "--device-memory", str(device), "--batch-size", str(args.batch_size),
-              "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--device", "cpu", "--no-progress"]  # fmt: skip
+              "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--device", args.device, "--no-progress"]  # fmt: skip
     own = {
         "G = 2, inputs on the device": ["--grad-accum", "2", "--cpu-memory", str(host)],
         "G = 8, inputs in the stash": ["--grad-accum", "8", "--cpu-memory", str(host + stash + staging),

@@ -26,6 +26,7 @@ def test_bench_vertical_quick(tmp_path, monkeypatch):
 
 
 def test_bench_stash_quick(tmp_path, monkeypatch):
+    """bench/bench_stash.py --quick: its two cases, the budgets as issue 51 states them, the plot, nothing left."""
     record = quick_record(tmp_path, monkeypatch, "bench_stash")
     rows = {r["case"]: r for r in record["rows"]}
     assert list(rows) == ["G = 2, inputs on the device", "G = 8, inputs in the stash"]
