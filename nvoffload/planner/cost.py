@@ -9,8 +9,11 @@ A step of ``G`` micro-batches of ``B`` sequences of ``S`` tokens does, per engin
   ``state_precision`` asks: 8 with bf16 moments, and without an fp32 master 4 read and 6 written, the moments
   and a bf16 copy of the weights, or with 8-bit moments 2 read and 4 written) read and written once a step; with accumulation and released gradients, the fp32 gradient kept between micro-batches; with
   streaming, every block the host cache cannot hold read in forward and again in backward and every block
-  written back once it changed; with activation offload, every saved activation written and read once;
-- **copies** (PCIe): streamed blocks to the device, gradients from it, activations both ways.
+  written back once it changed; with activation offload, every saved activation written and read once; by the
+  vertical schedule with the stash, the block inputs the host budget does not hold beside every cached block
+  written and read once;
+- **copies** (PCIe): streamed blocks to the device, gradients from it, activations (or the stash's block inputs)
+  both ways.
 
 The host budget beyond the optimizer's staging (``optimizer_memory_fraction``) caches the parameter blocks
 first, streaming, and what it holds beyond them keeps optimizer state resident in host memory
