@@ -47,6 +47,8 @@ def test_config_validation(tmp_path):
     FinetuneConfig(grad_accum_steps=2, max_grad_norm=1.0, dtype="float16")  # a GradScaler, unscaled before clipping
     with pytest.raises(ValueError, match="max_grad_norm must be positive"):
         FinetuneConfig(max_grad_norm=0.0)
+    with pytest.raises(ValueError, match="stash_host_bytes keeps the vertical schedule's block inputs of a streamed model"):
+        FinetuneConfig(stash_host_bytes=1 << 20)  # the stash is the streamed vertical schedule's
     with pytest.raises(ValueError, match="not a Hugging Face model directory"):
         FinetuneConfig(model_dir=str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
@@ -235,7 +237,8 @@ def test_streamed_accumulation_by_the_vertical_schedule_trains_as_in_memory(tmp_
     """--stream --grad-accum 4 runs each block over the 4 micro-batches while it is on the device (the header says
     so): the losses and weights equal the in-memory run's, and micro-batch after micro-batch (--no-vertical) too,
     with clipping that bites, on text and on packed chat rows (position_ids restarting within a row); and with the
-    block inputs offloaded, kept in host memory up to --activation-host-memory and the rest on NVMe."""
+    block inputs offloaded, kept in host memory up to --activation-host-memory and the rest on NVMe, or in the stash
+    (--stash-host-memory), the same way."""
     init = tmp_path / "init.safetensors"
     save_file(GPT(GPTConfig.preset("tiny")).state_dict(), init)
     common = dict(preset="tiny", steps=3, batch_size=2, grad_accum_steps=4, lr=3e-3, warmup_steps=0, max_grad_norm=0.05,
@@ -244,7 +247,7 @@ def test_streamed_accumulation_by_the_vertical_schedule_trains_as_in_memory(tmp_
     runs, said = {}, {}
     spilled = dict(offload_activations=True, activation_host_bytes=48 << 10)  # some of the inputs, not all
     for name, extra in (("plain", {}), ("vertical", streamed), ("each", {**streamed, "vertical": False}),
-                        ("spilled", {**streamed, **spilled})):
+                        ("spilled", {**streamed, **spilled}), ("stashed", {**streamed, "stash_host_bytes": 48 << 10})):
         said[name] = []
         config = FinetuneConfig(**common, **extra, save_to=str(tmp_path / f"{name}.safetensors"))
         runs[name] = finetune(config, progress=False, on_message=said[name].append)
@@ -252,7 +255,8 @@ def test_streamed_accumulation_by_the_vertical_schedule_trains_as_in_memory(tmp_
     assert said["each"][0].endswith("micro-batches a step; micro-batch after micro-batch")
     assert all(s.grad_norm > 0.05 for s in runs["vertical"].steps)  # every step clipped
     assert "activations offloaded: up to 48K kept in host memory, the rest to NVMe" in said["spilled"][1]
-    for name in ("vertical", "each", "spilled"):
+    assert "its inputs are kept in the stash (up to 48K in host memory, the rest on NVMe)" in said["stashed"][0]
+    for name in ("vertical", "each", "spilled", "stashed"):
         assert runs[name].losses == pytest.approx(runs["plain"].losses, rel=1e-4), name
         tuned, plain = load_file(tmp_path / f"{name}.safetensors"), load_file(tmp_path / "plain.safetensors")
         for key in plain:

@@ -239,6 +239,7 @@ def _build(config: FinetuneConfig, swap_dir: str, hf: _HFModel | None) -> tuple[
         swap_dirs=[swap_dir], cpu_memory_bytes=config.cpu_memory_bytes, device_memory_bytes=config.device_memory_bytes,
         device=config.device, offload_activations=config.offload_activations,
         activation_memory_bytes=config.activation_memory_bytes, activation_host_bytes=config.activation_host_bytes,
+        stash_host_bytes=config.stash_host_bytes, stash_staging_bytes=config.stash_staging_bytes,
         max_grad_norm=config.max_grad_norm,
         gradient_accumulation_steps=config.grad_accum_steps, state_precision=config.state_precision,
         loss_scaling=LossScaling() if dtype == torch.float16 else None,
@@ -661,8 +662,10 @@ def header(
     else:
         activations = "offloaded to NVMe" if config.offload_activations else f"on {dev}"
     if uses_vertical_schedule(config, world):
+        kept = "kept" if config.stash_host_bytes is None else (
+            f"kept in the stash (up to {human_size(config.stash_host_bytes)} in host memory, the rest on NVMe)")
         steps = (f"; each block runs over the {config.grad_accum_steps} micro-batches while on {dev} (vertical schedule:"
-                 " its weights move once a step, its inputs are kept and the rest recomputed)")  # fmt: skip
+                 f" its weights move once a step, its inputs are {kept} and the rest recomputed)")  # fmt: skip
     elif config.grad_accum_steps > 1:
         steps = "; micro-batch after micro-batch"
     else:
