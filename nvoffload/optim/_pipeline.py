@@ -49,7 +49,7 @@ from nvoffload import trace
 from nvoffload.core.deferred import Deferred
 from nvoffload.core.workers import start_thread
 from nvoffload.optim._chunk_io import ChunkIO
-from nvoffload.optim._layout import Chunk, Slot
+from nvoffload.optim._chunk_state import Chunk, InSlot, Slot
 from nvoffload.optim._updates import Request, Update
 from nvoffload.transfer import WAIT_LIMIT_S, FreeBehind, Future, ReadAhead, WriteBehind
 
@@ -68,14 +68,13 @@ class _Handover:
 
 
 class _Staged:
-    """A request's transfers started ahead of its update: its ``slot``, whether its state's read holds the
-    ``master`` row, and the futures of its ``state`` read (None: none started), its ``grad``'s copy to the host
-    and its ``kept`` gradient's read."""
+    """A request's transfers started ahead of its update: its chunk's state in its slot (``held``, the state's
+    read started or not), and the futures of its ``grad``'s copy to the host and its ``kept`` gradient's read."""
 
-    __slots__ = ("slot", "master", "state", "grad", "kept")
+    __slots__ = ("held", "grad", "kept")
 
-    def __init__(self, slot: Slot, master: bool, state: Future | None):
-        self.slot, self.master, self.state = slot, master, state
+    def __init__(self, held: InSlot):
+        self.held = held
         self.grad: Future | None = None
         self.kept: Future | None = None
 
@@ -85,20 +84,19 @@ class Pipeline:
 
     def __init__(self, io: ChunkIO, update: Update, slots: list[Slot], prefetch_chunks: int):
         self._io = io
+        self._chunks = io.chunks
         self._update = update
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from a finalizer
         self._keeps: collections.deque[Request] = collections.deque()  # requests that only keep a gradient, first
         self._peeked: collections.deque = collections.deque()  # items taken off the queue to look at, in order
         self._next: tuple[Request, _Staged] | None = None  # the next request, its transfers started (_stage_next)
         self._free = slots
-        self._slot_bytes = io.layout.slot_bytes
+        self._slot_bytes = io.chunks.layout.slot_bytes
         # The slots bound the writes in flight: the budget never holds one back.
         self._writes = WriteBehind(len(slots) * self._slot_bytes, "the optimizer's updates", keep_errors=False)
         self._read_ahead = ReadAhead(prefetch_chunks * self._slot_bytes, lambda chunk: self._slot_bytes,
                                      self._start_read, self._drop_read)  # fmt: skip
-        # A chunk read ahead: its slot, whether the read holds the master row, the bytes read (counted when
-        # the read is used or dropped).
-        self._ahead: dict[Chunk, tuple[Slot, bool, int]] = {}
+        self._ahead: dict[Chunk, InSlot] = {}  # the chunks read ahead: their state in their slots
         self._frees = FreeBehind("the optimizer's slots of reads ahead dropped")  # free once their reads ended
         self._prefetch = prefetch_chunks
         self._short_of_slots = False  # the last pump stopped at a read that found no free slot
@@ -360,21 +358,20 @@ class Pipeline:
         if not self._free:
             self._short_of_slots = True
             return None
-        slot = self._free.pop()
-        master = self._io.layout.needs_master(chunk)
+        held = self._chunks.hold(chunk, self._free.pop())
         try:
-            future, nbytes = self._io.read_ahead(chunk, chunk.gen, slot, master=master)
+            future = held.read(ahead=True)
         except BaseException:
-            self._free.append(slot)
+            self._free.append(held.slot)
             raise
-        self._ahead[chunk] = (slot, master, nbytes)
+        self._ahead[chunk] = held
         return future, self._slot_bytes
 
     def _drop_read(self, chunk: Chunk, future: Future) -> None:
         """:class:`ReadAhead`'s ``drop``: a read ahead that no update took; its slot is free once it ended."""
-        slot, _, nbytes = self._ahead.pop(chunk)
-        self._io.count_read(nbytes)  # read for nothing, but read
-        self._frees.free(future, functools.partial(self._free.append, slot))  # its error does not matter
+        held = self._ahead.pop(chunk)
+        held.count()  # read for nothing, but read
+        self._frees.free(future, functools.partial(self._free.append, held.slot))  # its error does not matter
 
     def _write_behind(self, slot: Slot, future: Future) -> None:
         """Hand ``future`` (writes out of ``slot``) to the write-behind queue; the slot is free once it finished."""
@@ -396,53 +393,43 @@ class Pipeline:
             self._keep_only(req)
             return
         chunk, io = req.chunk, self._io
-        fresh = not chunk.applied  # else the model holds an update of this step: the master comes from the store
         staged = self._staged_for(req)
-        slot = staged.slot
+        held = staged.held
         try:
             if chunk.gen is None:
-                io.init(chunk, slot, after=req.ready)
+                held.first(io.model_weights(chunk.record, modify=False), after=req.ready)
             self._stage_next(req)  # the next request's copies and reads overlap this update
-            if staged.state is not None:
-                staged.state.result()
-            if not staged.master and not fresh:  # read ahead without the master, then the update had to be redone
-                io.read(chunk, chunk.gen, slot, state=False).result()
-            gen = (chunk.gen or 0) + 1
-            rows = io.layout.chunk_rows(chunk, slot)
-            state = io.layout.chunk_state(chunk, rows)
-            dtype = chunk.record.param.dtype
+            state = held.state()
             with io.model_weights(chunk.record, modify=True, update=True) as weights:
-                if io.layout.split(chunk.record) and fresh:
-                    # the model's weights are the master (as in torch), as they were when the request was queued
-                    weights.read(chunk.elements, state.weights, slot, after=req.ready)
+                held.master_from(weights, state, after=req.ready)
                 grad, kept = self._gradient(req, staged)
-                out = None
-                if state.weights.dtype != dtype:  # a 16-bit parameter with an fp32 master
-                    out = weights.host_view(chunk.elements)
-                    out = slot.out(dtype, chunk.numel) if out is None else out
-                chunk.applied = weights.staged is None  # from here on the model may hold new values
+                out = held.applying(weights, state)
                 self._stage_next(req)  # if the next request came in meanwhile
-                started_ns = time.monotonic_ns()
-                updated = self._update(req, state, grad, out)
-                recording = trace.active()
-                if recording is not None:
-                    name = f"parameter {chunk.record.index} chunk {chunk.index}"
-                    recording.add("adam", name, started_ns, time.monotonic_ns(), elements=chunk.numel)
-                upload = weights.write(chunk.elements, updated, slot, after=req.ready)
-            wfut = io.write(chunk, gen, rows)
+                updated = self._run_update(req, state, grad, out)
+                upload = weights.write(chunk.elements, updated, held.slot, after=req.ready)
+            written = held.write()
             if kept is not None:
-                wfut = Future.all_of([wfut, kept])
+                written = Future.all_of([written, kept])
         except BaseException:
             self._unstage(staged)
             raise
-        chunk.pending_gen = gen
         self._uploads.append(upload)
         # The slot is free again once the weights reached the model and the state is on disk.
-        self._write_behind(slot, Future.all_of([upload, wfut], what=f"the update of {chunk.record.name}"))
+        self._write_behind(held.slot, Future.all_of([upload, written], what=f"the update of {chunk.record.name}"))
         # Keep reading ahead while the next update computes (the next update would wait for the oldest write
         # anyway, and then read without overlap).
         if self._read_on():
             self._pump()
+
+    def _run_update(self, req: Request, state, grad: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The update strategy on ``req``'s chunk, recorded as a span when tracing."""
+        started_ns = time.monotonic_ns()
+        updated = self._update(req, state, grad, out)
+        recording = trace.active()
+        if recording is not None:
+            name = f"parameter {req.chunk.record.index} chunk {req.chunk.index}"
+            recording.add("adam", name, started_ns, time.monotonic_ns(), elements=req.chunk.numel)
+        return updated
 
     # ---- a request's transfers, started ahead of its update (the next request's while this one computes)
     def _stage(self, req: Request, *, wait: bool) -> _Staged | None:
@@ -450,30 +437,30 @@ class Pipeline:
         ahead), its kept gradient, its gradient's copy to the host. Without ``wait`` (ahead of its turn): None when
         no slot is free now or its chunk has no state yet, and the gradient of a reduction in flight is left for
         its turn (its wait is the host's, on the CPU)."""
-        chunk, io = req.chunk, self._io
+        chunk = req.chunk
         if not wait and req.update and chunk.gen is None:
             return None  # initialized in its turn, from the model's weights
-        state = self._read_ahead.take(chunk) if req.update else None
-        if state is not None:
-            slot, master, nbytes = self._ahead.pop(chunk)
-            io.count_read(nbytes)
+        ahead = req.update and self._read_ahead.take(chunk) is not None
+        if ahead:
+            held = self._ahead.pop(chunk)
+            held.count()
         else:
             if not wait and not self._free:
                 self._writes.poll()
                 self._frees.reap()
                 if not self._free:
                     return None
-            slot, master = self._take_slot(), True
-        staged = _Staged(slot, master, state)
+            held = self._chunks.hold(chunk, self._take_slot())
+        staged = _Staged(held)
         try:
-            if req.update and state is None and chunk.gen is not None:
-                staged.state = io.read(chunk, chunk.gen, slot, master=io.layout.needs_master(chunk))
+            if req.update and not ahead and chunk.gen is not None:
+                held.read()
             if req.grad is None or req.add_kept:
-                staged.kept = io.read_kept(chunk, slot.kept_grad(chunk.numel), req.kept)
+                staged.kept = held.read_kept(req.kept)
             if req.grad is not None and (wait or req.comm is None):
                 if req.comm is not None:
                     req.comm.wait()
-                staged.grad = io.grad_to_host(req.grad, slot, req.ready)
+                staged.grad = self._io.grad_to_host(req.grad, held.slot, req.ready)
         except BaseException:
             self._unstage(staged)
             raise
@@ -499,26 +486,26 @@ class Pipeline:
 
     def _unstage(self, staged: _Staged) -> None:
         """Give ``staged``'s slot back once what was started into it ended (its errors are not this one's)."""
-        started = [f for f in (staged.state, staged.grad, staged.kept) if f is not None]
-        self._frees.free(Future.all_of(started), functools.partial(self._free.append, staged.slot))
+        started = [f for f in (staged.held.future, staged.grad, staged.kept) if f is not None]
+        self._frees.free(Future.all_of(started), functools.partial(self._free.append, staged.held.slot))
 
     def _gradient(self, req: Request, staged: _Staged) -> tuple[torch.Tensor, Future | None]:
         """The request's gradient in host memory (summed with the kept one when asked; the kept one alone
         without a device gradient), its norm measured into ``chunk.grad_norm``, and the write
         that keeps it (None when not asked)."""
-        chunk, io, slot = req.chunk, self._io, staged.slot
+        held = staged.held
         if req.grad is None:
             return staged.kept.result(), None
         if staged.grad is None:  # left for its turn: a reduction in flight (see _stage)
             req.comm.wait()
-            staged.grad = io.grad_to_host(req.grad, slot, req.ready)
+            staged.grad = self._io.grad_to_host(req.grad, held.slot, req.ready)
         grad = staged.grad.result()
         if req.add_kept:
             grad = staged.kept.result().add_(grad)
         elif req.keep:
-            grad = slot.kept_grad(chunk.numel).copy_(grad)
-        chunk.grad_norm = float(torch.linalg.vector_norm(grad, dtype=torch.float32))
-        return grad, io.write_kept(chunk, grad, req.kept) if req.keep else None
+            grad = held.kept_grad().copy_(grad)
+        req.chunk.grad_norm = float(torch.linalg.vector_norm(grad, dtype=torch.float32))
+        return grad, held.write_kept(grad, req.kept) if req.keep else None
 
     def _keep_only(self, req: Request) -> None:
         """A micro-batch before the step's last: add the gradient to the kept one, no update."""
@@ -529,4 +516,4 @@ class Pipeline:
         except BaseException:
             self._unstage(staged)
             raise
-        self._write_behind(staged.slot, kept)
+        self._write_behind(staged.held.slot, kept)
