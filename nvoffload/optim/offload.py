@@ -70,9 +70,10 @@ OffloadOptimizer is closed")``. No wait on the worker hangs: it raises as soon
 as the worker thread ends, or when the worker made no progress for
 ``NVOFFLOAD_WAIT_LIMIT_S`` (ten minutes by default).
 
-The pieces: :mod:`~nvoffload.optim._layout` (records, chunks, store names,
-chunk sizes), :mod:`~nvoffload.optim._chunk_io` (chunk state to and from the
-store, model weights), :mod:`~nvoffload.optim._updates` (fused Adam or the
+The pieces: :mod:`~nvoffload.optim._layout` (records, chunk sizes),
+:mod:`~nvoffload.optim._chunk_state` (a chunk's state: its format, generations,
+read and write), :mod:`~nvoffload.optim._chunk_io` (model weights and
+gradients), :mod:`~nvoffload.optim._updates` (fused Adam or the
 wrapped optimizer's own step), :mod:`~nvoffload.optim._pipeline` (the worker
 thread), :mod:`~nvoffload.optim._protocol` (speculate, redo, restore,
 commit), :mod:`~nvoffload.optim._codec` (state dicts); this module is the
