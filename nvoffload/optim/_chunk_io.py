@@ -33,8 +33,8 @@ from typing import Protocol
 import torch
 
 from nvoffload.device import Event, untracked
-from nvoffload.optim._chunk_state import ChunkStore, Slot
-from nvoffload.optim._layout import Layout, Record
+from nvoffload.optim._chunk_state import ChunkStore, Slot, StateFormat
+from nvoffload.optim._layout import Record
 from nvoffload.transfer import Future, TransferEngine
 
 
@@ -127,7 +127,7 @@ class ChunkIO:
     (:meth:`grad_to_host`) moved through ``transfer``, delayed updates' staged copies; and the chunks' own state
     in ``store``, laid out as ``layout`` says (``chunks``, a :class:`~nvoffload.optim._chunk_state.ChunkStore`)."""
 
-    def __init__(self, store, layout: Layout, transfer: TransferEngine):
+    def __init__(self, store, layout: StateFormat, transfer: TransferEngine):
         self.chunks = ChunkStore(store, layout)
         self.transfer = transfer
         self.weight_home: WeightHome | None = None
