@@ -1,8 +1,9 @@
-"""Moving chunk state between the store and host slots, and the model's weights and gradients to and from them.
+"""The model's weights and gradients to and from the optimizer's host slots.
 
 :class:`ChunkIO` is what the worker thread, the speculate/commit protocol and
-the state-dict codec share: it holds the store, the layout, the transfer
-engine, the :class:`WeightHome` (if any) and the I/O byte counters, and no
+the state-dict codec share: it holds the transfer engine, the :class:`WeightHome`
+(if any), delayed updates' staged weights and the chunks' state
+(``ChunkIO.chunks``, see :mod:`nvoffload.optim._chunk_state`), and no
 reference to the optimizer itself, so a dropped optimizer can be collected
 while its worker runs.
 
@@ -22,23 +23,18 @@ queued) instead of the parameter, which the next forward and backward still read
 (:meth:`ChunkIO.install_staged`) once the updates are done. A :class:`WeightHome`'s parameters (streamed
 blocks) get theirs from the home (``acquire(staged=True)``), which makes them the weights at ``install_staged``.
 PipeDream-2BW keeps its two weight versions the same way.
-
-Resident state: the chunks that :class:`ResidentState` gave a home (host
-memory, two buffers: generation ``g`` in ``Chunk.home[g % 2]``) are read and
-written there, never in the store, and count no store bytes; everything else
-(generations, commit, restore, state dicts) is the same for them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Protocol
 
 import torch
 
 from nvoffload.device import Event, untracked
-from nvoffload.optim._layout import Chunk, Layout, Record, Slot
+from nvoffload.optim._chunk_state import ChunkStore, Slot, StateFormat
+from nvoffload.optim._layout import Record
 from nvoffload.transfer import Future, TransferEngine
 
 
@@ -126,50 +122,16 @@ class ModelWeights:
         return self._transfer.to_device(dst, src, after=after, what="weights")
 
 
-class ResidentState:
-    """Host homes for chunks' state that never goes to the store: ``capacity_bytes`` of ``slab``, given to the
-    chunks offered, in order, while their two generations fit (``2 * rows * 4`` bytes an element, 4 KiB-aligned).
-
-    The homes stay allocated until the slab is closed; ``used_bytes`` is what they hold, ``state_bytes`` one
-    generation of their state in the store (what the store would read and write per update without them)."""
-
-    def __init__(self, slab, capacity_bytes: int, rows: int):
-        self._slab = slab
-        self.capacity_bytes = capacity_bytes
-        self._rows = rows  # rows per element of each home: the slots' (the most any group needs)
-        self.used_bytes = 0
-        self.state_bytes = 0
-
-    def offer(self, chunk: Chunk, state_bytes: int) -> bool:
-        """Give ``chunk`` (``state_bytes`` of state a generation in the store) a home if its two generations fit
-        what is left; True if so."""
-        rows_bytes = self._rows * chunk.numel * 4
-        gen_bytes = -(-rows_bytes // 4096) * 4096
-        if self.used_bytes + 2 * gen_bytes > self.capacity_bytes:
-            return False
-        memory = self._slab.allocate(2 * gen_bytes, "the resident optimizer state")
-        chunk.home = tuple(memory[at : at + rows_bytes].view(torch.float32) for at in (0, gen_bytes))
-        self.used_bytes += 2 * gen_bytes
-        self.state_bytes += state_bytes
-        return True
-
-
 class ChunkIO:
-    """Reads and writes generations of chunk state in ``store``, counting the bytes moved."""
+    """The model's side of the chunks' updates: their weights (:meth:`model_weights`) and gradients
+    (:meth:`grad_to_host`) moved through ``transfer``, delayed updates' staged copies; and the chunks' own state
+    in ``store``, laid out as ``layout`` says (``chunks``, a :class:`~nvoffload.optim._chunk_state.ChunkStore`)."""
 
-    def __init__(self, store, layout: Layout, transfer: TransferEngine):
-        self.store = store
-        self.layout = layout
+    def __init__(self, store, layout: StateFormat, transfer: TransferEngine):
+        self.chunks = ChunkStore(store, layout)
         self.transfer = transfer
         self.weight_home: WeightHome | None = None
         self.staged: dict[int, torch.Tensor] | None = None  # delayed updates: record index -> flat new weights
-        self.read_bytes = 0
-        self.written_bytes = 0
-        self._count_lock = threading.Lock()
-
-    def reset_counts(self) -> None:
-        with self._count_lock:
-            self.read_bytes = self.written_bytes = 0
 
     @contextlib.contextmanager
     def model_weights(self, rec: Record, *, modify: bool, update: bool = False):
@@ -208,91 +170,3 @@ class ChunkIO:
         result is the host copy."""
         host = slot.grad(grad.dtype, grad.numel())
         return self.transfer.to_host(host, grad, after=ready, what="a gradient")
-
-    def read(self, chunk: Chunk, gen: int, slot: Slot, *, state: bool = True, master: bool = True) -> Future:
-        """Start reading generation ``gen`` of ``chunk`` into ``slot`` (or only its state or its master row)."""
-        future, nbytes = self.read_ahead(chunk, gen, slot, state=state, master=master)
-        self.count_read(nbytes)
-        return future
-
-    def read_ahead(self, chunk: Chunk, gen: int, slot: Slot, *, state: bool = True, master: bool = True) -> tuple[Future, int]:
-        """:meth:`read`, with its bytes left for the caller to :meth:`count_read` once the read is used (a read
-        ahead of the next step counts in that step, whether it starts before or after ``reset_counts``)."""
-        rows = self.layout.chunk_rows(chunk, slot)
-        if chunk.home is not None:
-            for (_, out), (_, kept) in zip(
-                self.layout.entries(chunk, gen, rows, state=state, master=master),
-                self.layout.entries(chunk, gen, self._home(chunk, gen), state=state, master=master),
-            ):
-                out.copy_(kept)
-            return Future.completed(), 0
-        futures, nbytes = [], 0
-        for name, out in self.layout.entries(chunk, gen, rows, state=state, master=master):
-            futures.append(self.store.get(name, out=out))
-            nbytes += out.numel() * out.element_size()
-        return Future.all_of(futures), nbytes
-
-    def count_read(self, nbytes: int) -> None:
-        with self._count_lock:
-            self.read_bytes += nbytes
-
-    def write(self, chunk: Chunk, gen: int, rows: torch.Tensor) -> Future:
-        """Start writing ``rows`` (``(rows, numel)`` fp32) as generation ``gen`` of ``chunk`` (a resident chunk's
-        is copied to its home now)."""
-        if chunk.home is not None:
-            self._home(chunk, gen).copy_(rows)
-            return Future.completed()
-        futures = []
-        for name, part in self.layout.entries(chunk, gen, rows):
-            futures.append(self.store.put(name, part))
-            with self._count_lock:
-                self.written_bytes += part.numel() * part.element_size()
-        return Future.all_of(futures)
-
-    def read_kept(self, chunk: Chunk, out: torch.Tensor, which: int) -> Future:
-        """Start reading ``chunk``'s kept gradient (fp32; entry ``which``, see :meth:`Chunk.kept_name`) into ``out``."""
-        with self._count_lock:
-            self.read_bytes += out.numel() * 4
-        return self.store.get(chunk.kept_name(which), out=out)
-
-    def write_kept(self, chunk: Chunk, grad: torch.Tensor, which: int) -> Future:
-        """Start writing the fp32 ``grad`` as ``chunk``'s kept gradient ``which`` (replacing the one kept before)."""
-        with self._count_lock:
-            self.written_bytes += grad.numel() * 4
-        return self.store.put(chunk.kept_name(which), grad)
-
-    def _home(self, chunk: Chunk, gen: int) -> torch.Tensor:
-        """The ``(rows, numel)`` rows of generation ``gen`` of the resident ``chunk``."""
-        nrows = self.layout.rows(chunk.record)
-        return chunk.home[gen % 2][: nrows * chunk.numel].view(nrows, chunk.numel)
-
-    def delete(self, chunk: Chunk, gen: int) -> None:
-        if chunk.home is not None:
-            return  # nothing in the store: its buffer takes generation gen + 2
-        for name in self.layout.names(chunk, gen):
-            if name in self.store:
-                self.store.delete(name)
-
-    def write_first(self, chunk: Chunk, rows: torch.Tensor, scalars: dict) -> None:
-        """Write ``rows`` as generation 0, the committed state of a chunk that had none."""
-        self.write(chunk, 0, rows).result()
-        chunk.gen = 0
-        chunk.scalars = scalars
-
-    def init(self, chunk: Chunk, slot: Slot, *, after: Event | None) -> None:
-        """First update of a chunk: master = the model's weights (read once ``after`` completed), zero state;
-        saved as generation 0."""
-        rows = self.layout.chunk_rows(chunk, slot)
-        with self.model_weights(chunk.record, modify=False) as weights:
-            weights.read(chunk.elements, self.layout.chunk_state(chunk, rows).weights, slot, after=after)
-        rows[1:].zero_()
-        self.write_first(chunk, rows, {})
-
-    def discard(self, chunk: Chunk) -> None:
-        """Delete every generation of ``chunk`` from the store and forget its state."""
-        for gen in {chunk.gen, chunk.pending_gen} - {None}:
-            self.delete(chunk, gen)
-        for name in (chunk.kept_name(0), chunk.kept_name(1)):
-            if name in self.store:
-                self.store.delete(name)
-        chunk.gen, chunk.pending_gen, chunk.applied, chunk.scalars = None, None, False, {}

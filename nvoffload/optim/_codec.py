@@ -18,7 +18,8 @@ import torch
 from nvoffload.core.buffers import aligned_empty
 from nvoffload.core.future import Future
 from nvoffload.optim._chunk_io import ChunkIO
-from nvoffload.optim._layout import Chunk, Record, Slot
+from nvoffload.optim._chunk_state import Chunk, ChunkStore, Slot
+from nvoffload.optim._layout import Record
 from nvoffload.optim._pipeline import Pipeline
 from nvoffload.optim._updates import Update
 
@@ -40,6 +41,7 @@ class StateCodec:
     def __init__(self, records: list[Record], io: ChunkIO, update: Update, pipeline: Pipeline):
         self._records = records
         self._io = io
+        self._chunks = io.chunks
         self._update = update
         self._pipeline = pipeline
 
@@ -86,8 +88,8 @@ class StateCodec:
         self._pipeline.wait_idle()
         with self._pipeline.lend() as slot:
             for st, keys, c in self._chunks_of(layout):
-                self._io.read(c, c.gen, slot).result()
-                values = self._io.layout.chunk_state(c, self._io.layout.chunk_rows(c, slot)).values()
+                self._chunks.read(c, c.gen, slot).result()
+                values = self._chunks.layout.views(c, slot).values()
                 for key, value in zip(keys, values):
                     if key is not None:
                         sink(st[key], c.elements, value)  # a compact state's moments widened or decoded
@@ -99,13 +101,13 @@ class StateCodec:
         self._pipeline.wait_idle()
         items, names = [], []
         for st, keys, c in self._chunks_of(layout):
-            copy = self._io._home(c, c.gen).clone() if c.home is not None else None
+            copy = self._chunks.home_rows(c, c.gen).clone() if c.home is not None else None
             master = keys[0] is not None  # else the weights' row (a split chunk's own entry) is not saved: not read
             items.append(_Held(st, keys, c, c.gen, copy, master))
             if copy is None:
-                held = self._io.layout.names(c, c.gen)[: 2 if master else 1]
-                names += [name for name in held if name in self._io.store]
-        return StateSnapshot(self._io, items, self._io.store.pin(names))
+                held = self._chunks.layout.names(c, c.gen)[: 2 if master else 1]
+                names += [name for name in held if name in self._chunks.store]
+        return StateSnapshot(self._chunks, items, self._chunks.store.pin(names))
 
     def _chunks_of(self, layout: dict) -> Iterator[tuple[dict, list[str | None], Chunk]]:
         """Each chunk with state in ``layout``, in order: its parameter's layout entry, its row keys, itself."""
@@ -119,8 +121,8 @@ class StateCodec:
     def _row_keys(self, rec: Record) -> list[str | None]:
         """The state dict key of each of ``rec``'s chunks' :meth:`ChunkState.values` (None: the weights of a
         parameter whose master is its own weights: fp32, or bf16 without an fp32 master)."""
-        nrows = self._io.layout.rows(rec)
-        master = None if self._io.layout.split(rec) else "master_param"
+        nrows = self._chunks.layout.rows(rec)
+        master = None if self._chunks.layout.split(rec) else "master_param"
         return [master, *self._update.row_keys(rec, nrows)]
 
     def load_state_dict(self, state_dict: dict, param_groups: list[dict], source: Source | None = None) -> None:
@@ -153,11 +155,11 @@ class StateCodec:
 
     def _scatter(self, rec: Record, st: dict | None, slot: Slot, source: Source) -> None:
         for c in rec.chunks:
-            self._io.discard(c)
+            self._chunks.discard(c)
         rec.step = 0
         if not st:
             return
-        nrows = self._io.layout.rows(rec)
+        nrows = self._chunks.layout.rows(rec)
         shape = rec.param.shape
         master = st.get("master_param")
         tensors, scalars, rec.step = self._update.parse(rec, st, nrows)
@@ -165,9 +167,8 @@ class StateCodec:
             if tuple(t.shape) != tuple(shape):
                 raise ValueError(f"state tensor of shape {tuple(t.shape)} does not fit {rec.name}")
         for c in rec.chunks:
-            rows = self._io.layout.chunk_rows(c, slot)
-            rows.zero_()
-            state = self._io.layout.chunk_state(c, rows)
+            state = self._chunks.layout.views(c, slot)
+            state.rows.zero_()
             for index, t in enumerate(tensors):
                 if state.moments[index].dtype == torch.float32:
                     source(t, c.elements, state.moments[index])
@@ -180,7 +181,7 @@ class StateCodec:
             else:  # the model's current weights are the master
                 with self._io.model_weights(rec, modify=False) as weights:
                     weights.read(c.elements, state.weights, slot)
-            self._io.write_first(c, rows, dict(scalars))
+            self._chunks.write_first(c, state.rows, dict(scalars))
 
 
 def _copy_elements(tensor: torch.Tensor, elements: slice, out: torch.Tensor) -> None:
@@ -206,11 +207,11 @@ class StateSnapshot:
     alone, so nothing the snapshot reads is overwritten and no step waits for it) until :meth:`release`:
     on NVMe, one more generation of the state at most."""
 
-    def __init__(self, io: ChunkIO, items: list[_Held], pin):
-        self._io, self._items, self._pin = io, items, pin
+    def __init__(self, chunks: ChunkStore, items: list[_Held], pin):
+        self._chunks, self._items, self._pin = chunks, items, pin
 
     def _rows_numel(self, held: _Held) -> int:
-        return self._io.layout.rows(held.chunk.record) * held.chunk.numel
+        return self._chunks.layout.rows(held.chunk.record) * held.chunk.numel
 
     def stream(self, sink: AsyncSink, *, max_bytes_in_flight: int) -> None:
         """Call ``sink(placeholder, elements, values)`` for every value of every chunk held, chunk by chunk in
@@ -228,7 +229,7 @@ class StateSnapshot:
         def hand_over() -> None:
             held, buffer, rows, read = reads.popleft()
             read.result()
-            values = self._io.layout.chunk_state(held.chunk, rows).values()
+            values = self._chunks.layout.chunk_state(held.chunk, rows).values()
             futures = [sink(held.state[key], held.chunk.elements, value) for key, value in zip(held.keys, values) if key]
             writes.append((buffer, [f for f in futures if f is not None]))
 
@@ -252,7 +253,7 @@ class StateSnapshot:
         if held.copy is not None:
             rows.copy_(held.copy)
             return Future.completed()
-        entries = self._io.layout.entries(held.chunk, held.gen, rows, master=held.master)
+        entries = self._chunks.layout.entries(held.chunk, held.gen, rows, master=held.master)
         return Future.all_of([self._pin.get(name, out=out) for name, out in entries])
 
     def release(self) -> None:

@@ -16,8 +16,10 @@ reached the model. Reads ahead hold at most ``prefetch_chunks`` of the
 ``prefetch_chunks + 2`` slots, so when none is free a write holds one, and the
 worker waits for the oldest write.
 
-A request's transfers start before its turn: at the previous request's, before that one's update runs
-(``_stage_next``), the next request takes its slot (its chunk's read ahead, or a free one) and starts its
+The slots and what moves through them are :class:`_Slots`' (the :class:`Pipeline` is the thread, its queue and
+the update itself); each holds a chunk's state as an :class:`~nvoffload.optim._chunk_state.InSlot`. A request's
+transfers start before its turn: at the previous request's, before that one's update runs
+(``_Slots.stage_next``), the next request takes its slot (its chunk's read ahead, or a free one) and starts its
 state's read (unless read ahead), its kept gradient's read and its gradient's copy to the host, so the copy
 runs while the kernel computes. A read ahead dropped gives its slot back once it ended (a
 :class:`~nvoffload.transfer.FreeBehind`), not by a wait.
@@ -49,7 +51,7 @@ from nvoffload import trace
 from nvoffload.core.deferred import Deferred
 from nvoffload.core.workers import start_thread
 from nvoffload.optim._chunk_io import ChunkIO
-from nvoffload.optim._layout import Chunk, Slot
+from nvoffload.optim._chunk_state import Chunk, InSlot, Slot
 from nvoffload.optim._updates import Request, Update
 from nvoffload.transfer import WAIT_LIMIT_S, FreeBehind, Future, ReadAhead, WriteBehind
 
@@ -68,16 +70,200 @@ class _Handover:
 
 
 class _Staged:
-    """A request's transfers started ahead of its update: its ``slot``, whether its state's read holds the
-    ``master`` row, and the futures of its ``state`` read (None: none started), its ``grad``'s copy to the host
-    and its ``kept`` gradient's read."""
+    """A request's transfers started ahead of its update: its chunk's state in its slot (``held``, the state's
+    read started or not), and the futures of its ``grad``'s copy to the host and its ``kept`` gradient's read."""
 
-    __slots__ = ("slot", "master", "state", "grad", "kept")
+    __slots__ = ("held", "grad", "kept")
 
-    def __init__(self, slot: Slot, master: bool, state: Future | None):
-        self.slot, self.master, self.state = slot, master, state
+    def __init__(self, held: InSlot):
+        self.held = held
         self.grad: Future | None = None
         self.kept: Future | None = None
+
+
+class _Slots:
+    """The worker's slots and what moves through them: chunks' state read ahead (a :class:`ReadAhead`), a request's
+    transfers started ahead of its update (:class:`_Staged`), the updates' writes behind (a :class:`WriteBehind`),
+    and the reads ahead dropped (a :class:`FreeBehind`). Used from the worker thread only; errors of reads and
+    writes go to ``errors`` (the pipeline's, reported from ``step()``)."""
+
+    def __init__(self, io: ChunkIO, slots: list[Slot], prefetch_chunks: int, errors: list[BaseException]):
+        self._io = io
+        self._chunks = io.chunks
+        self._errors = errors
+        self._free = slots
+        self._slot_bytes = io.chunks.layout.slot_bytes
+        # The slots bound the writes in flight: the budget never holds one back.
+        self._writes = WriteBehind(len(slots) * self._slot_bytes, "the optimizer's updates", keep_errors=False)
+        self._read_ahead = ReadAhead(prefetch_chunks * self._slot_bytes, lambda chunk: self._slot_bytes,
+                                     self._start_read, self._drop_read)  # fmt: skip
+        self._ahead: dict[Chunk, InSlot] = {}  # the chunks read ahead: their state in their slots
+        self._frees = FreeBehind("the optimizer's slots of reads ahead dropped")  # free once their reads ended
+        self._prefetch = prefetch_chunks
+        self._short_of_slots = False  # the last pump stopped at a read that found no free slot
+        self._next: tuple[Request, _Staged] | None = None  # the next request, its transfers started (stage_next)
+
+    def plan(self, chunks: list[Chunk]) -> None:
+        """Read ``chunks`` ahead in this order (the reads ahead so far are dropped: read at the generations of
+        before, and a new plan follows a commit or a load)."""
+        self._read_ahead.clear()
+        self._read_ahead.plan(chunks if self._prefetch else ())
+
+    def drain(self) -> None:
+        """Wait for every write behind and every dropped read to end."""
+        self._writes.drain()
+        self._frees.drain()
+
+    def stop(self) -> None:
+        """Drop the reads ahead, and :meth:`drain`."""
+        self._read_ahead.clear()
+        self.drain()
+
+    def idle(self) -> None:
+        """Give back what dropped requests still hold once their transfers end (a gradient's copy keeps the
+        gradient, device memory a backward may be waiting for)."""
+        self._frees.drain()
+
+    def read_on(self) -> bool:
+        """Start the reads ahead that the budget and the free slots allow; when one finds no free slot, wait for
+        the oldest write (or dropped read) to free one. True when it waited (a read ahead can start now)."""
+        return self.pump() and (self._frees.wait_oldest() or self._writes.wait_oldest())
+
+    def pump(self) -> bool:
+        """Start the planned reads ahead that the budget and the free slots allow; True when one waits for a slot."""
+        self._short_of_slots = False
+        try:
+            self._read_ahead.pump()
+        except BaseException as exc:  # noqa: BLE001 - reported from step()
+            self._errors.append(exc)
+        return self._short_of_slots
+
+    def _start_read(self, chunk: Chunk) -> tuple[Future | None, int] | None:
+        """:class:`ReadAhead`'s ``start``: read ``chunk``'s committed state into a free slot."""
+        if self._errors:
+            return None  # the step fails: nothing more to read for it
+        if chunk.gen is None or chunk.pending_gen is not None:
+            return None, 0  # no state yet (its first update initializes it), or updated already this step
+        if not self._free:
+            self._writes.poll()
+            self._frees.reap()
+        if not self._free:
+            self._short_of_slots = True
+            return None
+        held = self._chunks.hold(chunk, self._free.pop())
+        try:
+            future = held.read(ahead=True)
+        except BaseException:
+            self._free.append(held.slot)
+            raise
+        self._ahead[chunk] = held
+        return future, self._slot_bytes
+
+    def _drop_read(self, chunk: Chunk, future: Future) -> None:
+        """:class:`ReadAhead`'s ``drop``: a read ahead that no update took; its slot is free once it ended."""
+        held = self._ahead.pop(chunk)
+        held.count()  # read for nothing, but read
+        self._frees.free(future, functools.partial(self._free.append, held.slot))  # its error does not matter
+
+    def write_behind(self, slot: Slot, future: Future) -> None:
+        """Hand ``future`` (writes out of ``slot``) to the write-behind queue; the slot is free once it finished."""
+        self._writes.submit(self._slot_bytes, lambda: future, functools.partial(self._written, slot))
+
+    def _written(self, slot: Slot, error: BaseException | None) -> None:
+        if error is not None:
+            self._errors.append(error)  # reported from step()
+        self._free.append(slot)
+
+    def take_slot(self) -> Slot:
+        """A free slot, waiting for the oldest writes when none is (see the module docs)."""
+        while not self._free and (self._frees.wait_oldest() or self._writes.wait_oldest()):
+            pass
+        return self._free.pop()
+
+    def give_back(self, slot: Slot) -> None:
+        """``slot`` (from :meth:`take_slot`) is free again."""
+        self._free.append(slot)
+
+    def _stage(self, req: Request, *, wait: bool) -> _Staged | None:
+        """Take ``req``'s slot (its chunk's read ahead, or a free one) and start what it reads: its state (unless read
+        ahead), its kept gradient, its gradient's copy to the host. Without ``wait`` (ahead of its turn): None when
+        no slot is free now or its chunk has no state yet, and the gradient of a reduction in flight is left for
+        its turn (its wait is the host's, on the CPU)."""
+        chunk = req.chunk
+        if not wait and req.update and chunk.gen is None:
+            return None  # initialized in its turn, from the model's weights
+        ahead = req.update and self._read_ahead.take(chunk) is not None
+        if ahead:
+            held = self._ahead.pop(chunk)
+            held.count()
+        else:
+            if not wait and not self._free:
+                self._writes.poll()
+                self._frees.reap()
+                if not self._free:
+                    return None
+            held = self._chunks.hold(chunk, self.take_slot())
+        staged = _Staged(held)
+        try:
+            if req.update and not ahead and chunk.gen is not None:
+                held.read()
+            if req.grad is None or req.add_kept:
+                staged.kept = held.read_kept(req.kept)
+            if req.grad is not None and (wait or req.comm is None):
+                if req.comm is not None:
+                    req.comm.wait()
+                staged.grad = self._io.grad_to_host(req.grad, held.slot, req.ready)
+        except BaseException:
+            self.unstage(staged)
+            raise
+        return staged
+
+    def staged_for(self, req: Request) -> _Staged:
+        """What :meth:`stage_next` started for ``req``, or all of it started now."""
+        if self._next is not None and self._next[0] is req:
+            staged, self._next = self._next[1], None
+            return staged
+        return self._stage(req, wait=True)
+
+    def stage_next(self, req: Request, peek: Callable[[], object]) -> None:
+        """Start the reads and copies of the item after ``req`` (``peek()``, when it is a request for another
+        chunk), so that its gradient's copy runs while ``req``'s update computes."""
+        if self._next is not None:
+            return
+        nxt = peek()
+        if isinstance(nxt, Request) and nxt.chunk is not req.chunk:
+            staged = self._stage(nxt, wait=False)
+            if staged is not None:
+                self._next = (nxt, staged)
+
+    def unstage(self, staged: _Staged) -> None:
+        """Give ``staged``'s slot back once what was started into it ended (its errors are not this one's)."""
+        started = [f for f in (staged.held.future, staged.grad, staged.kept) if f is not None]
+        self._frees.free(Future.all_of(started), functools.partial(self._free.append, staged.held.slot))
+
+    def gradient(self, req: Request, staged: _Staged) -> tuple[torch.Tensor, Future | None]:
+        """The request's gradient in host memory (summed with the kept one when asked; the kept one alone
+        without a device gradient), its norm measured into ``chunk.grad_norm``, and the write
+        that keeps it (None when not asked)."""
+        held = staged.held
+        if req.grad is None:
+            return staged.kept.result(), None
+        if staged.grad is None:  # left for its turn: a reduction in flight (see _stage)
+            req.comm.wait()
+            staged.grad = self._io.grad_to_host(req.grad, held.slot, req.ready)
+        grad = staged.grad.result()
+        if req.add_kept:
+            grad = staged.kept.result().add_(grad)
+        elif req.keep:
+            grad = held.kept_grad().copy_(grad)
+        req.chunk.grad_norm = float(torch.linalg.vector_norm(grad, dtype=torch.float32))
+        return grad, held.write_kept(grad, req.kept) if req.keep else None
+
+    def drop_staged(self, req: Request) -> None:
+        """``req`` will not run (the step failed): give back what :meth:`stage_next` started for it, if anything."""
+        if self._next is not None and self._next[0] is req:
+            self.unstage(self._next[1])
+            self._next = None
 
 
 class Pipeline:
@@ -89,23 +275,11 @@ class Pipeline:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from a finalizer
         self._keeps: collections.deque[Request] = collections.deque()  # requests that only keep a gradient, first
         self._peeked: collections.deque = collections.deque()  # items taken off the queue to look at, in order
-        self._next: tuple[Request, _Staged] | None = None  # the next request, its transfers started (_stage_next)
-        self._free = slots
-        self._slot_bytes = io.layout.slot_bytes
-        # The slots bound the writes in flight: the budget never holds one back.
-        self._writes = WriteBehind(len(slots) * self._slot_bytes, "the optimizer's updates", keep_errors=False)
-        self._read_ahead = ReadAhead(prefetch_chunks * self._slot_bytes, lambda chunk: self._slot_bytes,
-                                     self._start_read, self._drop_read)  # fmt: skip
-        # A chunk read ahead: its slot, whether the read holds the master row, the bytes read (counted when
-        # the read is used or dropped).
-        self._ahead: dict[Chunk, tuple[Slot, bool, int]] = {}
-        self._frees = FreeBehind("the optimizer's slots of reads ahead dropped")  # free once their reads ended
-        self._prefetch = prefetch_chunks
-        self._short_of_slots = False  # the last pump stopped at a read that found no free slot
+        self._errors: list[BaseException] = []  # of updates, reads and writes, for step()
+        self._slots = _Slots(io, slots, prefetch_chunks, self._errors)
         self._lock = threading.Condition()
         self._pending = 0  # requests and drains queued and not done
         self._progress = 0  # requests, drains and lends done: a wait's limit counts from the last one
-        self._errors: list[BaseException] = []  # of updates and read-ahead, for step()
         self._uploads: list[Future] = []  # the updates' writes of weights to the model since the last mark or drain
         self._then_error: BaseException | None = None  # of stop()'s ``then``, for join()
         self._stopped = False  # stop() was called
@@ -154,8 +328,9 @@ class Pipeline:
 
     def take_error(self) -> BaseException | None:
         """The first error since the last call (call while idle), and forget the others."""
-        errors, self._errors = self._errors, []
-        return errors[0] if errors else None
+        first = self._errors[0] if self._errors else None
+        self._errors.clear()  # the list the slots report to
+        return first
 
     @contextlib.contextmanager
     def lend(self):
@@ -237,22 +412,18 @@ class Pipeline:
             if kind == "keep":
                 continue  # its request was taken already, or is the next item
             if kind == "stop":
-                self._read_ahead.clear()
-                self._writes.drain()
-                self._frees.drain()
+                self._slots.stop()
                 self._run_then()
                 return
             if kind == "plan":
-                self._read_ahead.clear()  # read at the generations of before: a new plan follows a commit or a load
-                self._read_ahead.plan(arg if self._prefetch else ())
+                self._slots.plan(arg)
             elif kind == "lend":
                 self._lend(arg)
             elif kind == "mark":
                 arg.set(Future.failed(self._errors[0]) if self._errors else Future.all_of(self._uploads))
                 self._uploads = []
             else:  # drain: writes stay in flight while updates come in (reads ahead overlap them)
-                self._writes.drain()
-                self._frees.drain()
+                self._slots.drain()
                 self._uploads = []
                 self._done()
 
@@ -268,10 +439,8 @@ class Pipeline:
                 return self._queue.get_nowait()
             except queue.Empty:
                 pass
-            if not self._read_on():
-                # Idle: first what dropped requests still hold goes once their transfers end (a gradient's copy
-                # keeps the gradient, device memory a backward may be waiting for); stop() ends the wait after.
-                self._frees.drain()
+            if not self._slots.read_on():
+                self._slots.idle()  # idle: first what dropped requests hold goes; stop() ends the wait after
                 return self._queue.get()
 
     def _peek(self):
@@ -289,9 +458,8 @@ class Pipeline:
         try:
             if not self._errors:
                 self._process(req)
-            elif self._next is not None and self._next[0] is req:  # staged before the step failed
-                self._unstage(self._next[1])
-                self._next = None
+            else:
+                self._slots.drop_staged(req)
         except BaseException as exc:  # noqa: BLE001 - reported from step()
             self._errors.append(exc)
         # The gradient is device memory that backward, short of budget, may be waiting for: neither the request
@@ -318,7 +486,7 @@ class Pipeline:
 
     def _lend(self, handover: _Handover) -> None:
         try:
-            slot = self._take_slot()
+            slot = self._slots.take_slot()
         except BaseException as exc:  # noqa: BLE001 - raised by lend()
             handover.error = exc
             slot = None
@@ -331,202 +499,60 @@ class Pipeline:
             # The lender gives the slot back in a ``finally``, and each of its own waits is bounded; how long it
             # keeps the slot is its own (a state dict streamed to a slow checkpoint takes as long as it takes).
             handover.given_back.wait()
-            self._free.append(slot)
-
-    # ---- reads ahead and writes behind (the transfer engine's queues)
-    def _read_on(self) -> bool:
-        """Start the reads ahead that the budget and the free slots allow; when one finds no free slot, wait for
-        the oldest write (or dropped read) to free one. True when it waited (a read ahead can start now)."""
-        return self._pump() and (self._frees.wait_oldest() or self._writes.wait_oldest())
-
-    def _pump(self) -> bool:
-        """Start the planned reads ahead that the budget and the free slots allow; True when one waits for a slot."""
-        self._short_of_slots = False
-        try:
-            self._read_ahead.pump()
-        except BaseException as exc:  # noqa: BLE001 - reported from step()
-            self._errors.append(exc)
-        return self._short_of_slots
-
-    def _start_read(self, chunk: Chunk) -> tuple[Future | None, int] | None:
-        """:class:`ReadAhead`'s ``start``: read ``chunk``'s committed state into a free slot."""
-        if self._errors:
-            return None  # the step fails: nothing more to read for it
-        if chunk.gen is None or chunk.pending_gen is not None:
-            return None, 0  # no state yet (its first update initializes it), or updated already this step
-        if not self._free:
-            self._writes.poll()
-            self._frees.reap()
-        if not self._free:
-            self._short_of_slots = True
-            return None
-        slot = self._free.pop()
-        master = self._io.layout.needs_master(chunk)
-        try:
-            future, nbytes = self._io.read_ahead(chunk, chunk.gen, slot, master=master)
-        except BaseException:
-            self._free.append(slot)
-            raise
-        self._ahead[chunk] = (slot, master, nbytes)
-        return future, self._slot_bytes
-
-    def _drop_read(self, chunk: Chunk, future: Future) -> None:
-        """:class:`ReadAhead`'s ``drop``: a read ahead that no update took; its slot is free once it ended."""
-        slot, _, nbytes = self._ahead.pop(chunk)
-        self._io.count_read(nbytes)  # read for nothing, but read
-        self._frees.free(future, functools.partial(self._free.append, slot))  # its error does not matter
-
-    def _write_behind(self, slot: Slot, future: Future) -> None:
-        """Hand ``future`` (writes out of ``slot``) to the write-behind queue; the slot is free once it finished."""
-        self._writes.submit(self._slot_bytes, lambda: future, functools.partial(self._written, slot))
-
-    def _written(self, slot: Slot, error: BaseException | None) -> None:
-        if error is not None:
-            self._errors.append(error)  # reported from step()
-        self._free.append(slot)
-
-    def _take_slot(self) -> Slot:
-        """A free slot, waiting for the oldest writes when none is (see the module docs)."""
-        while not self._free and (self._frees.wait_oldest() or self._writes.wait_oldest()):
-            pass
-        return self._free.pop()
+            self._slots.give_back(slot)
 
     def _process(self, req: Request) -> None:
         if not req.update:
             self._keep_only(req)
             return
         chunk, io = req.chunk, self._io
-        fresh = not chunk.applied  # else the model holds an update of this step: the master comes from the store
-        staged = self._staged_for(req)
-        slot = staged.slot
+        slots = self._slots
+        staged = slots.staged_for(req)
+        held = staged.held
         try:
             if chunk.gen is None:
-                io.init(chunk, slot, after=req.ready)
-            self._stage_next(req)  # the next request's copies and reads overlap this update
-            if staged.state is not None:
-                staged.state.result()
-            if not staged.master and not fresh:  # read ahead without the master, then the update had to be redone
-                io.read(chunk, chunk.gen, slot, state=False).result()
-            gen = (chunk.gen or 0) + 1
-            rows = io.layout.chunk_rows(chunk, slot)
-            state = io.layout.chunk_state(chunk, rows)
-            dtype = chunk.record.param.dtype
+                held.first(io.model_weights(chunk.record, modify=False), after=req.ready)
+            slots.stage_next(req, self._peek)  # the next request's copies and reads overlap this update
+            state = held.state()
             with io.model_weights(chunk.record, modify=True, update=True) as weights:
-                if io.layout.split(chunk.record) and fresh:
-                    # the model's weights are the master (as in torch), as they were when the request was queued
-                    weights.read(chunk.elements, state.weights, slot, after=req.ready)
-                grad, kept = self._gradient(req, staged)
-                out = None
-                if state.weights.dtype != dtype:  # a 16-bit parameter with an fp32 master
-                    out = weights.host_view(chunk.elements)
-                    out = slot.out(dtype, chunk.numel) if out is None else out
-                chunk.applied = weights.staged is None  # from here on the model may hold new values
-                self._stage_next(req)  # if the next request came in meanwhile
-                started_ns = time.monotonic_ns()
-                updated = self._update(req, state, grad, out)
-                recording = trace.active()
-                if recording is not None:
-                    name = f"parameter {chunk.record.index} chunk {chunk.index}"
-                    recording.add("adam", name, started_ns, time.monotonic_ns(), elements=chunk.numel)
-                upload = weights.write(chunk.elements, updated, slot, after=req.ready)
-            wfut = io.write(chunk, gen, rows)
+                held.master_from(weights, state, after=req.ready)
+                grad, kept = slots.gradient(req, staged)
+                out = held.applying(weights, state)
+                slots.stage_next(req, self._peek)  # if the next request came in meanwhile
+                updated = self._run_update(req, state, grad, out)
+                upload = weights.write(chunk.elements, updated, held.slot, after=req.ready)
+            written = held.write()
             if kept is not None:
-                wfut = Future.all_of([wfut, kept])
+                written = Future.all_of([written, kept])
         except BaseException:
-            self._unstage(staged)
+            slots.unstage(staged)
             raise
-        chunk.pending_gen = gen
         self._uploads.append(upload)
         # The slot is free again once the weights reached the model and the state is on disk.
-        self._write_behind(slot, Future.all_of([upload, wfut], what=f"the update of {chunk.record.name}"))
+        slots.write_behind(held.slot, Future.all_of([upload, written], what=f"the update of {chunk.record.name}"))
         # Keep reading ahead while the next update computes (the next update would wait for the oldest write
         # anyway, and then read without overlap).
-        if self._read_on():
-            self._pump()
+        if slots.read_on():
+            slots.pump()
 
-    # ---- a request's transfers, started ahead of its update (the next request's while this one computes)
-    def _stage(self, req: Request, *, wait: bool) -> _Staged | None:
-        """Take ``req``'s slot (its chunk's read ahead, or a free one) and start what it reads: its state (unless read
-        ahead), its kept gradient, its gradient's copy to the host. Without ``wait`` (ahead of its turn): None when
-        no slot is free now or its chunk has no state yet, and the gradient of a reduction in flight is left for
-        its turn (its wait is the host's, on the CPU)."""
-        chunk, io = req.chunk, self._io
-        if not wait and req.update and chunk.gen is None:
-            return None  # initialized in its turn, from the model's weights
-        state = self._read_ahead.take(chunk) if req.update else None
-        if state is not None:
-            slot, master, nbytes = self._ahead.pop(chunk)
-            io.count_read(nbytes)
-        else:
-            if not wait and not self._free:
-                self._writes.poll()
-                self._frees.reap()
-                if not self._free:
-                    return None
-            slot, master = self._take_slot(), True
-        staged = _Staged(slot, master, state)
-        try:
-            if req.update and state is None and chunk.gen is not None:
-                staged.state = io.read(chunk, chunk.gen, slot, master=io.layout.needs_master(chunk))
-            if req.grad is None or req.add_kept:
-                staged.kept = io.read_kept(chunk, slot.kept_grad(chunk.numel), req.kept)
-            if req.grad is not None and (wait or req.comm is None):
-                if req.comm is not None:
-                    req.comm.wait()
-                staged.grad = io.grad_to_host(req.grad, slot, req.ready)
-        except BaseException:
-            self._unstage(staged)
-            raise
-        return staged
-
-    def _staged_for(self, req: Request) -> _Staged:
-        """What :meth:`_stage_next` started for ``req``, or all of it started now."""
-        if self._next is not None and self._next[0] is req:
-            staged, self._next = self._next[1], None
-            return staged
-        return self._stage(req, wait=True)
-
-    def _stage_next(self, req: Request) -> None:
-        """Start the reads and copies of the request after ``req`` (when it is the next item, for another chunk),
-        so that its gradient's copy runs while ``req``'s update computes."""
-        if self._next is not None:
-            return
-        nxt = self._peek()
-        if isinstance(nxt, Request) and nxt.chunk is not req.chunk:
-            staged = self._stage(nxt, wait=False)
-            if staged is not None:
-                self._next = (nxt, staged)
-
-    def _unstage(self, staged: _Staged) -> None:
-        """Give ``staged``'s slot back once what was started into it ended (its errors are not this one's)."""
-        started = [f for f in (staged.state, staged.grad, staged.kept) if f is not None]
-        self._frees.free(Future.all_of(started), functools.partial(self._free.append, staged.slot))
-
-    def _gradient(self, req: Request, staged: _Staged) -> tuple[torch.Tensor, Future | None]:
-        """The request's gradient in host memory (summed with the kept one when asked; the kept one alone
-        without a device gradient), its norm measured into ``chunk.grad_norm``, and the write
-        that keeps it (None when not asked)."""
-        chunk, io, slot = req.chunk, self._io, staged.slot
-        if req.grad is None:
-            return staged.kept.result(), None
-        if staged.grad is None:  # left for its turn: a reduction in flight (see _stage)
-            req.comm.wait()
-            staged.grad = io.grad_to_host(req.grad, slot, req.ready)
-        grad = staged.grad.result()
-        if req.add_kept:
-            grad = staged.kept.result().add_(grad)
-        elif req.keep:
-            grad = slot.kept_grad(chunk.numel).copy_(grad)
-        chunk.grad_norm = float(torch.linalg.vector_norm(grad, dtype=torch.float32))
-        return grad, io.write_kept(chunk, grad, req.kept) if req.keep else None
+    def _run_update(self, req: Request, state, grad: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The update strategy on ``req``'s chunk, recorded as a span when tracing."""
+        started_ns = time.monotonic_ns()
+        updated = self._update(req, state, grad, out)
+        recording = trace.active()
+        if recording is not None:
+            name = f"parameter {req.chunk.record.index} chunk {req.chunk.index}"
+            recording.add("adam", name, started_ns, time.monotonic_ns(), elements=req.chunk.numel)
+        return updated
 
     def _keep_only(self, req: Request) -> None:
         """A micro-batch before the step's last: add the gradient to the kept one, no update."""
-        staged = self._staged_for(req)
+        slots = self._slots
+        staged = slots.staged_for(req)
         try:
-            self._stage_next(req)
-            _, kept = self._gradient(req, staged)
+            slots.stage_next(req, self._peek)
+            _, kept = slots.gradient(req, staged)
         except BaseException:
-            self._unstage(staged)
+            slots.unstage(staged)
             raise
-        self._write_behind(staged.slot, kept)
+        slots.write_behind(staged.held.slot, kept)

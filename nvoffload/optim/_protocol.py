@@ -98,7 +98,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from nvoffload.optim._chunk_io import ChunkIO
-from nvoffload.optim._layout import Chunk, Record
+from nvoffload.optim._chunk_state import Chunk
+from nvoffload.optim._layout import Record
 from nvoffload.optim._pipeline import Pipeline
 from nvoffload.optim._updates import Request
 from nvoffload.optim.loss_scale import DynamicLossScale
@@ -325,7 +326,7 @@ class StepProtocol:
         ready = self._io.transfer.record()  # the worker's copies of the weights wait for compute queued so far
         for chunk in rec.chunks:
             if chunk.pending_gen is not None and chunk.pending_gen != chunk.gen:
-                self._io.delete(chunk, chunk.pending_gen)
+                self._io.chunks.delete(chunk, chunk.pending_gen)
             chunk.pending_gen = None
             self._pipeline.submit(Request(chunk, None, hp, rec.step + 1, grad_scale, ready, kept=self._kept))
 
@@ -640,7 +641,7 @@ class StepProtocol:
                     continue
                 updated = True
                 if c.gen is not None and c.gen != c.pending_gen:
-                    self._io.delete(c, c.gen)
+                    self._io.chunks.delete(c, c.gen)
                 c.gen, c.pending_gen, c.applied = c.pending_gen, None, False
                 c.scalars, c.pending_scalars = c.pending_scalars, {}  # a generic optimizer's (Adam has none)
             if updated or (not rec.chunks and rec in stepped):  # not rec.chunks: other ranks own it
@@ -668,7 +669,7 @@ class StepProtocol:
         to_read = []
         for chunk in chunks:
             if chunk.pending_gen is not None and chunk.pending_gen != chunk.gen:
-                self._io.delete(chunk, chunk.pending_gen)
+                self._io.chunks.delete(chunk, chunk.pending_gen)
             chunk.pending_gen = None
             chunk.pending_scalars = {}
             if chunk.applied and chunk.gen is not None:
@@ -681,8 +682,8 @@ class StepProtocol:
             for chunk in to_read:
                 rec = chunk.record
                 try:
-                    self._io.read(chunk, chunk.gen, slot, state=False).result()
-                    committed = self._io.layout.chunk_state(chunk, self._io.layout.chunk_rows(chunk, slot)).weights
+                    self._io.chunks.read(chunk, chunk.gen, slot, state=False).result()
+                    committed = self._io.chunks.layout.views(chunk, slot).weights
                     with self._io.model_weights(rec, modify=True) as weights:
                         weights.write(chunk.elements, committed, slot).result()
                 except Exception as exc:  # noqa: BLE001 - every chunk is tried; a Ctrl-C is not an I/O failure

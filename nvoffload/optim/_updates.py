@@ -15,7 +15,8 @@ from collections import defaultdict
 import torch
 
 from nvoffload.device import Event
-from nvoffload.optim._layout import LOW_PRECISION, MASTERLESS, MAX_GENERIC_ROWS, Chunk, ChunkState, Record
+from nvoffload.optim._chunk_state import MASTERLESS, MAX_GENERIC_ROWS, Chunk, ChunkState
+from nvoffload.optim._layout import LOW_PRECISION, Record
 from nvoffload.optim.kernels import adam_step
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -36,7 +37,7 @@ class Request:
     before the last: the gradient is only kept). Every request that reads a device gradient measures the
     norm of the resulting gradient into ``chunk.grad_norm``. A gradient reduced over ranks is read once
     ``comm.wait()`` returned (see :mod:`nvoffload.distributed`). ``kept``: which of the chunk's two kept
-    gradients (:meth:`~nvoffload.optim._layout.Chunk.kept_name`) it reads or writes.
+    gradients (:meth:`~nvoffload.optim._chunk_state.Chunk.kept_name`) it reads or writes.
     """
 
     __slots__ = ("chunk", "grad", "hparams", "step", "grad_scale", "ready", "add_kept", "keep", "update", "comm", "kept")

@@ -70,9 +70,10 @@ OffloadOptimizer is closed")``. No wait on the worker hangs: it raises as soon
 as the worker thread ends, or when the worker made no progress for
 ``NVOFFLOAD_WAIT_LIMIT_S`` (ten minutes by default).
 
-The pieces: :mod:`~nvoffload.optim._layout` (records, chunks, store names,
-chunk sizes), :mod:`~nvoffload.optim._chunk_io` (chunk state to and from the
-store, model weights), :mod:`~nvoffload.optim._updates` (fused Adam or the
+The pieces: :mod:`~nvoffload.optim._layout` (records, chunk sizes),
+:mod:`~nvoffload.optim._chunk_state` (a chunk's state: its format, generations,
+read and write), :mod:`~nvoffload.optim._chunk_io` (model weights and
+gradients), :mod:`~nvoffload.optim._updates` (fused Adam or the
 wrapped optimizer's own step), :mod:`~nvoffload.optim._pipeline` (the worker
 thread), :mod:`~nvoffload.optim._protocol` (speculate, redo, restore,
 commit), :mod:`~nvoffload.optim._codec` (state dicts); this module is the
@@ -107,7 +108,8 @@ import torch
 
 from nvoffload.distributed import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, Ranks, Sharding
 from nvoffload.memory import retain_freed_host_memory
-from nvoffload.optim._chunk_io import ChunkIO, ResidentState, WeightHome
+from nvoffload.optim._chunk_io import ChunkIO, WeightHome
+from nvoffload.optim._chunk_state import ResidentState
 from nvoffload.optim._codec import StateCodec, StateSnapshot
 from nvoffload.optim._hf_trainer import check_trainer_optimizer, check_trainer_recipe, log_optimizer_grad_norm
 from nvoffload.optim._layout import ALIGN_NUMEL, STATE_PRECISIONS, Layout, Record
@@ -777,15 +779,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
             host_peak_bytes=self._host_bytes,
             host_limit_bytes=self.config.cpu_memory_bytes + self.config.resident_state_bytes,
             nvme_bytes=int(getattr(self._store, "used_bytes", 0)),
-            read_bytes=self._io.read_bytes,
-            written_bytes=self._io.written_bytes,
+            read_bytes=self._io.chunks.read_bytes,
+            written_bytes=self._io.chunks.written_bytes,
             resident_bytes=self._resident.used_bytes,
             resident_state_bytes=self._resident.state_bytes,
         )
 
     def reset_io_stats(self) -> None:
         """Zero the read/written byte counters of :meth:`memory_stats`."""
-        self._io.reset_counts()
+        self._io.chunks.reset_counts()
 
     # ------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:
@@ -844,9 +846,9 @@ def _release(records: list[Record], io: ChunkIO, owns_store: bool, close_transfe
             handle.remove()
         rec.hooks = ()
         for c in rec.chunks:
-            io.discard(c)
+            io.chunks.discard(c)
     if owns_store:
-        io.store.close()
+        io.chunks.store.close()
     close_transfer()
 
 
