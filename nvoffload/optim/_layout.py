@@ -16,7 +16,7 @@ committed one and the step's); its store entries are named
 fp32 parameters, which is kept apart, see :meth:`Layout.split`). With
 gradients released during backward, a chunk's fp32 gradient summed over the
 step's micro-batches is kept as ``opt<N>.p<param>.c<chunk>.grad`` (see
-:mod:`nvoffload.optim._protocol`).
+:mod:`nvoffload.optim._released`).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class Record:
         self.step = 0  # committed update count, torch's state["step"]
         self.fires = 0  # post-accumulate-grad hook calls since the last step()
         self.learned_fires = 0  # hook calls before the previous step() (0 = not learned; 1 with release_grads)
-        # What the hook saw on the learned fire (see nvoffload.optim._protocol.Spec), None = nothing yet.
+        # What the hook saw on the learned fire (see nvoffload.optim._generations.Spec), None = nothing yet.
         self.spec = None
         self.hooks: tuple = ()  # the handles of its gradient hooks (post-accumulate-grad; delayed updates: pre-accumulate too)
 

@@ -74,8 +74,9 @@ The pieces: :mod:`~nvoffload.optim._layout` (records, chunks, store names,
 chunk sizes), :mod:`~nvoffload.optim._chunk_io` (chunk state to and from the
 store, model weights), :mod:`~nvoffload.optim._updates` (fused Adam or the
 wrapped optimizer's own step), :mod:`~nvoffload.optim._pipeline` (the worker
-thread), :mod:`~nvoffload.optim._protocol` (speculate, redo, restore,
-commit), :mod:`~nvoffload.optim._codec` (state dicts); this module is the
+thread), :mod:`~nvoffload.optim._protocol` (the update schedules: when an
+update runs, chosen once; speculate, redo, defer, delay, restore, commit),
+:mod:`~nvoffload.optim._codec` (state dicts); this module is the
 ``torch.optim.Optimizer`` users hold.
 
 Example::
@@ -112,9 +113,11 @@ from nvoffload.optim._codec import StateCodec, StateSnapshot
 from nvoffload.optim._hf_trainer import check_trainer_optimizer, check_trainer_recipe, log_optimizer_grad_norm
 from nvoffload.optim._layout import ALIGN_NUMEL, STATE_PRECISIONS, Layout, Record
 from nvoffload.optim._pipeline import Pipeline
-from nvoffload.optim._protocol import OffloadIOError, StepProtocol
+from nvoffload.optim._generations import OffloadIOError
+from nvoffload.optim._protocol import step_protocol
+from nvoffload.optim._schedule import StepProtocol
 from nvoffload.optim._updates import for_optimizer
-from nvoffload.optim.loss_scale import DynamicLossScale, LossScaling
+from nvoffload.optim.loss_scale import LossScaling
 from nvoffload.transfer import TransferEngine
 
 __all__ = ["OffloadOptimizerConfig", "OffloadOptimizer", "NVMeAdamW", "OffloadIOError", "MemoryStats", "WeightHome"]
@@ -160,7 +163,7 @@ class OffloadOptimizerConfig:
             accumulate in device memory; used by parameter streaming. Needs
             ``overlap``. Micro-batches are summed in an fp32 copy in the store;
             ``max_grad_norm`` and ``loss_scaling`` work from the norms measured
-            as the gradients pass (see :mod:`nvoffload.optim._protocol`).
+            as the gradients pass (see :mod:`nvoffload.optim._released`).
         gradient_accumulation_steps: with ``release_grads``, backward passes per
             ``step()`` (without it the optimizer learns the count).
         loss_scaling: with ``release_grads``, fp16 dynamic loss scaling on
@@ -202,7 +205,7 @@ class OffloadOptimizerConfig:
             ``synchronize()`` before reading the trained weights or loading weights into the model. On one
             process.
         defer_updates: with ``release_grads``, when a step's updates run (exact either way; see
-            :mod:`nvoffload.optim._protocol`). ``False``: during backward, as each gradient is final
+            :mod:`nvoffload.optim._released`). ``False``: during backward, as each gradient is final
             (speculation: with ``max_grad_norm``, a step whose norm clips runs every update again in ``step()``
             from the kept gradients). ``True``: ``step()`` queues them, the norm known, and the next forward
             waits for each streamed block's (the optimizer's work and NVMe traffic overlap that forward; the
@@ -411,14 +414,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         slots = [self._layout.new_slot(slab) for _ in range(config.num_slots)]
         self._resident = ResidentState(slab, config.resident_state_bytes, self._layout.slot_rows)
         self._pipeline = Pipeline(self._io, self._update, slots, config.prefetch_chunks)
-        self._protocol = StepProtocol(
-            self._records, self._io, self._pipeline,
-            overlap=config.overlap, max_grad_norm=config.max_grad_norm, release_grads=config.release_grads,
-            accumulation_steps=config.gradient_accumulation_steps,
-            loss_scale=DynamicLossScale(config.loss_scaling) if config.loss_scaling is not None else None,
-            sharding=self._sharding, delayed=config.delayed_update, delayed_after=config.delayed_update_after,
-            defer=config.defer_updates,
-        )  # fmt: skip
+        self._protocol = step_protocol(self._records, self._io, self._pipeline, config, self._sharding)
         self._codec = StateCodec(self._records, self._io, self._update, self._pipeline)
         # Closing, collection and interpreter exit all stop the worker and release the state; neither the
         # worker nor these callbacks hold the optimizer, so a dropped optimizer is collected.
