@@ -120,6 +120,32 @@ class Held(StepProtocol):
         """Whether the hooks queue updates this step (else they only observe)."""
         return self.schedule is self.speculative
 
+    def hook(self, rec: Record, weakly) -> None:
+        """With delayed updates also a hook on the gradient before it is accumulated (``before_accumulate``)."""
+        hooked = bool(rec.hooks)
+        super().hook(rec, weakly)
+        if not hooked and rec.hooks and self.delayed is not None:
+            rec.hooks += (rec.param.register_hook(weakly(rec, Held.before_accumulate)),)
+
+    def before_accumulate(self, rec: Record) -> None:
+        """Delayed updates: backward is about to add into ``rec``'s gradient (see ``DelayedUpdates``)."""
+        if self.in_flight is not None:
+            self.in_flight.before_accumulate(rec)
+
+    def before_zero_grad(self, set_to_none: bool) -> None:
+        if not (self.delayed is not None and set_to_none):  # the queued updates hold the gradients they read
+            self.gens.pipeline.wait_idle()
+
+    def grad_norm(self) -> float | None:
+        """The norm of the ``.grad`` tensors now (over several ranks, once they are averaged)."""
+        self.average_grads()
+        grads = [r.param.grad for r in self.gens.records if r.param.grad is not None]
+        if not grads:
+            return None
+        # Reduced on the device; one host read (a read per gradient would wait for the device each time).
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+        return float(torch.linalg.vector_norm(torch.stack(norms)))
+
     def learn(self, rec: Record) -> None:
         rec.learned_fires = rec.fires
 

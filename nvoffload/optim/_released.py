@@ -234,7 +234,9 @@ class Released(StepProtocol):
 
     def grad_norm(self) -> float | None:
         """The global L2 norm of the gradients since the last ``step()`` (see :class:`GradScaling`)."""
-        return self.scaling.grad_norm()
+        if self.step_in_progress:  # measured by the worker as it takes the gradients
+            self.gens.pipeline.wait_idle()
+        return self.scaling.grad_norm()  # after step(): known, without waiting for updates deferred
 
     def refuse_unsound(self, records: list[Record], found_inf, grad_scale) -> None:
         """Undo the step and raise when a ``GradScaler`` drives it: it cannot check freed gradients."""

@@ -9,6 +9,8 @@ after it are an :class:`~nvoffload.optim._in_flight.InFlight`. See :mod:`nvofflo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from nvoffload.optim._generations import Generations
 from nvoffload.optim._in_flight import InFlight
 from nvoffload.optim._layout import Chunk, Record
@@ -47,6 +49,14 @@ class StepProtocol:
         self.in_flight: InFlight | None = None  # the updates the last step() queued, until they land
 
     # ------------------------------------------------------------------ the hooks
+    def hook(self, rec: Record, weakly: Callable[[Record, Callable], Callable]) -> None:
+        """Give ``rec``'s parameter, when it requires grad and has none yet, its post-accumulate-grad hook
+        (``weakly(rec, StepProtocol.on_grad)``: a hook that holds the optimizer weakly); a frozen one has none
+        (no gradient, no state)."""
+        if not rec.hooks and rec.param.requires_grad:
+            rec.hooks = (rec.param.register_post_accumulate_grad_hook(weakly(rec, StepProtocol.on_grad)),)
+            self.learn(rec)  # nothing learned yet (held), or the one hook call of a micro-batch (released)
+
     def on_grad(self, rec: Record) -> None:
         """``rec``'s gradient is final for this backward pass (its post-accumulate-grad hook)."""
         self.gens.count(rec)
@@ -59,10 +69,8 @@ class StepProtocol:
                 raise
         self.schedule.take(rec)
 
-    def before_accumulate(self, rec: Record) -> None:
-        """Delayed updates of held gradients: backward is about to add into ``rec``'s gradient."""
-        if self.in_flight is not None:
-            self.in_flight.before_accumulate(rec)
+    def before_zero_grad(self, set_to_none: bool) -> None:
+        """``zero_grad`` is about to change the gradients: wait for the updates still reading them."""
 
     @property
     def updates_queued(self) -> bool:
@@ -163,6 +171,10 @@ class StepProtocol:
     def next_schedule(self) -> Schedule:
         """The schedule of the next step, after this one finished."""
         return self.schedule
+
+    def grad_norm(self) -> float | None:
+        """The global L2 norm of the gradients (see ``OffloadOptimizer.grad_norm``)."""
+        raise NotImplementedError
 
     def next_step(self) -> None:
         """A step ended (or was abandoned), the hooks' records reset."""
