@@ -95,6 +95,8 @@ def parse_args(argv):
     p.add_argument("--host-profile", action="store_true", help="the streamer's host time per block pass (see above)")
     p.add_argument("--against", type=Path, default=None, help="with --host-profile: a checkout to compare with")
     p.add_argument("--top", type=int, default=12, help="with --host-profile: costs listed")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --host-profile --against: before and after measured in turn this many times; medians")
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.d_model, args.seq_len, args.batch, args.repeats = 3, 64, 32, 2, 2
@@ -179,17 +181,46 @@ def streaming_host_s(stats: pstats.Stats) -> tuple[float, dict[str, float]]:
     return total, own
 
 
+def _profile_against(args) -> dict:
+    """:func:`_profile` of the checkout ``args.against``, in a subprocess that imports its package."""
+    with tempfile.TemporaryDirectory(prefix="nvoffload-bench-against-") as out:
+        skip = ("--against", "--rounds")
+        argv, rest = [], iter(sys.argv[1:])
+        for a in rest:
+            if a in skip:
+                next(rest)
+            else:
+                argv.append(a)
+        env = dict(os.environ, PYTHONPATH=str(args.against))
+        subprocess.run(
+            [sys.executable, __file__, *argv, "--name", "against", "--results-dir", out], env=env, check=True,
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        return json.loads((Path(out) / "against.json").read_text())["profile"]
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run whose host time per block pass is the median of ``runs`` (an odd count: the middle one)."""
+    return sorted(runs, key=lambda r: r["host_ms_per_block_pass"])[(len(runs) - 1) // 2]
+
+
 def host_profile(args) -> dict:
-    """The streamer's host time per block pass (profiled) and the streamed step over the compute step (not)."""
-    if args.against is not None:
-        with tempfile.TemporaryDirectory(prefix="nvoffload-bench-against-") as out:
-            argv = [a for a in sys.argv[1:] if a not in ("--against", str(args.against))]
-            env = dict(os.environ, PYTHONPATH=str(args.against))
-            subprocess.run(
-                [sys.executable, __file__, *argv, "--name", "against", "--results-dir", out], env=env, check=True,
-                stdout=subprocess.DEVNULL,
-            )  # fmt: skip
-            before = json.loads((Path(out) / "against.json").read_text())["profile"]
+    """The streamer's host time per block pass (profiled) and the streamed step over the compute step (not); with
+    ``--against``, before and after in turn ``--rounds`` times, each case's median round reported."""
+    if args.against is None:
+        return _report(args, [("this", _profile(args))], [])
+    befores, afters = [], []
+    for _ in range(args.rounds):  # alternated, so that the machine's load weighs on both alike
+        befores.append(_profile_against(args))
+        afters.append(_profile(args))
+    ratios = [a["host_ms_per_block_pass"] / b["host_ms_per_block_pass"] for b, a in zip(befores, afters)]
+    return _report(args, [("before", _median_run(befores)), ("after", _median_run(afters))], ratios,
+                   rounds={"before": befores, "after": afters})  # fmt: skip
+
+
+def _profile(args) -> dict:
+    """One measurement of this process's package: host time per block pass under cProfile, and unprofiled
+    streamed and compute steps."""
     device = torch.device(args.device or "cpu")
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(1)
@@ -234,7 +265,12 @@ def host_profile(args) -> dict:
            for c in ("cpu", "wall")},
         "top_ms_per_block_pass": [(name, s / steps * 1e3) for name, s in top],
     }  # fmt: skip
-    runs = ([("before", before)] if args.against is not None else []) + [("after" if args.against else "this", profile)]
+    return profile
+
+
+def _report(args, runs: list[tuple[str, dict]], ratios: list[float], rounds: dict | None = None) -> dict:
+    """Save the runs' table, their top costs and (with ``--against``) each round's after/before ratio."""
+    gbps = args.copy_gbps or 1000.0
     rows = [
         {"case": f"{label} ({run['commit']})", "host ms per block pass": run["host_ms_per_block_pass"],
          "streamed/compute (CPU time)": run["streamed/compute_cpu"], "streamed/compute (wall)": run["streamed/compute_wall"],
@@ -246,11 +282,16 @@ def host_profile(args) -> dict:
         + "; ".join(f"{name} {ms:.3f} ms" for name, ms in run["top_ms_per_block_pass"])
         for label, run in runs
     ) + f"\n\nload average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; stand-in copies at {gbps:g} GB/s."
+    if ratios:
+        notes += (f"\n\nafter/before host time, each of {len(ratios)} rounds (before and after in turn): "
+                  + ", ".join(f"{r:.3f}" for r in ratios) + f"; median {statistics.median(ratios):.3f}; the table "
+                  "shows each case's median round")  # fmt: skip
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "results_dir"}
-    settings.update(device=str(device), copy_gbps=gbps)
+    settings.update(device=args.device or "cpu", copy_gbps=gbps)
+    extra = {"profile": runs[-1][1], "runs": dict(runs), "after/before per round": ratios, "rounds": rounds}
     save_report(
-        args.name, rows, settings=settings, plot_column="host ms per block pass", notes=notes,
-        extra={"profile": profile, "runs": dict(runs)}, **({"results_dir": args.results_dir} if args.results_dir else {}),
+        args.name, rows, settings=settings, plot_column="host ms per block pass", notes=notes, extra=extra,
+        **({"results_dir": args.results_dir} if args.results_dir else {}),
     )  # fmt: skip
     return dict(runs)
 

@@ -60,17 +60,7 @@ def main(argv=None) -> Path:
         f"G = {g}, vertical": ["--grad-accum", g],
         f"G = {g}, micro-batch after micro-batch": ["--grad-accum", g, "--no-vertical"],
     }
-    steps = {}
-    with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap:
-        for i, (name, extra) in enumerate(cases.items()):
-            log = Path(swap) / f"log{i}"
-            flags = [*common, *extra, "--swap-dir", swap, "--log-dir", str(log)]
-            status, out, err = nvoffload_command(["finetune", *flags], fresh_process=not args.quick)
-            if status != 0:
-                raise RuntimeError(f"nvoffload finetune {' '.join(flags)} failed:\n{out[-1500:]}{err[-1500:]}")
-            steps[name] = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
-            rates = ", ".join(f"{s['tokens_per_s']:.1f}" for s in steps[name])
-            print(f"{name}: {rates} tokens/s", flush=True)
+    steps = finetune_cases(common, cases, args.swap_dir, fresh_process=not args.quick)
     one = statistics.median(s["tokens_per_s"] for s in steps["G = 1"][1:])
     rows = []
     for name, recorded in steps.items():
@@ -95,6 +85,26 @@ def main(argv=None) -> Path:
         "bench_vertical", rows, settings={**vars(args), "results_dir": str(args.results_dir)}, plot_column="tokens_per_s",
         notes=notes, results_dir=args.results_dir, extra={"steps": steps}, plot=lambda plt: plot_steps(plt, steps),
     )  # fmt: skip
+
+
+def finetune_cases(common: list[str], cases: dict[str, list[str]], swap_dir: str | None, *,
+                   fresh_process: bool) -> dict[str, list[dict]]:  # fmt: skip
+    """``nvoffload finetune`` with the ``common`` flags and each case's, one after the other (``fresh_process``: each
+    in a process of its own) in a temporary swap directory under ``swap_dir``: each case's metrics, a record a
+    step. Prints each step's tokens/s and NVMe MB (read + written)."""
+    steps = {}
+    with tempfile.TemporaryDirectory(dir=swap_dir) as swap:
+        for i, (name, extra) in enumerate(cases.items()):
+            log = Path(swap) / f"log{i}"
+            flags = [*common, *extra, "--swap-dir", swap, "--log-dir", str(log)]
+            status, out, err = nvoffload_command(["finetune", *flags], fresh_process=fresh_process)
+            if status != 0:
+                raise RuntimeError(f"nvoffload finetune {' '.join(flags)} failed:\n{out[-1500:]}{err[-1500:]}")
+            steps[name] = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+            rates = ", ".join(f"{s['tokens_per_s']:.1f}" for s in steps[name])
+            nvme = ", ".join(f"{(s['read_bytes'] + s['written_bytes']) / 1e6:.0f}" for s in steps[name])
+            print(f"{name}: {rates} tokens/s; NVMe MB read + written: {nvme}", flush=True)
+    return steps
 
 
 def plot_steps(plt, steps: dict[str, list[dict]]):

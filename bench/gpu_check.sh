@@ -270,6 +270,7 @@ benchmark bench_distributed 90 --quick --swap-dir "$swap/bench"
 benchmark bench_adam 20 --quick --no-deepspeed
 benchmark bench_io 30 --quick --dirs "$swap/bench"
 benchmark bench_vertical 60 --quick --device "$device" --swap-dir "$swap/bench"
+benchmark bench_stash 60 --quick --device "$device" --swap-dir "$swap/bench"
 benchmark bench_compact_state 60 --quick --device "$device" --swap-dir "$swap/bench"
 if [[ "$dry" == 1 ]]; then
   check_arguments 60

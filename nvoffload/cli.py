@@ -140,6 +140,8 @@ def _run_options(p: argparse.ArgumentParser, *, plan: bool) -> None:
     else:
         p.add_argument("--offload-activations", action="store_true", help="send the activations saved for backward to NVMe")
         p.add_argument("--activation-host-memory", dest="activation_host_bytes", type=_size, default=0, metavar="SIZE", help="with --offload-activations: keep the offloaded activations in host memory up to SIZE, besides the staging, and write only the rest to NVMe (default 0: all to NVMe; --plan auto chooses it)")
+        p.add_argument("--stash-host-memory", dest="stash_host_bytes", type=_size, default=None, metavar="SIZE", help="with --stream and the vertical schedule: keep each block's inputs (every micro-batch's, until its backward) in host memory up to SIZE, taken from --cpu-memory, and the rest on NVMe, so that --grad-accum is bound by host memory and the drives, not the device (default: on the device; --plan auto chooses it)")
+        p.add_argument("--stash-staging", dest="stash_staging_bytes", type=_size, default=None, metavar="SIZE", help="with --stash-host-memory: host memory (from --cpu-memory) staging the stash's transfers, half each way; it also bounds the stash's device memory (default: an eighth of the smaller of --device-memory and --cpu-memory; --plan auto chooses it)")
     p.add_argument("--activation-memory", dest="activation_memory_bytes", type=_size, default=None, metavar="SIZE", help="with --offload-activations: host memory staging their transfers (a saved tensor larger than half of it moves in pieces) (default: with --stream an eighth of --cpu-memory, else 512M)")
     p.add_argument("--init-from", default=None, help="safetensors checkpoint (file, shard directory or index .json) of the preset's model to start from")
     p.add_argument("--lora-rank", type=int, default=None, metavar="R", help="with --model: train LoRA adapters of rank R (PEFT; pip install peft) over the frozen model; --save-to then writes the adapter (adapter_model.safetensors, adapter_config.json) (default: train the whole model)")
@@ -422,7 +424,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from nvoffload.finetune import FinetuneConfig, finetune
         from nvoffload.finetune.run import step_postfix
         from nvoffload.hub import resolve_model
-        from nvoffload.planner.cost import human_count
+        from nvoffload.planner.cost import human_count, human_size
         from nvoffload.memory import MemoryBudgetError
         from nvoffload.optim.offload import OffloadIOError
 
@@ -446,8 +448,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 return _error("finetune", ValueError("the plan does not fit: " + "; ".join(chosen.reasons)), flags)
             fields.update(stream=chosen.stream, offload_activations=chosen.offload_activations,
                           activation_memory_bytes=chosen.activation_memory_bytes,
-                          activation_host_bytes=chosen.activation_host_bytes)  # fmt: skip
-            print(f"plan: stream {chosen.stream}, offload activations {chosen.offload_activations};"
+                          activation_host_bytes=chosen.activation_host_bytes, stash_host_bytes=chosen.stash_host_bytes,
+                          stash_staging_bytes=chosen.stash_staging_bytes)  # fmt: skip
+            stash = "" if chosen.stash_host_bytes is None else f", the block inputs in the stash ({human_size(chosen.stash_host_bytes)} in host memory)"
+            print(f"plan: stream {chosen.stream}, offload activations {chosen.offload_activations}{stash};"
                   f" predicted {chosen.step_s:.3g} s a step, {chosen.tokens_per_s:,.0f} tokens/s ({chosen.bottleneck} bound)")  # fmt: skip
         try:
             config = FinetuneConfig(**fields)

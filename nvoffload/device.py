@@ -23,6 +23,7 @@ Page-locking (:func:`register_host_memory`) is a no-op without CUDA:
 
 from __future__ import annotations
 
+import _thread
 import concurrent.futures
 import functools
 import os
@@ -35,6 +36,7 @@ from typing import Protocol
 import torch
 
 from nvoffload import trace
+from nvoffload.core import future
 from nvoffload.core.workers import Worker
 
 __all__ = [
@@ -328,28 +330,36 @@ def _env_number(name: str, default: float) -> float:
 
 
 class _SimEvent:
-    """Completes when the stand-in's copy stream reaches it (or at once, on the compute stream)."""
+    """Completes when the stand-in's copy stream reaches it (or at once, on the compute stream).
 
-    __slots__ = ("_flag", "_error")
+    A lock held until then (one C object per copy, as cheap to make as a CUDA event is to record): a waiter
+    acquires it with its time limit and hands it back."""
+
+    __slots__ = ("_running", "_error")
 
     def __init__(self, complete: bool = False):
-        self._flag = threading.Event()
+        self._running = _thread.allocate_lock()
         self._error: BaseException | None = None
-        if complete:
-            self._flag.set()
+        if not complete:
+            self._running.acquire()
 
     def query(self) -> bool:
-        return self._flag.is_set()
+        return not self._running.locked()
 
     def synchronize(self, timeout_s: float) -> bool:
-        return self._flag.is_set() or self._flag.wait(timeout_s)  # the condition's lock only when it must wait
+        if not self._running.locked():
+            return True
+        if not self._running.acquire(timeout=timeout_s):
+            return False
+        self._running.release()
+        return True
 
     def error(self) -> BaseException | None:
         return self._error
 
     def _complete(self, error: BaseException | None = None) -> None:
         self._error = error
-        self._flag.set()
+        self._running.release()
 
 
 _RAN = _SimEvent(complete=True)  # an event on the stand-in's compute stream: complete at once, one for all
@@ -383,12 +393,10 @@ class _SimCopyStream:
 
 def _run_sim_copy(name: str, op: tuple) -> None:
     """One queued stand-in copy, on its stream's worker thread."""
-    from nvoffload.core.future import WAIT_LIMIT_S
-
     dst, src, after, not_before, duration_s, event, what = op
     error = None
-    if after is not None and not after.synchronize(WAIT_LIMIT_S):
-        error = TimeoutError(f"a stand-in copy waited {WAIT_LIMIT_S:g} s for the event it was queued behind")
+    if after is not None and not after.synchronize(future.WAIT_LIMIT_S):
+        error = TimeoutError(f"a stand-in copy waited {future.WAIT_LIMIT_S:g} s for the event it was queued behind")
     else:
         # The bytes land at the end: until then the destination holds its old contents, as on a GPU.
         start_s = time.monotonic()
@@ -429,10 +437,8 @@ class SimDevice:
         return _RAN  # the host thread has run everything queued before
 
     def wait(self, event: Event) -> None:
-        from nvoffload.core.future import WAIT_LIMIT_S
-
-        if not event.synchronize(WAIT_LIMIT_S):
-            raise TimeoutError(f"compute waited {WAIT_LIMIT_S:g} s for a copy that did not land")
+        if not event.synchronize(future.WAIT_LIMIT_S):
+            raise TimeoutError(f"compute waited {future.WAIT_LIMIT_S:g} s for a copy that did not land")
 
     def copy_stream(self, direction: str) -> CopyStream:
         return self._streams[direction]

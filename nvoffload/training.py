@@ -72,6 +72,19 @@ def check_activation_host_bytes(value: int, offload_activations: bool) -> None:
         raise ValueError("activation_host_bytes keeps offloaded activations in host memory: set offload_activations")
 
 
+def check_stash_bytes(host_bytes: int | None, staging_bytes: int | None) -> None:
+    """Raise ValueError unless ``host_bytes`` is a ``stash_host_bytes`` (None or an int >= 0) and ``staging_bytes`` a
+    ``stash_staging_bytes`` (None, or a positive int given with ``host_bytes``)."""
+    if host_bytes is not None and (isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes < 0):
+        raise ValueError(f"stash_host_bytes must be None or an int number of bytes >= 0, got {host_bytes!r}")
+    if staging_bytes is None:
+        return
+    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes <= 0:
+        raise ValueError(f"stash_staging_bytes must be None or a positive int number of bytes, got {staging_bytes!r}")
+    if host_bytes is None:
+        raise ValueError("stash_staging_bytes stages the vertical schedule's stash: set stash_host_bytes too")
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """Budgets and placement for :func:`initialize`.
@@ -108,6 +121,17 @@ class OffloadConfig:
             besides ``activation_memory_bytes``; only the rest is written to
             NVMe (:class:`~nvoffload.activations.ActivationOffloadConfig`'s
             ``host_resident_bytes``). 0 (default): all of them go to NVMe.
+        stash_host_bytes: the vertical schedule's stash (:func:`~nvoffload.vertical_step`): each streamed block's
+            input for each micro-batch, kept until that block's backward, is copied off the device as forward
+            makes it and kept in host memory up to this many bytes (taken from ``cpu_memory_bytes``), written to
+            NVMe beyond, and read back ahead of backward, block by block in reverse; the device holds only the
+            stash's transfers in flight (``stash_staging_bytes``), so the number of micro-batches a step is bound
+            by host memory and the drives, not by device memory. None (default): the block inputs stay on the
+            device (or go through activation offload with ``offload_activations``); 0: all of them to NVMe.
+        stash_staging_bytes: with ``stash_host_bytes``, host memory (from ``cpu_memory_bytes``) staging the
+            stash's transfers, half for writes in flight and half for reads ahead; it also bounds the stash's
+            device memory (block inputs whose copy is in flight, or read back ahead of their block's backward).
+            None: an eighth of ``device_memory_bytes``, at most an eighth of ``cpu_memory_bytes``.
         checksum: checksum every tensor in the store (CRC-32C, on by default; see
             :class:`~nvoffload.io.TensorStore`).
         trace_path: record a :mod:`nvoffload.trace` of everything the session does, from
@@ -171,6 +195,8 @@ class OffloadConfig:
     offload_activations: bool = False
     activation_memory_bytes: int | None = None
     activation_host_bytes: int = 0
+    stash_host_bytes: int | None = None
+    stash_staging_bytes: int | None = None
     checksum: bool = True
     trace_path: str | None = None
     max_grad_norm: float | None = None
@@ -193,6 +219,7 @@ class OffloadConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int number of bytes, got {value!r}")
         check_activation_host_bytes(self.activation_host_bytes, self.offload_activations)
+        check_stash_bytes(self.stash_host_bytes, self.stash_staging_bytes)
         if self.trace_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.trace_path))):
             raise ValueError(f"trace_path: the directory of {self.trace_path} does not exist")
         if not 0 < self.optimizer_memory_fraction < 1:
@@ -226,6 +253,21 @@ class OffloadConfig:
             return 0
         return self.activation_memory_bytes if self.activation_memory_bytes is not None else self.cpu_memory_bytes // 8
 
+    @property
+    def stash_bytes(self) -> int:
+        """Host bytes reserved for the vertical schedule's stash: its staging and the block inputs it keeps in host
+        memory (0 without ``stash_host_bytes``)."""
+        return 0 if self.stash_host_bytes is None else self.stash_host_bytes + self.stash_staging
+
+    @property
+    def stash_staging(self) -> int:
+        """Host bytes staging the stash's transfers (``stash_staging_bytes`` or its default; 0 without a stash)."""
+        if self.stash_host_bytes is None:
+            return 0
+        if self.stash_staging_bytes is not None:
+            return self.stash_staging_bytes
+        return max(_MiB, min(self.device_memory_bytes, self.cpu_memory_bytes) // 8)
+
 
 class OffloadSession:
     """What :func:`initialize` set up: the store, the budgets, the host slab, the streamer, the optimizer.
@@ -236,7 +278,7 @@ class OffloadSession:
     engines, ``transfers``).
     """
 
-    def __init__(self, config, store, memory, resources, streamer, optimizer, activations):
+    def __init__(self, config, store, memory, resources, streamer, optimizer, activations, stash=None):
         self.config = config
         self.store = store
         self.memory = memory
@@ -246,6 +288,8 @@ class OffloadSession:
         self.streamer = streamer
         self.optimizer = optimizer
         self._activations = activations
+        self._stash = stash
+        self._stash_counted = (0, 0)  # the stash's NVMe bytes read and written at the last reset_stats()
         self._handles = []  # the model's forward hooks installed by initialize()
         self.closed = False
 
@@ -259,12 +303,23 @@ class OffloadSession:
         return stats
 
     def io_bytes(self) -> tuple[int, int]:
-        """Bytes read and written by the streamer and the optimizer since the last :meth:`reset_stats`."""
+        """Bytes read and written on NVMe by the streamer, the optimizer and the stash since the last
+        :meth:`reset_stats`."""
         opt = self.optimizer.memory_stats()
-        return self.streamer.bytes_read + opt.read_bytes, self.streamer.bytes_written + opt.written_bytes
+        stash_read, stash_written = (now - then for now, then in zip(self._stash_nvme_bytes(), self._stash_counted))
+        return (self.streamer.bytes_read + opt.read_bytes + stash_read,
+                self.streamer.bytes_written + opt.written_bytes + stash_written)  # fmt: skip
+
+    def _stash_nvme_bytes(self) -> tuple[int, int]:
+        """Bytes the stash has read from and written to NVMe since it opened (not those kept in host memory)."""
+        if self._stash is None:
+            return 0, 0
+        stats = self._stash.stats()
+        return stats.bytes_read - stats.host_bytes_read, stats.bytes_written - stats.host_bytes_written
 
     def reset_stats(self) -> None:
         """Restart the peaks and I/O counters (call at the start of a step)."""
+        self._stash_counted = self._stash_nvme_bytes()
         self.memory.reset_peaks()
         self.optimizer.reset_io_stats()
         self.streamer.bytes_read = self.streamer.bytes_written = 0
@@ -276,6 +331,15 @@ class OffloadSession:
         (``offload_activations=True``), None without: enter it around a forward that does not go through the
         model's ``__call__``."""
         return self._activations
+
+    @property
+    def stash(self):
+        """The vertical schedule's stash (``stash_host_bytes``), None without: an
+        :class:`~nvoffload.activations.offload_activations` context that :func:`~nvoffload.vertical_step` enters
+        around each streamed block's call for one micro-batch, so that what the call keeps for backward (the block's
+        input) moves off the device: into host memory up to ``stash_host_bytes``, to NVMe beyond, read back ahead
+        in backward order. Its ``stats()`` count the bytes (``bytes_written - host_bytes_written`` went to NVMe)."""
+        return self._stash
 
     def settle(self) -> None:
         """What the model's forward pre-hook does before each forward (call it before a forward that does not
@@ -326,8 +390,9 @@ class OffloadSession:
         try:
             self.optimizer.close()  # first: the updates it lands write the streamer's weights
         finally:
-            if self._activations is not None:
-                self._activations.close()
+            for hooks in (self._activations, self._stash):
+                if hooks is not None:
+                    hooks.close()
             self.streamer.close()
             self._resources.close()
             self.store.close()
@@ -396,9 +461,9 @@ class _Transfers:
 def _resident_state_bytes(model: nn.Module, blocks: list[nn.Module], config: OffloadConfig, optimizer_bytes: int,
                           host_left_bytes: int) -> int:
     """Host bytes for the optimizer's resident state: what the share left for parameter blocks (``host_left_bytes``,
-    what the host slab has left before the optimizer's and activation offload's carves, less those) holds beyond
+    what the host slab has left before the optimizer's, activation offload's and the stash's carves, less those) holds beyond
     caching every block (:func:`~nvoffload.memory.resident_state_share`, the planner's rule)."""
-    pages = [-(-n // ALIGNMENT_BYTES) * ALIGNMENT_BYTES for n in (optimizer_bytes, config.activation_bytes)]
+    pages = [-(-n // ALIGNMENT_BYTES) * ALIGNMENT_BYTES for n in (optimizer_bytes, config.activation_bytes, config.stash_bytes)]
     stream_host = host_left_bytes - sum(pages)
     return resident_state_share(stream_host, [b.nbytes for b in partition(model, blocks)[0]], config.prefetch_blocks,
                                 delayed_update=config.delayed_update)
@@ -470,8 +535,9 @@ def _host_budget_that_fits(config: OffloadConfig, shortfall_bytes: int) -> str:
     """The ``cpu_memory_bytes`` (rounded up to MiB) whose parameter-streaming share, what is left after the
     optimizer's fraction and activation offload's bytes, is ``shortfall_bytes`` larger."""
     grown = config.cpu_memory_bytes + math.ceil(shortfall_bytes / (1 - config.optimizer_memory_fraction))
-    smallest = -(-(grown + 3 * ALIGNMENT_BYTES) // _MiB) * _MiB  # the slab and each carve round to 4 KiB
+    smallest = -(-(grown + 4 * ALIGNMENT_BYTES) // _MiB) * _MiB  # the slab and each carve round to 4 KiB
     activations = f" and activation offload's {config.activation_bytes} bytes" if config.activation_bytes else ""
+    activations += f" and the stash's {config.stash_bytes} bytes" if config.stash_host_bytes is not None else ""
     return (
         f"cpu_memory_bytes must be at least {smallest} ({smallest // _MiB} MiB): parameter streaming gets what is"
         f" left after the optimizer's share (optimizer_memory_fraction={config.optimizer_memory_fraction:g}){activations}"
@@ -523,6 +589,8 @@ def _carve_host_slab(
     resources.engine("optimizer", optimizer_bytes + resident_state, "the optimizer's host memory")
     if config.activation_bytes:
         resources.engine("activations", config.activation_bytes, "activation offload's host memory")
+    if config.stash_host_bytes is not None:
+        resources.engine("stash", config.stash_bytes, "the vertical schedule's stash")
     streamer_transfer = resources.engine("streamer", None, "parameter streaming's host memory")
     if ranks is not None:
         buckets = reserve_buckets(
@@ -555,7 +623,14 @@ def _open_session(
     ``offload_activations``) and the settling of queued updates run around each of the model's forwards, and the
     optimizer and the model reach the session."""
     offloaded.set_weight_home(streamer)
-    activations = None
+    activations = stash = None
+    if config.stash_host_bytes is not None:  # the block inputs alone, written as saved (none kept recent), any size
+        half = config.stash_staging // 2
+        stash = _offload_activations(
+            store, min_bytes=0, keep_recent_bytes=0, max_pending_write_bytes=half, prefetch_bytes=half,
+            retain_host_memory=config.retain_host_memory, host_resident_bytes=config.stash_host_bytes,
+            transfer=resources.engines["stash"],
+        )  # fmt: skip
     if config.offload_activations:
         half = config.activation_staging_bytes // 2
         activations = _offload_activations(
@@ -563,7 +638,7 @@ def _open_session(
             retain_host_memory=config.retain_host_memory, host_resident_bytes=config.activation_host_bytes,
             transfer=resources.engines["activations"],
         )  # fmt: skip
-    session = OffloadSession(config, store, memory, resources, streamer, offloaded, activations)
+    session = OffloadSession(config, store, memory, resources, streamer, offloaded, activations, stash)
     optimizer_ref = weakref.ref(offloaded)
 
     def settle(module, args) -> None:

@@ -21,6 +21,14 @@ forward and one backward of the model's own code instead:
   post-accumulate-grad hook fires, once a step: the optimizer updates each block
   once, while backward goes on below, and no gradient is written to be accumulated.
 
+What a step keeps for backward is each block's input for each micro-batch (the
+arguments checkpointing saves), G of them a layer: on the device, bounding G by
+device memory, unless the session has a stash (``OffloadConfig.stash_host_bytes``,
+:attr:`~nvoffload.training.OffloadSession.stash`): each call then runs inside
+it, so the input is copied off the device as it is saved, kept in host memory
+(NVMe beyond) and read back ahead of backward, block by block in reverse, and G
+is bound by host memory and the drives.
+
 Clipping is the ordinary loop's speculation, unchanged: each block's update runs
 as its hook fires; with ``max_grad_norm`` the hook also keeps the gradient in the
 store (4 bytes a parameter, written once a step whatever G), and ``step()`` redoes
@@ -41,6 +49,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from nvoffload.activations import offload_activations
 from nvoffload.causal_lm import causal_lm_hidden, causal_lm_logits, has_head_loss, is_hf_causal_lm
 from nvoffload.optim import OffloadOptimizer
 from nvoffload.streaming import ParameterStreamer
@@ -129,7 +138,7 @@ def vertical_step(
         with torch.enable_grad():
             # With activation offload, what the forward saves outside the checkpointed calls (each call's input,
             # the embeddings' and the final norm's) moves as the model's own forward would move it.
-            with _per_micro_batch(streamer, sizes), session.activation_offload or contextlib.nullcontext():
+            with _per_micro_batch(streamer, sizes, session.stash), session.activation_offload or contextlib.nullcontext():
                 h = hidden(model, batch)
             if h.shape[0] != sum(sizes):
                 raise ValueError(f"hidden() gave {h.shape[0]} rows for micro-batches of {sum(sizes)} rows in all")
@@ -163,13 +172,13 @@ def _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss, diviso
 
 
 @contextlib.contextmanager
-def _per_micro_batch(streamer: ParameterStreamer, sizes: list[int]):
+def _per_micro_batch(streamer: ParameterStreamer, sizes: list[int], stash: offload_activations | None):
     """Inside: each streamed block, in its container, is a :class:`_MicroBatched` around it."""
     swapped = []
     try:
         for block in streamer.blocks:
             parent, key = _container_of(streamer.model, block)
-            parent._modules[key] = _MicroBatched(block, streamer, sizes)
+            parent._modules[key] = _MicroBatched(block, streamer, sizes, stash)
             swapped.append((parent, key, block))
         yield
     finally:
@@ -188,15 +197,16 @@ def _container_of(model: nn.Module, module: nn.Module) -> tuple[nn.Module, str]:
 class _MicroBatched(nn.Module):
     """A streamed block called once per micro-batch, each call under non-reentrant checkpointing, the block kept
     on the device across the calls; tensors whose first dimension is the batch's are split, the others given to
-    every call; the outputs are concatenated back."""
+    every call; the outputs are concatenated back. With the session's stash, what each call keeps for backward
+    (its input: checkpointing saves its arguments outside the block's own saved-tensor hooks) goes through it."""
 
-    def __init__(self, block: nn.Module, streamer: ParameterStreamer, sizes: list[int]):
+    def __init__(self, block: nn.Module, streamer: ParameterStreamer, sizes: list[int], stash: offload_activations | None):
         super().__init__()
-        self._stash = (block, streamer)  # not a child: the wrapper owns no parameters
+        self._parts = (block, streamer, stash or contextlib.nullcontext())  # not children: the wrapper owns no parameters
         self.sizes = sizes
 
     def forward(self, *args, **kwargs):
-        block, streamer = self._stash
+        block, streamer, stash = self._parts
         rows = sum(self.sizes)
         parts = [_split(a, rows, self.sizes) for a in args]
         kwparts = {k: _split(v, rows, self.sizes) for k, v in kwargs.items()}
@@ -205,7 +215,8 @@ class _MicroBatched(nn.Module):
             for i in range(len(self.sizes)):
                 call_args = [p[i] for p in parts]
                 call_kwargs = {k: p[i] for k, p in kwparts.items()}
-                outs.append(checkpoint(block, *call_args, use_reentrant=False, **call_kwargs))
+                with stash:
+                    outs.append(checkpoint(block, *call_args, use_reentrant=False, **call_kwargs))
         if isinstance(outs[0], torch.Tensor):
             return torch.cat(outs)
         if isinstance(outs[0], tuple):

@@ -2,6 +2,7 @@
 
 import io
 import json
+import math
 import os
 import re
 import sys
@@ -46,6 +47,8 @@ def test_config_validation(tmp_path):
     FinetuneConfig(grad_accum_steps=2, max_grad_norm=1.0, dtype="float16")  # a GradScaler, unscaled before clipping
     with pytest.raises(ValueError, match="max_grad_norm must be positive"):
         FinetuneConfig(max_grad_norm=0.0)
+    with pytest.raises(ValueError, match="stash_host_bytes keeps the vertical schedule's block inputs of a streamed model"):
+        FinetuneConfig(stash_host_bytes=1 << 20)  # the stash is the streamed vertical schedule's
     with pytest.raises(ValueError, match="not a Hugging Face model directory"):
         FinetuneConfig(model_dir=str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
@@ -234,7 +237,8 @@ def test_streamed_accumulation_by_the_vertical_schedule_trains_as_in_memory(tmp_
     """--stream --grad-accum 4 runs each block over the 4 micro-batches while it is on the device (the header says
     so): the losses and weights equal the in-memory run's, and micro-batch after micro-batch (--no-vertical) too,
     with clipping that bites, on text and on packed chat rows (position_ids restarting within a row); and with the
-    block inputs offloaded, kept in host memory up to --activation-host-memory and the rest on NVMe."""
+    block inputs offloaded, kept in host memory up to --activation-host-memory and the rest on NVMe, or in the stash
+    (--stash-host-memory), the same way."""
     init = tmp_path / "init.safetensors"
     save_file(GPT(GPTConfig.preset("tiny")).state_dict(), init)
     common = dict(preset="tiny", steps=3, batch_size=2, grad_accum_steps=4, lr=3e-3, warmup_steps=0, max_grad_norm=0.05,
@@ -243,7 +247,7 @@ def test_streamed_accumulation_by_the_vertical_schedule_trains_as_in_memory(tmp_
     runs, said = {}, {}
     spilled = dict(offload_activations=True, activation_host_bytes=48 << 10)  # some of the inputs, not all
     for name, extra in (("plain", {}), ("vertical", streamed), ("each", {**streamed, "vertical": False}),
-                        ("spilled", {**streamed, **spilled})):
+                        ("spilled", {**streamed, **spilled}), ("stashed", {**streamed, "stash_host_bytes": 48 << 10})):
         said[name] = []
         config = FinetuneConfig(**common, **extra, save_to=str(tmp_path / f"{name}.safetensors"))
         runs[name] = finetune(config, progress=False, on_message=said[name].append)
@@ -251,7 +255,8 @@ def test_streamed_accumulation_by_the_vertical_schedule_trains_as_in_memory(tmp_
     assert said["each"][0].endswith("micro-batches a step; micro-batch after micro-batch")
     assert all(s.grad_norm > 0.05 for s in runs["vertical"].steps)  # every step clipped
     assert "activations offloaded: up to 48K kept in host memory, the rest to NVMe" in said["spilled"][1]
-    for name in ("vertical", "each", "spilled"):
+    assert "its inputs are kept in the stash (up to 48K in host memory, the rest on NVMe)" in said["stashed"][0]
+    for name in ("vertical", "each", "spilled", "stashed"):
         assert runs[name].losses == pytest.approx(runs["plain"].losses, rel=1e-4), name
         tuned, plain = load_file(tmp_path / f"{name}.safetensors"), load_file(tmp_path / "plain.safetensors")
         for key in plain:
@@ -416,6 +421,27 @@ def test_a_loss_that_is_not_finite_stops_the_run_naming_the_step_and_saves_nothi
     assert captured.err.startswith("nvoffload finetune: error: the loss is nan at step 2: training stopped")
     assert latest_training_checkpoint(ckpt).step == 1 and not any(n.startswith("checkpoint-2") for n in os.listdir(ckpt))
     assert os.listdir(swap) == []
+
+
+def test_a_run_stopped_in_its_first_step_leaves_nothing(tmp_path, capsys):
+    """--init-from weights holding NaN: the loss of step 1, before any update, is not finite. One line naming the
+    weights, exit 2, and nothing left: no checkpoint directory, no --log-dir, no swap file (the checkpoint
+    directory stayed, holding an empty metrics.jsonl, and the line said to lower the learning rate)."""
+    weights = GPT(GPTConfig.preset("tiny")).state_dict()
+    weights["tok_emb.weight"][:] = math.nan
+    save_file(weights, tmp_path / "nan.safetensors")
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    for logs in ([], ["--log-dir", str(tmp_path / "logs")]):
+        rc = main(["finetune", "--preset", "tiny", "--init-from", str(tmp_path / "nan.safetensors"), "--steps", "3",
+                   "--batch-size", "2", "--swap-dir", str(swap), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                   "--save-every", "1", "--no-progress", *logs])  # fmt: skip
+        err = capsys.readouterr().err
+        assert rc == 2 and err == (
+            "nvoffload finetune: error: the loss is nan at step 1, before any update: the weights the run starts from"
+            f" ({tmp_path / 'nan.safetensors'}) give it\n"
+        )
+        assert sorted(os.listdir(tmp_path)) == ["nan.safetensors", "swap"] and os.listdir(swap) == []
 
 
 def test_text_is_read_as_its_encoding_and_a_bad_byte_is_named_with_its_offset(tmp_path):

@@ -229,14 +229,18 @@ def test_an_adapter_directory_fills_the_adapter_of_a_streamed_base(tmp_path):
 STREAM = ["--stream", "--cpu-memory", "8M", "--device-memory", "64M"]
 
 
-def tiny_llama_dir(path) -> None:
-    """A Llama directory without a tokenizer (the text as bytes, so a vocabulary of 256 at least)."""
-    config = transformers.LlamaConfig(
+def _tiny_llama_config():
+    """A Llama of a vocabulary of 300 (the text as bytes needs 256 at least)."""
+    return transformers.LlamaConfig(
         vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
+
+
+def tiny_llama_dir(path) -> None:
+    """A Llama directory without a tokenizer (the text as bytes)."""
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    transformers.LlamaForCausalLM(_tiny_llama_config()).save_pretrained(path)
 
 
 def finetune_lora(*args: str) -> int:
@@ -273,15 +277,18 @@ def test_finetune_lora_rank_trains_and_saves_an_adapter(tmp_path, capsys, monkey
     assert opened.state_dict().keys() == state.keys() and all(torch.equal(v, state[k]) for k, v in opened.state_dict().items())
 
 
-def test_finetune_lora_starts_from_the_same_adapters_with_and_without_stream(tmp_path, capsys):
-    """The adapters' initial weights depend on --seed alone: PEFT's draw after torch.manual_seed(seed), in memory and
-    streamed. (One step of lr 1e-30 leaves lora_A as it started and lora_B at most 1e-30 from zero.) They differed."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_finetune_lora_starts_from_the_same_adapters_with_and_without_stream(tmp_path, capsys, device):
+    """The adapters' initial weights depend on --seed alone: PEFT's draw after torch.manual_seed(seed) on the CPU, in
+    memory and streamed, on any device. (One step of lr 1e-30 leaves lora_A as it started and lora_B at most 1e-30
+    from zero.) They differed; then on a GPU, where the streamed run drew them with the GPU's generator."""
     tiny_llama_dir(tmp_path / "base")
     (tmp_path / "swap").mkdir()
     saved = {}
     for name, mode in (("memory", []), ("stream", STREAM)):
         rc = finetune_lora("--model", str(tmp_path / "base"), "--steps", "1", "--lr", "1e-30", "--seed", "3",
-                           "--swap-dir", str(tmp_path / "swap"), "--save-to", str(tmp_path / name), *mode)  # fmt: skip
+                           "--swap-dir", str(tmp_path / "swap"), "--save-to", str(tmp_path / name), "--device", device,
+                           *mode)  # fmt: skip
         assert rc == 0, capsys.readouterr()
         with open_checkpoint(tmp_path / name) as ckpt:
             saved[name] = {key: ckpt.read(key) for key in ckpt.keys()}
@@ -340,3 +347,28 @@ def test_wrapping_a_streamed_model_after_initialize_is_refused_with_the_way_out(
         wrapped = peft.get_peft_model(model, lora_config("llama"))
         with pytest.raises(ValueError, match=r"get_peft_model.* before nvoffload.initialize\(\)"):
             loss_of(wrapped, batch(0))
+
+
+def test_the_streamed_adapter_init_draws_peft_s_values_whatever_the_parameters_dtype():
+    """The streamer initializes the adapters of a PEFT model built on the meta device where they sit, by PEFT's own
+    init functions: it drew them there, in their device's generator and dtype, where PEFT draws them on the CPU in
+    float32 and then moves them to the base's device and dtype. A float64 base on the CPU shows it here (its
+    adapters, drawn in float64, were other values than PEFT's); on a GPU the streamed run's adapters came from the
+    GPU's generator (test_finetune_lora_starts_from_the_same_adapters_with_and_without_stream, cuda)."""
+    from nvoffload.streaming._materialize import _post_order
+    from nvoffload.streaming._peft import PeftView
+
+    base = transformers.LlamaForCausalLM(_tiny_llama_config()).to(torch.float64)
+    torch.manual_seed(3)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    adapters = {name: p for name, p in model.named_parameters() if "lora_" in name}
+    drawn = {name: p.detach().clone() for name, p in adapters.items()}
+    assert len(drawn) == 8 and all(p.dtype == torch.float64 for p in drawn.values())
+    with torch.no_grad():
+        for p in adapters.values():
+            p.fill_(torch.nan)
+    torch.manual_seed(3)
+    init = PeftView.of(model).adapter_init()
+    for module in _post_order(model):
+        init(module)
+    assert all(torch.equal(p, drawn[name]) for name, p in adapters.items())

@@ -284,15 +284,15 @@ def test_cli_refuses_a_malformed_line_in_one_line(tmp_path, capsys):
     assert rc == 2 and err == f'nvoffload finetune: error: {path}, line 2: expected {{"text": ...}} (the shape of the first record: text), got the keys [\'prompt\', \'text\']\n'
 
 
-def _refused_by_finetune(tmp_path, capsys, data, *extra) -> str:
+def _refused_by_finetune(tmp_path, capsys, data, *extra, model=("--preset", "tiny")) -> str:
     """The one error line ``nvoffload finetune`` gives for ``data`` (exit 2), having created nothing: no checkpoint
     directory, no file in the swap directory."""
     from nvoffload.cli import main
 
     swap = tmp_path / "swap"
     swap.mkdir(exist_ok=True)
-    rc = main(["finetune", "--preset", "tiny", "--data", str(data), "--steps", "40", "--batch-size", "4", "--seq-len",
-               "64", "--swap-dir", str(swap), "--checkpoint-dir", str(tmp_path / "ckpt"), "--no-progress", *extra])  # fmt: skip
+    rc = main(["finetune", *model, "--data", str(data), "--steps", "40", "--batch-size", "4", "--seq-len", "64",
+               "--swap-dir", str(swap), "--checkpoint-dir", str(tmp_path / "ckpt"), "--no-progress", *extra])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and err.startswith("nvoffload finetune: error: "), err
     assert not (tmp_path / "ckpt").exists() and not list(swap.iterdir())
@@ -381,6 +381,82 @@ def test_a_bad_line_past_the_first_steps_is_refused_before_anything_is_created(t
         path = tmp_path / f"{name}.jsonl"
         path.write_text("\n".join(lines[:250] + [bad] + lines[251:]) + "\n")
         assert _refused_by_finetune(tmp_path, capsys, path).startswith(f"{path}, {message}")
+
+
+_STRICT_TEMPLATE = (  # as Llama 2's and Mistral's: roles must alternate; and it marks chats of three turns or more
+    "{% if messages | length > 2 %}<|system|> {% endif %}{% for m in messages %}"
+    "{% if (m.role == 'user') != (loop.index0 is even) %}{{ raise_exception('Conversation roles must alternate"
+    " user/assistant/user/assistant/...') }}{% endif %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def test_a_record_the_tokenizer_cannot_use_is_refused_naming_the_line_before_anything_is_created(hf, tmp_path, capsys):
+    """Line 251 of 300 chats, past the first steps' examples: one the chat template raises on (roles that do not
+    alternate), one whose beginning it renders otherwise than the whole (the assistant's tokens cannot be found),
+    one with a token beyond the model's vocabulary. Each is refused naming the file and line, exit 2, nothing
+    created (they were found while tokenizing mid-run: jinja2's TemplateError as a traceback, exit 1, or a message
+    naming the file alone, leaving the checkpoint directory's metrics.jsonl)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer, _, vocab = hf
+    last = max(vocab, key=vocab.get)  # the model's vocabulary ends before this word
+    assert last not in {w for m in CHATS[0] for w in m["content"].split()}
+    config = transformers.LlamaConfig(vocab_size=vocab[last], hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+    tokenizer.chat_template = _STRICT_TEMPLATE
+    try:
+        tokenizer.save_pretrained(tmp_path / "llama")
+    finally:
+        tokenizer.chat_template = _PLAIN_TEMPLATE
+    capsys.readouterr()  # transformers' progress bar
+    user, assistant = CHATS[0]
+    for name, bad, message in (
+        ("alternate", [user, user, assistant], "the tokenizer failed on it: TemplateError: Conversation roles must"
+                                               " alternate user/assistant/user/assistant/..."),
+        ("prefix", [user, assistant, user, assistant], "the tokenizer's chat template does not render the conversation"
+                                                       " up to message 1 as a prefix of the whole"),
+        ("vocabulary", [{"role": "user", "content": last}, assistant], f"the tokenizer produced id {vocab[last]}, beyond"
+                                                                       f" the model's vocabulary of {vocab[last]}"),
+    ):  # fmt: skip
+        chats = [{"messages": CHATS[0]}] * 300
+        path = _write_jsonl(tmp_path / f"{name}.jsonl", chats[:250] + [{"messages": bad}] + chats[251:])
+        got = _refused_by_finetune(tmp_path, capsys, path, model=("--model", str(tmp_path / "llama")))
+        assert got.startswith(f"{path}, line 251: {message}"), got
+
+
+def test_examples_with_nothing_to_train_on_within_seq_len_are_left_out_naming_the_lines(tmp_path, capsys):
+    """Lines 10 and 20 of 20: a prompt longer than the rows, its completion cut off. They are left out, named in a
+    warning (they were trained on as padding, and a step of such examples alone stopped the run midway, leaving the
+    checkpoint directory's metrics.jsonl); data with no other example, or an --eval-fraction part with no other,
+    is refused before anything is created, naming the file, the lines and --seq-len (the held-out part was found
+    empty after the first step)."""
+    records = [{"prompt": "x" * (100 if i in (9, 19) else 5), "completion": " ok"} for i in range(20)]
+    path = _write_jsonl(tmp_path / "long.jsonl", records)
+    with pytest.warns(UserWarning) as caught:
+        data = SFTDataset(path, ByteTokenizer(), seq_len=64, shuffle_buffer=0, packing=False)
+    assert [str(w.message) for w in caught] == [
+        f"{path}: 2 of the 20 examples of the file have no token to train on within seq_len + 1 = 65 tokens (line 10,"
+        " line 20): left out; raise seq_len, or train on every token (loss_on all)"
+    ]
+    kept = _write_jsonl(tmp_path / "kept.jsonl", [r for i, r in enumerate(records) if i not in (9, 19)])
+    expected = next(SFTDataset(kept, ByteTokenizer(), seq_len=64, shuffle_buffer=0, packing=False).batches(20))
+    got = next(data.batches(20))
+    assert torch.equal(got.input_ids, expected.input_ids) and torch.equal(got.labels, expected.labels)
+    within = "within --seq-len + 1 = 65 tokens"
+    cure = "raise --seq-len, or train on every token (--loss-on all)"
+    assert _refused_by_finetune(tmp_path, capsys, path, "--eval-fraction", "0.1") == (
+        f"{path}: no example of its held-out part has a token to train on {within} (line 10, line 20): {cure}"
+    )
+    path = _write_jsonl(tmp_path / "all.jsonl", [{"prompt": "x" * 100, "completion": " ok"}] * 7)
+    assert _refused_by_finetune(tmp_path, capsys, path) == (
+        f"{path}: no example of the file has a token to train on {within} (line 1, line 2, line 3, line 4, line 5,"
+        f" ...): {cure}"
+    )
+    few = _write_jsonl(tmp_path / "few.jsonl", records[:5])
+    assert _refused_by_finetune(tmp_path, capsys, few, "--eval-fraction", "0.1") == (
+        f"{few}: --eval-fraction 0.1 holds out none of its 5 records: raise it (to 1/5 or more)"
+    )
 
 
 def test_a_json_array_is_refused_naming_the_file(tmp_path):

@@ -151,6 +151,59 @@ def test_with_activation_host_bytes_the_block_inputs_stay_in_host_memory_as_far_
     assert spilled.offloaded_bytes == 0
 
 
+@pytest.mark.parametrize("host_inputs", [8, 3], ids=["in-host-memory", "nvme-spill"])
+def test_with_the_stash_the_block_inputs_go_through_host_memory_and_the_step_is_torchs(tmp_path, host_inputs):
+    """OffloadConfig.stash_host_bytes: each block's input for each micro-batch (64 KiB here: 4 x 64 x 64 fp32) is
+    copied off the device as forward makes it and kept in host memory up to ``host_inputs`` of them, the rest
+    written to NVMe, and read back ahead of backward; the staging holds one input each way (its writes and reads
+    wait for each other). The steps equal torch's within its own spread; every input is stashed and read back
+    once (or, where its copy out was still running when the read ahead reached it, kept on the device instead),
+    none outlives the step."""
+    block_input = 4 * 64 * 64 * 4
+    session = check_equals_torch(
+        tmp_path, 4, 0.5, stash_host_bytes=host_inputs * block_input, stash_staging_bytes=2 * block_input,
+        cpu_memory_bytes=8 << 20,
+    )  # fmt: skip
+    stats = session.stash.stats()
+    assert session.activation_offload is None
+    assert stats.bytes_written == STEPS * 2 * 4 * block_input  # 2 blocks x 4 micro-batches
+    assert stats.bytes_read + stats.reads_avoided * block_input == stats.bytes_written
+    # each read back from where it was kept: NVMe only for those written there
+    assert 0 <= stats.bytes_read - stats.host_bytes_read <= stats.bytes_written - stats.host_bytes_written
+    assert (stats.host_bytes_read == stats.bytes_read) == (host_inputs >= 8)
+    assert stats.host_bytes_written == STEPS * min(host_inputs, 8) * block_input  # the rest went to NVMe
+    assert stats.offloaded_bytes == 0 and stats.live_records == 0
+
+
+def test_the_stash_holds_on_the_device_a_block_or_two_of_inputs_whatever_the_depth(tmp_path):
+    """Six blocks, four micro-batches: the 24 block inputs of a step (64 KiB each) are all stashed, while the device
+    holds at most those of two blocks (the one whose copies out are in flight, over every micro-batch: they share
+    one storage, the concatenated output of the block below; and in backward those read back ahead) and the
+    staging's: not the 24 a step keeps on the device without the stash."""
+    cfg, model = tiny(n_layer=6)
+    block_input, G = 4 * 64 * 64 * 4, 4
+    model, opt = streamed(tmp_path, model, stash_host_bytes=24 * block_input, stash_staging_bytes=2 * block_input,
+                          cpu_memory_bytes=16 << 20)  # fmt: skip
+    try:
+        for step in range(2):
+            vertical_step(opt, micro_batches(cfg, step, G))
+        stats = opt.session.stash.stats()
+    finally:
+        opt.close()
+    assert stats.bytes_written == 2 * 6 * G * block_input and stats.host_bytes_written == stats.bytes_written
+    assert 0 < stats.peak_resident_bytes <= 2 * G * block_input + 2 * block_input < 6 * G * block_input
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"stash_host_bytes": -1}, "stash_host_bytes must be None or an int number of bytes >= 0, got -1"),
+    ({"stash_host_bytes": 1 << 20, "stash_staging_bytes": 0}, "stash_staging_bytes must be None or a positive int"),
+    ({"stash_staging_bytes": 1 << 20}, "stash_staging_bytes stages the vertical schedule's stash: set stash_host_bytes"),
+])
+def test_the_stash_settings_are_refused_at_the_boundary(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message):
+        nvoffload.OffloadConfig(swap_dirs=[tmp_path], **fields)
+
+
 def check_equals_torch(tmp_path, G, max_grad_norm, **offload):
     """STEPS steps of G micro-batches streamed, against fused torch AdamW accumulating the same micro-batches:
     weights within twice torch's own spread (:func:`torch_spread`); returns the (closed) session."""
@@ -270,10 +323,11 @@ def test_four_micro_batches_move_no_more_weight_or_state_bytes_than_one(tmp_path
         opt.close()
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_hugging_face_causal_lms_equal_torch_accumulating_the_same_micro_batches(tmp_path, family):
+@pytest.mark.parametrize("family, stash", [("llama", None), ("gpt2", None), ("llama", 0)], ids=["llama", "gpt2", "llama-stash-nvme"])
+def test_hugging_face_causal_lms_equal_torch_accumulating_the_same_micro_batches(tmp_path, family, stash):
     """Rotary embeddings (Llama) and learned positions (GPT-2), each family's own masks, the model's own loss,
-    with no hidden() or loss() named: four micro-batches of two rows in one step, clipping that bites."""
+    with no hidden() or loss() named: four micro-batches of two rows in one step, clipping that bites. With a stash
+    of no host memory, every block input (and each call's rotary embeddings) goes to NVMe and back."""
     pytest.importorskip("transformers")
     from test_hf_recipe import budgets, build, hf_loss
 
@@ -285,8 +339,9 @@ def test_hugging_face_causal_lms_equal_torch_accumulating_the_same_micro_batches
         (backwards, torch.optim.AdamW(backwards.parameters(), lr=LR, weight_decay=WD, fused=True), True),
     ]
     model, opt = nvoffload.initialize(
-        model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), budgets(tmp_path, model, max_grad_norm=1.0)
-    )
+        model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
+        budgets(tmp_path, model, max_grad_norm=1.0, stash_host_bytes=stash, stash_staging_bytes=None if stash is None else 64 << 10),
+    )  # fmt: skip
     names, G, clipped = list(model.state_dict()), 4, 0
     try:
         for step in range(4):
@@ -316,6 +371,9 @@ def test_hugging_face_causal_lms_equal_torch_accumulating_the_same_micro_batches
         state = model.state_dict()
         assert list(state) == names
         assert _max_diff({n: state[n] for n in fused_state}, fused_state) <= 2 * torch_diff
+        if stash is not None:
+            stats = opt.session.stash.stats()
+            assert stats.bytes_written > 0 and stats.host_bytes_written == 0 and stats.live_records == 0
     finally:
         opt.close()
 

@@ -101,7 +101,8 @@ class OffloadStats:
     ``offloaded_bytes`` is the space taken in the target (swap files or host
     memory) right now. ``host_bytes_written`` is the part of ``bytes_written``
     kept in host memory (all of it with ``target="cpu"``; with
-    ``host_resident_bytes``, what fit there; the rest went to NVMe).
+    ``host_resident_bytes``, what fit there; the rest went to NVMe), and
+    ``host_bytes_read`` the part of ``bytes_read`` read back from there.
     ``tensors_forwarded`` counts tensors backward used
     straight from memory without a round trip (never written out);
     ``reads_prefetched`` counts reads already started before backward asked for
@@ -117,6 +118,7 @@ class OffloadStats:
     bytes_written: int
     host_bytes_written: int
     bytes_read: int
+    host_bytes_read: int
     tensors_written: int
     tensors_forwarded: int
     dedup_hits: int

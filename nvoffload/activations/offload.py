@@ -331,6 +331,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
         self._bytes_written = 0
         self._host_bytes_written = 0
         self._bytes_read = 0
+        self._host_bytes_read = 0
         self._tensors_written = 0
         self._tensors_forwarded = 0
         self._dedup_hits = 0
@@ -389,6 +390,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
                 bytes_written=self._bytes_written,
                 host_bytes_written=self._host_bytes_written,
                 bytes_read=self._bytes_read,
+                host_bytes_read=self._host_bytes_read,
                 tensors_written=self._tensors_written,
                 tensors_forwarded=self._tensors_forwarded,
                 dedup_hits=self._dedup_hits,
@@ -669,6 +671,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             record.host_reader = load.future
         record.loaded_key = self._ledger.add(load.device)
         self._bytes_read += record.nbytes
+        self._host_bytes_read += record.nbytes if record.host is not None else 0
         return True
 
     def _read_ahead_of(self, handle: int) -> None:

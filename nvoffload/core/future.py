@@ -105,9 +105,22 @@ class Future:
         return cls([_Nested(f) for f in futures], finish, what=what)
 
     def done(self) -> bool:
-        return self._resolved or all(p.done() for p in self._parts)
+        if self._resolved:
+            return True
+        for part in self._parts:
+            if not part.done():
+                return False
+        return True
 
     def result(self, timeout: float | None = None) -> Any:
+        if not self._resolved:
+            self._resolve(timeout)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def _resolve(self, timeout: float | None) -> None:
+        """Wait for the parts and run the completion step, once (under the lock: one thread runs it)."""
         with self._lock:
             if not self._resolved:
                 self._wait(timeout)
@@ -118,23 +131,18 @@ class Future:
                     error = exc
                 self._error, self._resolved = error, True
                 self._parts, self._finish, self._keepalive = [], None, None
-        if self._error is not None:
-            raise self._error
-        return self._value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Wait like :meth:`result` and return its error (None when it succeeded). What interrupts the wait itself
         (its time limit's TimeoutError, a KeyboardInterrupt delivered to this thread) is raised, not returned: it
         is not the transfer's error, and a caller that records errors must not swallow a Ctrl-C as one."""
-        try:
-            self.result(timeout)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            if not self._resolved:
-                raise
-            return exc
-        return None
+        if not self._resolved:
+            self._resolve(timeout)  # what interrupts the wait propagates
+        return self._error
 
     def _wait(self, timeout: float | None) -> None:
+        if self.done():
+            return
         deadline = deadline_after(timeout)
         for part in self._parts:
             if not part.wait(max(0.0, deadline - time.monotonic())):

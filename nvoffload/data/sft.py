@@ -13,14 +13,19 @@ by the keys of the first record, as ``trl``'s ``SFTTrainer`` takes them:
   template, the loss on the assistant's tokens.
 
 ``loss_on="all"`` trains on every token of every shape. Every record is
-checked before the first batch (one pass over the file): a record of another
-shape than the first, a chat role other than :data:`ROLES` (ShareGPT's
-``human``/``gpt`` included), a chat without an assistant turn (nothing to
-train on, unless ``loss_on="all"``), a line that is not UTF-8 or not JSON, or
-a record longer than ``max_record_bytes`` (:data:`MAX_RECORD_BYTES`, 16 MiB, by
-default) is refused naming the file and line (row, for Parquet and
-``datasets`` directories), and so is an empty file. JSON lines are read by
-this module one line at a time (a longer line is refused before more of it is
+checked, and tokenized, before the first batch (one pass over the file): a
+record of another shape than the first, a chat role other than :data:`ROLES`
+(ShareGPT's ``human``/``gpt`` included), a chat without an assistant turn
+(nothing to train on, unless ``loss_on="all"``), a line that is not UTF-8 or
+not JSON, a record longer than ``max_record_bytes`` (:data:`MAX_RECORD_BYTES`,
+16 MiB, by default), one the tokenizer or its chat template fails on, or whose
+tokens reach past the model's vocabulary is refused naming the file and line
+(row, for Parquet and ``datasets`` directories), and so is an empty file. An
+example with no token to train on once cut to ``seq_len + 1`` tokens (its
+completion or assistant turns past them, or fewer than two tokens) is left
+out, its line named in a warning; a file (or part, with ``eval_fraction``)
+with no other is refused naming ``seq_len``. JSON lines are read by this
+module one line at a time (a longer line is refused before more of it is
 read); a JSON array (``[...]``) is refused: one record a line.
 
 Tokenization: a Hugging Face tokenizer (``PreTrainedTokenizerFast``) or
@@ -81,6 +86,7 @@ import gzip
 import json
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -340,7 +346,7 @@ def _chat(enc: _Encoder, messages: list[dict], where: str) -> tuple[list[int], l
             continue
         start, upto = enc.chat(messages[:i], add_generation_prompt=True) if i else [], enc.chat(messages[: i + 1])
         if ids[: len(upto)] != upto or upto[: len(start)] != start:
-            raise ValueError(
+            raise _BadRecord(
                 f"{where}: the tokenizer's chat template does not render the conversation up to message {i} as"
                 " a prefix of the whole, so the assistant's tokens cannot be found: use a template with"
                 " {% generation %} blocks, or --loss-on all"
@@ -425,7 +431,7 @@ class SFTDataset:
         vocab_size: refuse token ids from ``vocab_size`` on (the model's vocabulary).
         max_record_bytes: the longest record (a JSON line; the strings of a Parquet or ``datasets`` record).
 
-    Every record is checked when the dataset is made (one pass over the file, reading, not tokenizing), so
+    Every record is checked, and this part's tokenized, when the dataset is made (one pass over the file), so
     that data a run would stop at midway is refused before the run creates anything.
 
     Raises:
@@ -435,8 +441,10 @@ class SFTDataset:
             ``datasets`` directories: the row): a record longer than ``max_record_bytes``, bytes that are not
             UTF-8 (their offset), JSON that does not parse (the column), a record of another shape than the
             first or with fields of the wrong types, a chat role outside :data:`ROLES`, a chat without an
-            assistant turn (with ``loss_on="completion"``); when batches are drawn, no example of two tokens
-            or more.
+            assistant turn (with ``loss_on="completion"``), one the tokenizer (or its chat template) fails on,
+            ids from ``vocab_size`` on; no example with a token to train on within ``seq_len + 1`` tokens.
+
+    Warns (UserWarning) naming the lines of the examples left out: no token to train on within ``seq_len + 1``.
     """
 
     def __init__(
@@ -511,8 +519,8 @@ class SFTDataset:
                 if ex is not None:
                     found = True
                     yield epoch, index, ex
-            if not found and start == 0:
-                raise ValueError(f"{self.path} has no example of two tokens or more in {self._which()}: nothing to train on")
+            if not found and start == 0:  # every one was checked to be: the file changed since
+                raise ValueError(f"{self.path}: no example of {self._which()} to train on (changed since it was read?)")
             epoch, start = epoch + 1, 0
 
     # one pass, for evaluation
@@ -550,8 +558,8 @@ class SFTDataset:
 
     def _which(self) -> str:
         if not self.eval_fraction:
-            return "it"
-        return "its held-out part" if self.evaluation else "what --eval-fraction leaves for training"
+            return "the file"
+        return "its held-out part" if self.evaluation else "what eval_fraction leaves for training"
 
     def _part(self):
         """This part's records: all, or those ``eval_fraction`` holds out (or leaves)."""
@@ -584,27 +592,64 @@ class SFTDataset:
             yield f"{self.path}, row {row}", record
 
     def _checked_shape(self) -> str:
-        """The shape of the first record, once every record is checked (one pass, reading, not tokenizing):
-        its shape and fields, a chat's roles, its size within ``max_record_bytes``. Data that would stop the run
-        midway is refused before anything is created."""
-        shape = None
-        for where, record in self._numbered():
+        """The shape of the first record, once every record is checked (one pass): its shape and fields, a chat's
+        roles, its size within ``max_record_bytes``; and this part's records tokenized (:meth:`_tokenized`). Data
+        that would stop the run midway is refused before anything is created; the examples with no token to train
+        on are named in a warning (they are left out), and a part without any other is refused."""
+        shape, examples, left_out = None, 0, []
+        for index, (where, record) in enumerate(self._numbered()):
             shape = _check(record, shape, where, self.loss_on)
             if not self._lines and _text_bytes(record, shape) > self.max_record_bytes:
                 raise _too_long(where, self.max_record_bytes)
+            if self._in_part(index):
+                examples += 1
+                if self._tokenized(record, shape, where) is None:
+                    left_out.append(where.removeprefix(f"{self.path}, "))
         if shape is None:
             raise ValueError(f"{self.path} holds no records: nothing to train on")
+        if not examples:  # a held-out part of a few records
+            n = index + 1
+            raise ValueError(
+                f"{self.path}: eval_fraction {self.eval_fraction} holds out none of its {n} records: raise it"
+                f" (to 1/{n} or more)"
+            )
+        if not left_out:
+            return shape
+        within = f"token to train on within seq_len + 1 = {self.seq_len + 1} tokens"
+        named = ", ".join(left_out[:5]) + (", ..." if len(left_out) > 5 else "")
+        cure = "raise seq_len" + (", or train on every token (loss_on all)" if self.loss_on == "completion" else "")
+        if len(left_out) == examples:
+            raise ValueError(f"{self.path}: no example of {self._which()} has a {within} ({named}): {cure}")
+        warnings.warn(
+            f"{self.path}: {len(left_out)} of the {examples} examples of {self._which()} have no {within} ({named}):"
+            f" left out; {cure}",
+            stacklevel=3,
+        )
         return shape
 
-    def _example(self, record: dict) -> _Example | None:
-        """The record (checked when the dataset was made) tokenized and truncated to ``seq_len + 1`` tokens; None
-        when it has fewer than two."""
-        ids, trained = tokenize_record(record, self.shape, self._encoder, self.loss_on, self.path)
+    def _in_part(self, index: int) -> bool:
+        """Whether the record ``index`` of the file (or split) is one of this part's (see :meth:`_part`)."""
+        return not self.eval_fraction or _held_out(index, self.eval_fraction) == self.evaluation
+
+    def _tokenized(self, record: dict, shape: str, where: str) -> _Example | None:
+        """The record (of ``shape``, checked) tokenized and truncated to ``seq_len + 1`` tokens; None when no
+        prediction is left to train on (fewer than two tokens, or the trained ones cut off). Raises ValueError
+        naming ``where`` for the tokenizer's errors and ids beyond ``vocab_size``."""
+        try:
+            ids, trained = tokenize_record(record, shape, self._encoder, self.loss_on, where)
+        except _BadRecord:
+            raise
+        except Exception as exc:  # the tokenizer's or its chat template's (jinja2's raise_exception, ...)
+            raise _BadRecord(f"{where}: the tokenizer failed on it: {type(exc).__name__}: {exc}") from exc
         ids, trained = ids[: self.seq_len + 1], trained[: self.seq_len + 1]
-        if len(ids) < 2:
+        if not any(trained[1:]):
             return None
         if self.vocab_size is not None and max(ids) >= self.vocab_size:
-            raise ValueError(
-                f"{self.path}: the tokenizer produced id {max(ids)}, beyond the model's vocabulary of {self.vocab_size}"
+            raise _BadRecord(
+                f"{where}: the tokenizer produced id {max(ids)}, beyond the model's vocabulary of {self.vocab_size}"
             )
         return _Example(ids, trained)
+
+    def _example(self, record: dict) -> _Example | None:
+        """A record of this part, tokenized as it was when the dataset was made (:meth:`_tokenized`)."""
+        return self._tokenized(record, self.shape, self.path)

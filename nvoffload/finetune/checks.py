@@ -145,11 +145,13 @@ def _check_swap_space(config: FinetuneConfig, shape: ModelShape | None, seq_len:
     little free space for what this rank keeps there: :func:`~nvoffload.planner.cost.swap_bytes`, the planner's
     count (the optimizer state in its ``state_precision``, two generations of it; streamed, the weights, and with
     the delayed update their twins and the kept gradients; with ``offload_activations`` a micro-batch's
-    activations), with no state counted as resident in host memory: the most the store can hold."""
+    activations; with a stash, the block inputs beyond its host memory), with no state counted as resident in host
+    memory: the most the store can hold."""
     if shape is None:
         swap_directories([swap_dir])
         return
-    space = swap_bytes(_swap_request(config, shape, seq_len), stream=config.stream, offload=config.offload_activations)
+    space = swap_bytes(_swap_request(config, shape, seq_len), stream=config.stream, offload=config.offload_activations,
+                       stash_host_bytes=config.stash_host_bytes)  # fmt: skip
     swap_directories([swap_dir], needed_bytes=space.total, what=space.parts())
 
 

@@ -15,7 +15,7 @@ from nvoffload.io.config import default_swap_root
 from nvoffload.models import GPTConfig
 from nvoffload.optim import STATE_PRECISIONS, OffloadOptimizerConfig
 from nvoffload.planner.cost import human_size
-from nvoffload.training import check_activation_host_bytes
+from nvoffload.training import check_activation_host_bytes, check_stash_bytes
 
 __all__ = ["FinetuneConfig", "default_swap_root", "max_text_bytes"]
 
@@ -83,6 +83,12 @@ class FinetuneConfig:
             :class:`~nvoffload.OffloadConfig`'s ``activation_host_bytes``). 0:
             all to NVMe. ``--plan auto`` sets it from what the host budget
             holds beyond every parameter block.
+        stash_host_bytes, stash_staging_bytes: with ``stream`` and the vertical
+            schedule, the stash: each block's inputs kept in host memory up to
+            ``stash_host_bytes`` and on NVMe beyond, staged through
+            ``stash_staging_bytes`` (both taken from ``cpu_memory_bytes``; see
+            :class:`~nvoffload.OffloadConfig`). None: the inputs stay on the
+            device. ``--plan auto`` sets both where it chooses the stash.
         init_from: a safetensors checkpoint (file, directory of shards or
             ``*.index.json``) of the preset's model to start from.
         save_to: write the fine-tuned weights there: a safetensors file for a
@@ -143,6 +149,8 @@ class FinetuneConfig:
     offload_activations: bool = False
     activation_memory_bytes: int | None = None
     activation_host_bytes: int = 0
+    stash_host_bytes: int | None = None
+    stash_staging_bytes: int | None = None
     init_from: str | None = None
     save_to: str | None = None
     checkpoint_dir: str | None = None
@@ -177,6 +185,9 @@ class FinetuneConfig:
         if self.activation_memory_bytes is not None and self.activation_memory_bytes < 1:
             raise ValueError(f"activation_memory_bytes must be >= 1, got {self.activation_memory_bytes}")
         check_activation_host_bytes(self.activation_host_bytes, self.offload_activations)
+        check_stash_bytes(self.stash_host_bytes, self.stash_staging_bytes)
+        if self.stash_host_bytes is not None and not self.stream:
+            raise ValueError("stash_host_bytes keeps the vertical schedule's block inputs of a streamed model: set stream")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
         context = GPTConfig.preset(self.preset).seq_len

@@ -20,8 +20,9 @@ __all__ = ["adapters_seeded", "with_lora"]
 def adapters_seeded(seed: int) -> Iterator[None]:
     """The body draws from the CPU generator seeded with ``seed``, and leaves the run's own random state as it was:
     the adapters' initial weights depend on the seed alone, not on what the run drew before (loading a model,
-    building one on the meta device) nor on where they are drawn (PEFT's ``get_peft_model`` over a loaded base;
-    the streamer's init over a base built on the meta device, on the CPU, draws them in the same order)."""
+    building one on the meta device) nor on where they are drawn (PEFT's ``get_peft_model`` over a loaded base
+    draws them on the CPU, then moves them to the base's device; the streamer's init over a base built on the meta
+    device draws them in the same order, on the CPU too, whatever its device)."""
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
         yield

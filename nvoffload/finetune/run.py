@@ -179,7 +179,7 @@ class FinetuneResult:
     config: FinetuneConfig
     num_parameters: int
     steps: list[StepStats] = field(default_factory=list)
-    metrics_path: str | None = None  # the metrics of every step (JSON lines), with ``metrics_dir``
+    metrics_path: str | None = None  # the metrics of every step (JSON lines), with ``metrics_dir``, once a step ran
     plot_path: str | None = None  # the loss curves (PNG); None without matplotlib or ``metrics_dir``
 
     @property
@@ -239,6 +239,7 @@ def _build(config: FinetuneConfig, swap_dir: str, hf: _HFModel | None) -> tuple[
         swap_dirs=[swap_dir], cpu_memory_bytes=config.cpu_memory_bytes, device_memory_bytes=config.device_memory_bytes,
         device=config.device, offload_activations=config.offload_activations,
         activation_memory_bytes=config.activation_memory_bytes, activation_host_bytes=config.activation_host_bytes,
+        stash_host_bytes=config.stash_host_bytes, stash_staging_bytes=config.stash_staging_bytes,
         max_grad_norm=config.max_grad_norm,
         gradient_accumulation_steps=config.grad_accum_steps, state_precision=config.state_precision,
         loss_scaling=LossScaling() if dtype == torch.float16 else None,
@@ -424,9 +425,10 @@ class _Loop:
     result: FinetuneResult
     on_step: Callable[[StepStats], None] | None
     vertical: bool
+    cleanup: contextlib.ExitStack | None = None  # closes the loop's parts
     bar: object = None
     checkpoints: Checkpoints | None = None
-    log: MetricsLog | None = None
+    log: MetricsLog | None = None  # opened by the first step's record: a run stopped before it leaves no metrics
     first: int = 1
     drawn: float = -math.inf
 
@@ -446,7 +448,7 @@ class _Loop:
         scaler = torch.amp.GradScaler(setup.dev.type) if config.dtype == "float16" and session is None else None
         result = FinetuneResult(config, sum(p.numel() for p in model.parameters()))
         loop = cls(config, setup, model, opt, sched, scaler, offloaded, result, on_step,
-                   uses_vertical_schedule(config, setup.world))  # fmt: skip
+                   uses_vertical_schedule(config, setup.world), cleanup)  # fmt: skip
         if progress and setup.rank == 0:
             from tqdm import tqdm
 
@@ -465,10 +467,20 @@ class _Loop:
             setup.say(line)
         if config.resume:
             loop.first = loop._resumed(state)
-        if config.metrics_dir is not None and setup.rank == 0:
-            resume_step = loop.first - 1 if loop.first > 1 else None
-            loop.log = cleanup.enter_context(MetricsLog(config.metrics_dir, resume_step=resume_step))
         return loop
+
+    @property
+    def recording(self) -> bool:
+        """Whether this rank records the run's metrics (rank 0, with ``metrics_dir``)."""
+        return self.config.metrics_dir is not None and self.setup.rank == 0
+
+    def _record(self, step: int, stats: StepStats) -> None:
+        """Record ``stats`` in the metrics; the first step's record opens them (a resumed run's: its earlier records
+        kept, those past the checkpoint dropped)."""
+        if self.log is None:
+            resume_step = self.first - 1 if self.first > 1 else None
+            self.log = self.cleanup.enter_context(MetricsLog(self.config.metrics_dir, resume_step=resume_step))
+        self.log.record(step, **{k: v for k, v in dataclasses.asdict(stats).items() if k in _RECORDED})
 
     def _resumed(self, state: dict) -> int:
         """The first step to run: after the newest checkpoint that loads into ``state``, or 1 when there is none."""
@@ -518,16 +530,10 @@ class _Loop:
             self.offloaded.reset_peaks()
             offloaded_before = _to_nvme(self.offloaded.stats())
         lr = self.sched.get_last_lr()[0]
-        # Every micro-batch of the step first: the loss is the mean over all their targets. The batches are the
-        # same on every rank: each takes its rows.
+        # Every micro-batch of the step first: the loss is the mean over all their targets (every row holds some:
+        # the data left out the examples without any). The batches are the same on every rank: each takes its rows.
         batches = [_batch(self.setup.data, config.batch_size) for _ in range(config.grad_accum_steps)]
         per_rank_items = sum(b.num_items for b in batches) / world  # the ranks' gradients are averaged
-        if not per_rank_items:
-            raise ValueError(
-                f"step {step}: its examples have no token to take the loss on; examples longer than seq_len"
-                f" + 1 = {batches[0].input_ids.shape[1] + 1} tokens are cut there: raise seq_len, or train on every"
-                " token (loss_on all)"
-            )
         total, norm = self._forward_backward_step(batches, per_rank_items)
         self.sched.step()
         opt.zero_grad()
@@ -537,11 +543,7 @@ class _Loop:
         if world > 1:  # the global batch's loss: the sum of the ranks' parts
             total = opt.ranks.sum(total, "the step's loss") / world
         if not math.isfinite(total):  # every rank sees the same sum: all stop here
-            kept = f"; the checkpoints in {config.checkpoint_dir} are of the steps before" if config.checkpoint_dir else ""  # fmt: skip
-            raise FloatingPointError(
-                f"the loss is {total} at step {step}: training stopped, nothing of this step saved{kept}"
-                f" (lower the learning rate, or clip with max_grad_norm)"
-            )
+            raise self._not_finite(step, total)
         tokens = sum(b.input_ids.numel() for b in batches)
         stats = _step_stats(step, total, tokens, time.perf_counter() - t0, opt, dev, lr=lr, grad_norm=norm)
         if self.offloaded is not None:
@@ -549,6 +551,23 @@ class _Loop:
             stats = dataclasses.replace(stats, activation_written_bytes=_to_nvme(done_offloading) - offloaded_before,
                                         activation_held_bytes=done_offloading.peak_resident_bytes)  # fmt: skip
         return stats
+
+    def _not_finite(self, step: int, loss: float) -> FloatingPointError:
+        """What stops a run whose loss is not finite: at step 1 the weights it starts from (nothing is written yet,
+        and a checkpoint directory the run made is removed); later the updates (the checkpoints written, if any,
+        are of the steps before)."""
+        config = self.config
+        if step == 1:
+            start = config.init_from or config.model_dir or f"the {config.preset} preset's initialization"
+            return FloatingPointError(
+                f"the loss is {loss} at step 1, before any update: the weights the run starts from ({start}) give it"
+            )
+        has = config.checkpoint_dir is not None and latest_training_checkpoint(config.checkpoint_dir) is not None
+        kept = f"; the checkpoints in {config.checkpoint_dir} are of the steps before" if has else ""
+        return FloatingPointError(
+            f"the loss is {loss} at step {step}: training stopped, nothing of this step saved{kept} (lower the learning"
+            " rate, or clip with max_grad_norm)"
+        )
 
     def _forward_backward_step(
         self, batches: list[SFTBatch], per_rank_items: float
@@ -572,7 +591,7 @@ class _Loop:
                 elif opt.session is not None:
                     loss = opt.scale_loss(loss)  # the loss itself without loss_scaling
                 loss.backward()
-            if opt.session is None and self.log is not None:  # from the gradients, there until zero_grad(): a host wait
+            if opt.session is None and self.recording:  # from the gradients, there until zero_grad(): a host wait
                 norm = opt.grad_norm()
                 norm = norm / scaler.get_scale() if scaler is not None and norm is not None else norm
             if scaler is not None:
@@ -591,8 +610,8 @@ class _Loop:
         if self.setup.eval_data is not None and due:  # on every rank, all of it
             ev = evaluate(self.model, self.setup.eval_data.batches(config.batch_size), self.setup.dev)
             stats = dataclasses.replace(stats, eval_loss=ev.loss, eval_perplexity=ev.perplexity)
-        if self.log is not None:
-            self.log.record(step, **{k: v for k, v in dataclasses.asdict(stats).items() if k in _RECORDED})
+        if self.recording:
+            self._record(step, stats)
         self.result.steps.append(stats)
         if self.bar is not None:
             self.bar.set_postfix_str(step_postfix(stats, self.setup.dev), refresh=False)
@@ -643,8 +662,10 @@ def header(
     else:
         activations = "offloaded to NVMe" if config.offload_activations else f"on {dev}"
     if uses_vertical_schedule(config, world):
+        kept = "kept" if config.stash_host_bytes is None else (
+            f"kept in the stash (up to {human_size(config.stash_host_bytes)} in host memory, the rest on NVMe)")
         steps = (f"; each block runs over the {config.grad_accum_steps} micro-batches while on {dev} (vertical schedule:"
-                 " its weights move once a step, its inputs are kept and the rest recomputed)")  # fmt: skip
+                 f" its weights move once a step, its inputs are {kept} and the rest recomputed)")  # fmt: skip
     elif config.grad_accum_steps > 1:
         steps = "; micro-batch after micro-batch"
     else:

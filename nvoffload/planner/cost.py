@@ -9,8 +9,11 @@ A step of ``G`` micro-batches of ``B`` sequences of ``S`` tokens does, per engin
   ``state_precision`` asks: 8 with bf16 moments, and without an fp32 master 4 read and 6 written, the moments
   and a bf16 copy of the weights, or with 8-bit moments 2 read and 4 written) read and written once a step; with accumulation and released gradients, the fp32 gradient kept between micro-batches; with
   streaming, every block the host cache cannot hold read in forward and again in backward and every block
-  written back once it changed; with activation offload, every saved activation written and read once;
-- **copies** (PCIe): streamed blocks to the device, gradients from it, activations both ways.
+  written back once it changed; with activation offload, every saved activation written and read once; by the
+  vertical schedule with the stash, the block inputs the host budget does not hold beside every cached block
+  written and read once;
+- **copies** (PCIe): streamed blocks to the device, gradients from it, activations (or the stash's block inputs)
+  both ways.
 
 The host budget beyond the optimizer's staging (``optimizer_memory_fraction``) caches the parameter blocks
 first, streaming, and what it holds beyond them keeps optimizer state resident in host memory
@@ -315,6 +318,12 @@ NAMED_SHAPES = {
 }  # fmt: skip
 
 
+# Where a step keeps what backward needs: on the device, offloaded (activation offload), recomputed from each
+# block's input, or (the vertical schedule only) every micro-batch's block inputs in the stash (host memory, NVMe
+# beyond: OffloadConfig.stash_host_bytes), the rest recomputed.
+ACTIVATION_KINDS = ("keep", "offload", "recompute", "stash")
+
+
 def vertical_schedule_applies(*, vertical: bool, stream: bool, grad_accum_steps: int, ranks: int, lora: bool) -> bool:
     """Whether a step runs by the vertical schedule, as ``finetune`` runs it and the planner plans it: asked for
     (``vertical``), streamed, several micro-batches, one rank and no LoRA."""
@@ -336,8 +345,10 @@ class PlanRequest:
 
     ``vertical``: a streamed step of several micro-batches on one rank without LoRA runs by the vertical schedule
     (:func:`nvoffload.vertical_step`, as ``finetune`` does): each block over every micro-batch while it is on the
-    device, its weights moved once a step, each block's input kept per micro-batch (on the device, or offloaded)
-    and its activations recomputed in backward.
+    device, its weights moved once a step, each block's input kept per micro-batch (on the device, offloaded, or
+    with ``activations="stash"`` in the stash: host memory as far as the host budget holds them beyond every
+    block, NVMe beyond, none left on the device but the stash's transfers in flight) and its activations
+    recomputed in backward.
 
     ``delayed_update``: each step's optimizer updates run during the next step's forward and backward
     (:class:`~nvoffload.optim.OffloadOptimizerConfig`'s ``delayed_update``), with a second copy of the trained
@@ -355,7 +366,7 @@ class PlanRequest:
     device_memory_bytes: int = 1 << 30
     swap_dirs: int = 1
     stream: bool | None = None
-    activations: str | None = None  # "keep" (on the device), "offload", "recompute"; None: the planner chooses
+    activations: str | None = None  # "keep" (on the device), "offload", "recompute", "stash"; None: the planner chooses
     max_grad_norm: bool = False
     checksum: bool = True  # the store's CRC-32C (the default), computed on the thread that moves the bytes
     optimizer_memory_fraction: float = 0.5
@@ -377,8 +388,8 @@ class PlanRequest:
             raise ValueError(f"state_precision must be one of {', '.join(STATE_PRECISIONS)}; got {self.state_precision!r}")
         if not isinstance(self.delayed_update, bool):
             raise ValueError(f"delayed_update must be a bool, got {self.delayed_update!r}")
-        if self.activations not in (None, "keep", "offload", "recompute"):
-            raise ValueError(f"activations must be keep, offload, recompute or None, got {self.activations!r}")
+        if self.activations not in (None, *ACTIVATION_KINDS):
+            raise ValueError(f"activations must be keep, offload, recompute, stash or None, got {self.activations!r}")
         if self.lora_targets is not None:
             object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
             if self.lora_rank is None:
@@ -417,7 +428,7 @@ class Plan:
 
     request: PlanRequest
     stream: bool
-    activations: str  # "keep", "offload" or "recompute"
+    activations: str  # "keep", "offload", "recompute" or "stash"
     fits: bool
     reasons: list[str]  # why it does not fit, and what would make it fit
     placement: dict[str, str]
@@ -437,6 +448,8 @@ class Plan:
     communication_bytes: dict[str, int]  # sent by each rank a step, by collective ("all-reduce" or "reduce-scatter", "all-gather"); {} with one rank
     profile: str = ""
     notes: list[str] = field(default_factory=list)
+    stash_host_bytes: int | None = None  # the stash's block inputs kept in host memory, the rest on NVMe (None: no stash)
+    stash_staging_bytes: int | None = None  # the stash's transfers in flight, host and device (None: no stash)
 
     @property
     def offload_activations(self) -> bool:
@@ -457,25 +470,30 @@ class Plan:
             swap_dirs=list(swap_dirs), cpu_memory_bytes=r.cpu_memory_bytes, device_memory_bytes=r.device_memory_bytes,
             offload_activations=self.offload_activations, activation_memory_bytes=self.activation_memory_bytes,
             activation_host_bytes=self.activation_host_bytes, gradient_accumulation_steps=r.grad_accum_steps,
-            optimizer_memory_fraction=r.optimizer_memory_fraction, **overrides,
+            optimizer_memory_fraction=r.optimizer_memory_fraction, stash_host_bytes=self.stash_host_bytes,
+            stash_staging_bytes=self.stash_staging_bytes, **overrides,
         )  # fmt: skip
 
 
 def plan(request: PlanRequest, profile: MachineProfile, *, recompute: bool = True) -> Plan:
     """Predict a step of ``request`` on ``profile``'s machine. With ``stream`` or ``activations`` None, every
     choice (the model on the device or streamed; activations kept, offloaded, or, with ``recompute``,
-    recomputed in backward from each block's input) is planned and the fastest that fits is returned (when
-    none fits: the most frugal, whose reasons say what would make it fit)."""
+    recomputed in backward from each block's input; by the vertical schedule also the block inputs in the stash)
+    is planned and the fastest that fits is returned (when none fits: the most frugal, whose reasons say what
+    would make it fit)."""
     streams = [request.stream] if request.stream is not None else [False, True]
     if request.activations is not None:
         kinds = [request.activations]
     else:
-        kinds = ["keep", "offload"] + (["recompute"] if recompute else [])
-    plans = [_plan(request, profile, stream, kind) for stream in streams for kind in kinds]
+        kinds = ["keep", "offload"] + (["recompute"] if recompute else []) + ["stash"]
+    plans = [
+        _plan(request, profile, stream, kind) for stream in streams for kind in kinds
+        if kind != "stash" or request.activations == "stash" or request.by_vertical_schedule(stream)
+    ]  # fmt: skip
     fitting = [p for p in plans if p.fits]
     if fitting:
         return min(fitting, key=lambda p: p.step_s)
-    return plans[-1] if streams[-1] else plans[len(kinds) - 1]
+    return plans[-1]  # streamed if planned, its last kind the most frugal
 
 
 def state_precision_options(chosen: Plan, profile: MachineProfile) -> dict[str, Plan]:
@@ -529,9 +547,13 @@ def plan_batch(request: PlanRequest, profile: MachineProfile, *, max_tokens_per_
     return max(fitting, key=lambda p: p.tokens_per_s)
 
 
-def _stash_place(offload: bool, in_host_bytes: int, offloaded_bytes: int) -> str:
-    """Where the vertical schedule keeps its block inputs."""
-    if not offload:
+def _stash_place(kind: str, in_host_bytes: int, offloaded_bytes: int) -> str:
+    """Where the vertical schedule keeps its block inputs (activations ``kind``)."""
+    if kind == "stash" and in_host_bytes >= offloaded_bytes:
+        return f"in the stash: host memory, {human_size(in_host_bytes)}"
+    if kind == "stash":
+        return f"in the stash: {human_size(in_host_bytes)} in host memory, the rest on NVMe"
+    if kind != "offload":
         return "on the device"
     if not in_host_bytes:
         return "offloaded to NVMe"
@@ -551,10 +573,12 @@ class SwapBytes:
     kept_gradients: int  # one set of fp32 gradient sums kept in the store; the delayed update keeps two
     kept_gradient_sets: int
     activations: int  # a micro-batch's offloaded activations
+    stashed: int = 0  # by the vertical schedule, the stash's block inputs beyond its host memory
 
     @property
     def total(self) -> int:
-        return self.weights + 2 * self.state + self.kept_gradient_sets * self.kept_gradients + self.activations
+        return (self.weights + 2 * self.state + self.kept_gradient_sets * self.kept_gradients + self.activations
+                + self.stashed)  # fmt: skip
 
     def parts(self) -> str:
         """What needs the space, each part's bytes named (for the free-space check's message)."""
@@ -564,12 +588,16 @@ class SwapBytes:
             parts.append(f"the kept gradients ({self.kept_gradient_sets * self.kept_gradients} bytes)")
         if self.activations:
             parts.append(f"a micro-batch's offloaded activations ({self.activations} bytes)")
+        if self.stashed:
+            parts.append(f"the stash's block inputs beyond its host memory ({self.stashed} bytes)")
         return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
 
 
-def swap_bytes(r: PlanRequest, *, stream: bool, offload: bool, resident_state_bytes: int = 0) -> SwapBytes:
+def swap_bytes(r: PlanRequest, *, stream: bool, offload: bool, resident_state_bytes: int = 0,
+               stash_host_bytes: int | None = None) -> SwapBytes:  # fmt: skip
     """The bytes one rank of ``r`` keeps in its swap directories (``stream``: the parameters streamed; ``offload``:
-    the activations offloaded): what the plan's NVMe memory is, and what ``finetune`` checks the free space for
+    the activations offloaded; ``stash_host_bytes``, by the vertical schedule: the block inputs of every
+    micro-batch in the stash, those beyond it on NVMe): what the plan's NVMe memory is, and what ``finetune`` checks the free space for
     before anything is written. ``resident_state_bytes`` of host memory keep two generations of some parameters'
     state out of the store (the plan's share; the check counts none, the most the store can hold).
 
@@ -593,8 +621,11 @@ def swap_bytes(r: PlanRequest, *, stream: bool, offload: bool, resident_state_by
     kept = shard * 4 if stream and (r.delayed_update or g > 1 and (not vertical or r.max_grad_norm)) else 0
     rows = -(-r.batch_size // r.ranks)
     activations = r.model.activation_bytes(rows, r.seq_len, dtype_bytes) if offload else 0
+    stashed = 0
+    if stash_host_bytes is not None and vertical:
+        stashed = max(0, g * r.model.n_layer * rows * r.seq_len * r.model.d_model * dtype_bytes - stash_host_bytes)
     return SwapBytes(weights=weights, state=on_nvme * written + scales, state_params=on_nvme, kept_gradients=kept,
-                     kept_gradient_sets=2 if r.delayed_update else 1, activations=activations)  # fmt: skip
+                     kept_gradient_sets=2 if r.delayed_update else 1, activations=activations, stashed=stashed)  # fmt: skip
 
 
 def _tokens_per_step(r: PlanRequest) -> int:
@@ -608,7 +639,8 @@ class _Sizes:
     stream: bool
     kind: str  # activations: "keep", "offload" or "recompute"
     offload: bool
-    vertical: bool  # by the vertical schedule: kind "keep" or "offload" the blocks' inputs, the rest recomputed
+    vertical: bool  # by the vertical schedule: kind "keep", "offload" or "stash" the blocks' inputs, the rest recomputed
+    stash: bool  # by the vertical schedule, the blocks' inputs in the stash (host memory, NVMe beyond)
     delayed: bool  # a second copy of the trained weights: on the device, or streamed the blocks' twins
     lora: bool
     n: int  # ranks
@@ -626,6 +658,7 @@ class _Sizes:
     block_inputs: int  # a micro-batch's
     device_needs: int  # the weights (streamed: the blocks on the device) and gradients
     activation_host: int  # activation offload's host memory
+    stash_staging: int  # the stash's transfers in flight: host memory, and as much device memory
     kept_activations: int  # on the device
 
 
@@ -661,7 +694,12 @@ def _sizes(r: PlanRequest, stream: bool, kind: str) -> _Sizes:
         room = int(0.75 * max(0, r.device_memory_bytes - device_needs))
         activation_host = max(2 * largest_saved, min(r.cpu_memory_bytes // 8, room))
     block_inputs = m.n_layer * rows * r.seq_len * m.d_model * dtype_bytes  # a micro-batch's
-    if vertical:  # every micro-batch's block inputs (offloaded: what the staging keeps), one block's activations
+    stash = vertical and kind == "stash"
+    # the stash's staging: one block's inputs over every micro-batch written behind, one block's read ahead
+    stash_staging = 2 * g * (block_inputs // m.n_layer) if stash else 0
+    if stash:  # its transfers in flight, one block's inputs and outputs over the micro-batches, one block's activations
+        kept_activations = 2 * stash_staging + activations // m.n_layer
+    elif vertical:  # every micro-batch's block inputs (offloaded: what the staging keeps), one block's activations
         inputs = g * block_inputs
         kept_activations = (min(inputs, activation_host * 4 // 3) if offload else inputs) + activations // m.n_layer
     elif kind == "recompute":  # each block's input, and one block's activations while it is recomputed
@@ -669,11 +707,11 @@ def _sizes(r: PlanRequest, stream: bool, kind: str) -> _Sizes:
     else:
         kept_activations = min(activations, activation_host * 4 // 3) if offload else activations
     return _Sizes(
-        stream=stream, kind=kind, offload=offload, vertical=vertical, delayed=delayed, lora=lora, n=n, g=g, passes=passes,
+        stream=stream, kind=kind, offload=offload, vertical=vertical, stash=stash, delayed=delayed, lora=lora, n=n, g=g, passes=passes,
         rows=rows, trainable=trainable, adapters=adapters, shard=shard, resident_trainable=resident_trainable,
         dtype_bytes=dtype_bytes, activations=activations, block_bytes=block_bytes, changed_block_bytes=changed_block_bytes,
         block_inputs=block_inputs, device_needs=device_needs, activation_host=activation_host,
-        kept_activations=kept_activations,
+        stash_staging=stash_staging, kept_activations=kept_activations,
     )  # fmt: skip
 
 
@@ -696,7 +734,7 @@ def _host_split(r: PlanRequest, s: _Sizes) -> _HostSplit:
     and the optimizer state kept resident."""
     m = r.model
     optimizer_host = int(r.cpu_memory_bytes * r.optimizer_memory_fraction)
-    stream_host = r.cpu_memory_bytes - optimizer_host - (s.activation_host if s.stream else 0)
+    stream_host = r.cpu_memory_bytes - optimizer_host - (s.activation_host + s.stash_staging if s.stream else 0)
     aligned_block = -(-s.block_bytes // 4096) * 4096
     # delayed: each cached block beside its twin (the new weights its update writes while the block is read)
     cached = min(m.n_layer, stream_host // ((2 if s.delayed else 1) * aligned_block)) if s.stream else m.n_layer
@@ -704,13 +742,15 @@ def _host_split(r: PlanRequest, s: _Sizes) -> _HostSplit:
     # offload_config keeps; the model on the device: what the optimizer's staging leaves (as finetune gives it).
     leftover = resident_state_share(stream_host, [s.block_bytes] * m.n_layer if s.stream else [], 1, delayed_update=s.delayed)
     # The vertical schedule's offloaded block inputs (and what the head saves) stay in host memory as far as that
-    # leftover holds them, NVMe beyond (OffloadConfig.activation_host_bytes): each byte kept there saves a byte
-    # written and a byte read a step, more than a byte of resident optimizer state saves; the rest is for that.
+    # leftover holds them, NVMe beyond (OffloadConfig.activation_host_bytes, or the stash's stash_host_bytes): each
+    # byte kept there saves a byte written and a byte read a step, more than a byte of resident optimizer state
+    # saves; the rest is for that. The stash moves the block inputs alone.
     block_saved, outside_saved = m.saved_tensor_bytes(s.rows, r.seq_len, s.dtype_bytes) if s.offload else ([], [])
-    if s.vertical and s.offload:  # what a checkpointed block saves: its input
+    if s.vertical and (s.offload or s.stash):  # what a checkpointed block saves: its input
         block_saved = [s.block_inputs // m.n_layer]
-    act_io = s.g * ((s.block_inputs if s.vertical else s.activations) + sum(outside_saved)) if s.offload else 0
-    activations_in_host = min(act_io, leftover) // 4096 * 4096 if s.vertical and s.offload and s.stream else 0
+    act_io = s.g * ((s.block_inputs if s.vertical else s.activations) + sum(outside_saved)) if s.offload or s.stash else 0
+    in_host = s.vertical and (s.offload or s.stash) and s.stream
+    activations_in_host = min(act_io, leftover) // 4096 * 4096 if in_host else 0
     stream_host -= activations_in_host
     resident_host = resident_state_share(stream_host, [s.block_bytes] * m.n_layer if s.stream else [], 1, delayed_update=s.delayed)
     return _HostSplit(
@@ -742,9 +782,12 @@ def _memory(r: PlanRequest, profile: MachineProfile, s: _Sizes, host: _HostSplit
             f"batch_size {r.batch_size} does not split evenly between {n} ranks (each computes batch_size / ranks"
             f" of every micro-batch's sequences): take a multiple of {n}"
         )
+    if s.kind == "stash" and not s.stash:
+        reasons.append("the stash keeps the vertical schedule's block inputs: it needs a streamed step of several"
+                       " micro-batches on one rank without LoRA")  # fmt: skip
     in_host = 5 if delayed else 3  # one block computing, one arriving, one read ahead; a twin and its block
     if s.stream and stream_host < in_host * aligned_block:
-        need = int((in_host * aligned_block + s.activation_host) / (1 - r.optimizer_memory_fraction)) + 1
+        need = int((in_host * aligned_block + s.activation_host + s.stash_staging) / (1 - r.optimizer_memory_fraction)) + 1
         reasons.append(
             f"the host budget left for parameter blocks ({human_size(max(0, stream_host))}) holds fewer than"
             f" {'five' if delayed else 'three'} blocks of {human_size(s.block_bytes)}: raise cpu_memory_bytes to at"
@@ -760,7 +803,8 @@ def _memory(r: PlanRequest, profile: MachineProfile, s: _Sizes, host: _HostSplit
             f" {human_size(r.device_memory_bytes)}: {', or '.join(ways)}"
         )
     # what the swap directories hold
-    space = swap_bytes(r, stream=s.stream, offload=s.offload, resident_state_bytes=host.resident_host)
+    space = swap_bytes(r, stream=s.stream, offload=s.offload, resident_state_bytes=host.resident_host,
+                       stash_host_bytes=host.activations_in_host if s.stash else None)  # fmt: skip
     host_used = r.cpu_memory_bytes + _HOST_OVERHEAD_BYTES + (0 if profile.device == "cuda" else device_used)
     if host_used > profile.host_memory_bytes:
         each = " per rank" if n > 1 else ""
@@ -870,7 +914,8 @@ def _engine_times(r: PlanRequest, profile: MachineProfile, s: _Sizes, host: _Hos
     # only as far as that half leaves room beside it (one that fills it is written, or read back, while compute waits).
     saved = host.block_saved * m.n_layer + host.outside_saved
     saved_s = g * len(saved) * profile.saved_tensor_s
-    serial = sum(b * min(1.0, 2 * b / s.activation_host) for b in saved) / sum(saved) if saved else 0.0
+    # The stash writes a block's inputs behind the next block's compute and reads them back a block ahead: none waited for.
+    serial = sum(b * min(1.0, 2 * b / s.activation_host) for b in saved) / sum(saved) if saved and not s.stash else 0.0
     drives = profile.nvme(r.swap_dirs)
     nvme_read_s, nvme_write_s = moved.read / (drives.read_gbps * 1e9), moved.written / (drives.write_gbps * 1e9)
     copies = moved.h2d / (profile.h2d_gbps * 1e9) + moved.d2h / (profile.d2h_gbps * 1e9)
@@ -975,9 +1020,9 @@ def _placement(r: PlanRequest, s: _Sizes, host: _HostSplit, held: bool) -> dict[
         + (f"; {human_size(host.resident_host // 2)} of it resident in host memory" if host.resident_host else ""),
         **({"trainable": f"LoRA adapters of rank {r.lora_rank}, {human_count(s.trainable)} parameters; the model frozen:"
                          " no gradients, no optimizer state, never written back"} if s.lora else {}),
-        "activations": (f"each block's input kept for the {g} micro-batches ({_stash_place(s.offload, host.activations_in_host, host.act_io)}), the rest"
+        "activations": (f"each block's input kept for the {g} micro-batches ({_stash_place(s.kind, host.activations_in_host, host.act_io)}), the rest"
                         " recomputed in backward (vertical schedule: each block over every micro-batch while on the device)"
-                        if s.vertical else {"keep": "device", "offload": "NVMe (offloaded)",
+                        if s.vertical else {"keep": "device", "offload": "NVMe (offloaded)", "stash": "the stash (not this schedule)",
                                             "recompute": "recomputed in backward (each block's input kept)"}[kind]),
         "gradients": grads,
     }
@@ -999,7 +1044,8 @@ def _plan(r: PlanRequest, profile: MachineProfile, stream: bool, kind: str) -> P
     return Plan(
         request=r, stream=stream, activations=kind, fits=not memory.reasons, reasons=memory.reasons,
         placement=_placement(r, s, host, phases.held), cached_blocks=host.cached, resident_state_bytes=host.resident_host,
-        activation_memory_bytes=s.activation_host or None, activation_host_bytes=host.activations_in_host, step_s=step,
+        activation_memory_bytes=s.activation_host or None, activation_host_bytes=0 if s.stash else host.activations_in_host,
+        stash_host_bytes=host.activations_in_host if s.stash else None, stash_staging_bytes=s.stash_staging or None, step_s=step,
         tokens_per_s=tokens / step, tflops=times.flops / step / 1e12,
         bottleneck=_bottleneck(engines, times, phases.held, on_cpu=profile.device == "cpu"), engine_s=engines,
         phases_s={"forward": phases.forward, "backward": phases.backward, "step": phases.step_call},

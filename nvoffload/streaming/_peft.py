@@ -135,7 +135,8 @@ class PeftView:
     def adapter_init(self) -> Callable[[nn.Module], None]:
         """A function initializing the adapters of one module as PEFT does when it creates them: the adapters'
         own modules ``reset_parameters()`` (as built), then each LoRA layer's ``reset_lora_parameters`` with its
-        adapter's ``init_lora_weights`` (lora_A Kaiming-uniform or Gaussian, lora_B zero); other modules are left.
+        adapter's ``init_lora_weights`` (lora_A Kaiming-uniform or Gaussian, lora_B zero), drawn on the CPU whatever
+        the device (:func:`_drawn_on_cpu`); other modules are left.
 
         Raises ValueError (naming the adapter) for an init that reads the base weights (PiSSA, OLoRA, LoftQ,
         EVA, CorDA: they also change them), which a streamed base built on the meta device cannot give."""
@@ -152,12 +153,37 @@ class PeftView:
         def init(module: nn.Module) -> None:
             if module in self._adapter_modules:
                 if hasattr(module, "reset_parameters"):
-                    module.reset_parameters()
+                    with _drawn_on_cpu(module, self._adapter_modules):
+                        module.reset_parameters()
             elif module in self._tuners and hasattr(module, "reset_lora_parameters"):
-                for adapter in module.r:  # LoRA layers: the rank of each adapter
-                    module.reset_lora_parameters(adapter, getattr(configs.get(adapter), "init_lora_weights", True))
+                with _drawn_on_cpu(module, self._adapter_modules):
+                    for adapter in module.r:  # LoRA layers: the rank of each adapter
+                        module.reset_lora_parameters(adapter, getattr(configs.get(adapter), "init_lora_weights", True))
 
         return init
+
+
+@contextlib.contextmanager
+def _drawn_on_cpu(module: nn.Module, adapter_modules: set[nn.Module]) -> Iterator[None]:
+    """The adapters' parameters under ``module`` (those of ``adapter_modules``) drawn as PEFT draws them wherever the
+    base sits: the body initializes copies on the CPU in the default dtype (PEFT builds an adapter's ``nn.Linear``
+    so, initializes it, then moves it to the base layer's device and dtype), copied into them after. The same seed
+    gives the same adapters on a GPU as on the CPU, from the CPU's generator, not the device's."""
+    held = [
+        (sub, key, p) for sub in module.modules() if sub in adapter_modules
+        for key, p in sub._parameters.items() if p is not None
+    ]  # fmt: skip
+    for sub, key, p in held:
+        dtype = torch.get_default_dtype() if p.is_floating_point() else p.dtype
+        sub._parameters[key] = nn.Parameter(p.detach().to("cpu", dtype), requires_grad=p.requires_grad)
+    try:
+        yield
+        with torch.no_grad():
+            for sub, key, p in held:
+                p.copy_(sub._parameters[key])
+    finally:
+        for sub, key, p in held:
+            sub._parameters[key] = p
 
 
 def _adapter_dicts(tuner: nn.Module) -> list:

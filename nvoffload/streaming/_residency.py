@@ -366,21 +366,17 @@ class DeviceResidency:
         self._copies[block] = copy
 
     def _leave(self, block: Block) -> None:
-        """Take the block off the device: its parameters refuse reads now; its memory, its device bytes and its
-        host copy are given back once its last copy is done (:meth:`_retire`)."""
+        """Take the block off the device: its parameters refuse reads now; its storage and device bytes are freed
+        and its host copy unpinned behind its last copy (if one is out), without a host wait: the copy may still
+        write the storage and read the host copy."""
         _guard.guard_all(block.params)
-        self._retire(block)
-
-    def _retire(self, block: Block) -> None:
-        """Free the block's storage and device bytes and unpin its host copy behind its copy (if one is out),
-        without a host wait: the copy may still write the storage and read the host copy."""
         copy = self._copies.pop(block, None)
         if copy is not None:
             self._leaving[block] = copy
         self._frees.free(copy, functools.partial(self._gone, block, copy), block.nbytes)
 
     def _gone(self, block: Block, copy: Future | None) -> None:
-        """:meth:`_retire`'s release, once ``copy`` (the block's last, if any) is done."""
+        """:meth:`_leave`'s release, once ``copy`` (the block's last, if any) is done."""
         if copy is not None:
             del self._leaving[block]
             self._unpin(block, copy)

@@ -95,6 +95,7 @@ class TransferEngine:
             self._owns_device = True
         else:
             self.device, self._owns_device = device, False
+        self._streams = {direction: self.device.copy_stream(direction) for direction in ("h2d", "d2h")}
         self._lanes = {lane: Worker(f"nvoffload-transfer-{lane.value}", _run_chain) for lane in Lane}
         self._stop_chains = weakref.finalize(self, _stop_all, list(self._lanes.values()))
         self._gds_files: dict[str, GDSFile] = {}  # swap file path -> its cuFile handle, open from its first use
@@ -142,10 +143,11 @@ class TransferEngine:
         return self.device.record()
 
     def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, after: Event | None, what: str | None) -> Future:
-        self._check_open(what)
+        if self._closed:
+            self._check_open(what)
         if after is None:
             after = self.device.record()
-        event = self.device.copy_stream(direction).copy(dst, src, after, what)
+        event = self._streams[direction].copy(dst, src, after, what)
         return Future(
             [_EventPart(event)], lambda error: dst, what=what, keepalive=src, event=event if direction == "h2d" else None
         )
