@@ -223,7 +223,7 @@ def test_a_clipped_step_reads_the_same_bytes_every_step(tmp_path):
             reads.append(opt.memory_stats().read_bytes)
         n_params = sum(p.numel() for p in model.parameters())
         assert reads[1] == reads[2] == reads[3] <= 24 * n_params * 1.1  # 8 + 12 + 4 bytes per parameter
-        assert len(opt._protocol._step_order()) == len(list(model.parameters()))
+        assert len(opt._protocol.gens.step_order()) == len(list(model.parameters()))
     finally:
         opt.close()
 

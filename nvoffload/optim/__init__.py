@@ -6,6 +6,8 @@
   kernel, for callers that manage their own buffers (e.g. chunks read from NVMe).
 - :class:`OffloadOptimizer` / :class:`NVMeAdamW` (in :mod:`nvoffload.optim.offload`):
   a torch optimizer with its state on NVMe, updated during backward.
+- :class:`WeightHome` and :class:`InFlightHome`: what holds some parameters' weights off the device (parameter
+  streaming) gives the optimizer: their reads and writes, and its side of updates that land after ``step()``.
 - :class:`LossScaling`: fp16 dynamic loss scaling for released gradients.
 - :data:`STATE_PRECISIONS`: how the offloaded Adam(W) can keep its state (exact fp32, or compact).
 - :class:`Layout` and :func:`for_optimizer`: how an optimizer's state is laid out in chunks and which update
@@ -18,6 +20,7 @@ from nvoffload.optim.cpu_adam import CPUAdam, CPUAdamW
 from nvoffload.optim.kernels import adam_step
 from nvoffload.optim.loss_scale import LossScaling
 from nvoffload.optim.offload import (
+    InFlightHome,
     MemoryStats,
     NVMeAdamW,
     OffloadIOError,
@@ -29,6 +32,7 @@ from nvoffload.optim.offload import (
 __all__ = [
     "CPUAdam",
     "CPUAdamW",
+    "InFlightHome",
     "Layout",
     "adam_step",
     "LossScaling",

@@ -44,7 +44,9 @@ class WeightHome(Protocol):
     The optimizer reads and writes those weights through ``acquire`` (a flat,
     writable host tensor of the parameter's dtype, valid until ``release``);
     ``release(modified=True)`` tells the home that the weights changed. Called
-    from the optimizer's worker thread as well as the training thread.
+    from the optimizer's worker thread as well as the training thread. A home
+    that takes deferred or delayed updates is also an
+    :class:`~nvoffload.optim._in_flight.InFlightHome`.
     """
 
     def holds(self, param: torch.Tensor) -> bool: ...
@@ -55,26 +57,6 @@ class WeightHome(Protocol):
         ...
 
     def release(self, param: torch.Tensor, *, modified: bool, staged: bool = False) -> None: ...
-
-    def staging(self, param: torch.Tensor) -> None:
-        """A delayed update will write the parameter's staged weights (``acquire(staged=True)``)."""
-        ...
-
-    def install_staged(self) -> None:
-        """The delayed updates landed: the staged weights become the parameters' weights."""
-        ...
-
-    def drop_staged(self) -> None:
-        """The delayed updates were undone: forget the staged weights."""
-        ...
-
-    def updating(self, param: torch.Tensor, done: Future) -> None:
-        """An update deferred past ``step()`` rewrites the parameter's weights until ``done``: uses of them wait."""
-        ...
-
-    def settled(self) -> None:
-        """Every update given to ``updating`` landed or was undone."""
-        ...
 
 
 class ModelWeights:

@@ -20,7 +20,7 @@ Where it lives:
   (generations, commit, restore, state dicts) is the same for them.
 
 With gradients released during backward, a chunk's fp32 gradient summed over the step's micro-batches is kept
-as ``opt<N>.p<param>.c<chunk>.grad`` (see :mod:`nvoffload.optim._protocol`).
+as ``opt<N>.p<param>.c<chunk>.grad`` (see :mod:`nvoffload.optim._released`).
 
 :class:`ChunkStore` reads and writes generations (and kept gradients) and counts the bytes; the optimizer's
 worker drives one chunk's update through an :class:`InSlot`: ``ChunkStore.hold`` gives it the chunk's slot,

@@ -40,7 +40,7 @@ class Record:
         self.step = 0  # committed update count, torch's state["step"]
         self.fires = 0  # post-accumulate-grad hook calls since the last step()
         self.learned_fires = 0  # hook calls before the previous step() (0 = not learned; 1 with release_grads)
-        # What the hook saw on the learned fire (see nvoffload.optim._protocol.Spec), None = nothing yet.
+        # What the hook saw on the learned fire (see nvoffload.optim._generations.Spec), None = nothing yet.
         self.spec = None
         self.hooks: tuple = ()  # the handles of its gradient hooks (post-accumulate-grad; delayed updates: pre-accumulate too)
 

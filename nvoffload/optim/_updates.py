@@ -31,7 +31,7 @@ class Request:
     to use, and the gradient scale. ``ready`` is recorded by the thread that queued the request (the
     hook's, or ``step()``'s); every copy the worker queues for the request waits for it.
 
-    With released gradients (see :mod:`nvoffload.optim._protocol`) the gradient may also be summed with
+    With released gradients (see :mod:`nvoffload.optim._released`) the gradient may also be summed with
     the one kept in the store (``add_kept``, the step's earlier micro-batches), kept in the store
     (``keep``, for the next micro-batch or a redone update), and ``update`` may be False (a micro-batch
     before the last: the gradient is only kept). Every request that reads a device gradient measures the
