@@ -295,19 +295,56 @@ out["backward"] = refused(lambda: pending.backward())
 }
 
 
-def run_access(tmp_path, body: str) -> dict:
-    script = PRELUDE + body + "\nprint(json.dumps(out))\n"
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"exit status {done.returncode} (negative: killed by a signal)\n{done.stderr[-3000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+# One driver process imports torch and nvoffload once (with what torch.optim imports at its first optimizer) and
+# forks a child for each access: the child runs the prelude and the access as a script would, ends as a script does
+# and prints its results; a crash is that child's alone (its exit status).
+DRIVER = """
+import json, os, sys
+import torch, torch._dynamo, nvoffload, nvoffload.streaming
+
+accesses, root = json.loads(sys.argv[1]), sys.argv[2]
+statuses = {}
+for name, script in accesses.items():
+    swap = os.path.join(root, name)
+    os.mkdir(swap)
+    pid = os.fork()
+    if pid == 0:
+        out = os.open(os.path.join(root, name + ".log"), os.O_WRONLY | os.O_CREAT)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        sys.argv = ["-c", swap]
+        exec(compile(script, name, "exec"), {"__name__": "__main__"})
+        break  # the child ends here, as the script would
+    statuses[name] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+else:
+    print(json.dumps(statuses))
+"""
+
+
+@pytest.fixture(scope="module")
+def accessed(tmp_path_factory) -> dict:
+    """Each access's exit status and its output, run after the prelude in a process of its own."""
+    root = tmp_path_factory.mktemp("access")
+    scripts = {name: PRELUDE + body + "\nprint(json.dumps(out))\n" for name, body in ACCESS.items()}
+    done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(scripts), str(root)], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    statuses = json.loads(done.stdout)
+    return {name: (statuses[name], (root / f"{name}.log").read_text()) for name in ACCESS}
+
+
+def run_access(accessed, name: str) -> dict:
+    status, log = accessed[name]
+    assert status == 0, f"exit status {status} (negative: killed by a signal)\n{log[-3000:]}"
+    return json.loads(log.strip().splitlines()[-1])
 
 
 OFF_DEVICE = "parameter blocks.1.fc.weight (parameter block 1) while its block is off the device"
 CLOSED = "the ParameterStreamer that held its weights is closed and they went with it"
 
 
-def test_streamed_parameter_read_between_steps_is_refused_and_gather_gives_its_weights(tmp_path):
-    out = run_access(tmp_path, ACCESS["read_between_steps"])
+def test_streamed_parameter_read_between_steps_is_refused_and_gather_gives_its_weights(accessed):
+    out = run_access(accessed, "read_between_steps")
     for key, op in (("sum", "sum()"), ("ema", "lerp_()"), ("clone", "clone()"), ("data", "add_()")):
         assert out[key].startswith(f"{op} read {OFF_DEVICE}"), (key, out[key])
     assert out["deepcopy"].startswith("clone() read parameter blocks.0.ln_1.weight (parameter block 0) while its")
@@ -317,27 +354,27 @@ def test_streamed_parameter_read_between_steps_is_refused_and_gather_gives_its_w
     assert out["gather"] and out["trained"]
 
 
-def test_streamed_parameter_read_between_forward_and_backward_is_refused(tmp_path):
-    out = run_access(tmp_path, ACCESS["read_inside_a_step"])
+def test_streamed_parameter_read_between_forward_and_backward_is_refused(accessed):
+    out = run_access(accessed, "read_inside_a_step")
     assert out["sum"].startswith(f"sum() read {OFF_DEVICE}")
     assert out["loss"] and out["trained"]
 
 
-def test_model_to_that_would_read_streamed_weights_is_refused(tmp_path):
-    out = run_access(tmp_path, ACCESS["model_to"])
+def test_model_to_that_would_read_streamed_weights_is_refused(accessed):
+    out = run_access(accessed, "model_to")
     assert out["same_device"] and out["trained"]
     assert "to() (moving or converting, as model.to() does) of parameter blocks.0." in out["to_dtype"]
     assert "to() (moving or converting, as model.to() does) of parameter blocks.0." in out["to_meta"]
 
 
-def test_state_dict_of_any_sub_module_gives_the_current_weights_and_load_writes_them(tmp_path):
-    out = run_access(tmp_path, ACCESS["sub_module_state_dict"])
+def test_state_dict_of_any_sub_module_gives_the_current_weights_and_load_writes_them(accessed):
+    out = run_access(accessed, "sub_module_state_dict")
     assert out["block"] and out["fc"] and out["values"] and out["keep_vars"] and out["loaded"] and out["trained"]
     assert "load_state_dict(assign=True) would replace streamed parameters" in out["assign"]
 
 
-def test_after_close_every_access_is_refused(tmp_path):
-    out = run_access(tmp_path, ACCESS["after_close"])
+def test_after_close_every_access_is_refused(accessed):
+    out = run_access(accessed, "after_close")
     assert out["sum"].startswith("sum() read parameter blocks.1.fc.weight") and CLOSED in out["sum"]
     assert out["state_dict"].startswith("a module of this GPT needs streamed weights, but " + CLOSED)
     assert out["block_state_dict"].startswith("a module of this GPT needs streamed weights, but " + CLOSED)
