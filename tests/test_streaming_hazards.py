@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from conftest import run_forked
 from torch import nn
 
 import nvoffload
@@ -295,48 +296,21 @@ out["backward"] = refused(lambda: pending.backward())
 }
 
 
-# One driver process imports torch and nvoffload once (with what torch.optim imports at its first optimizer) and
-# forks a child for each access: the child runs the prelude and the access as a script would, ends as a script does
-# and prints its results; a crash is that child's alone (its exit status).
-DRIVER = """
-import json, os, sys
-import torch, torch._dynamo, nvoffload, nvoffload.streaming
-
-accesses, root = json.loads(sys.argv[1]), sys.argv[2]
-statuses = {}
-for name, script in accesses.items():
-    swap = os.path.join(root, name)
-    os.mkdir(swap)
-    pid = os.fork()
-    if pid == 0:
-        out = os.open(os.path.join(root, name + ".log"), os.O_WRONLY | os.O_CREAT)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        sys.argv = ["-c", swap]
-        exec(compile(script, name, "exec"), {"__name__": "__main__"})
-        break  # the child ends here, as the script would
-    statuses[name] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-else:
-    print(json.dumps(statuses))
-"""
-
-
 @pytest.fixture(scope="module")
 def accessed(tmp_path_factory) -> dict:
-    """Each access's exit status and its output, run after the prelude in a process of its own."""
+    """Each access after the prelude, in a process of its own (a crash is its exit status)."""
     root = tmp_path_factory.mktemp("access")
-    scripts = {name: PRELUDE + body + "\nprint(json.dumps(out))\n" for name, body in ACCESS.items()}
-    done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(scripts), str(root)], capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    statuses = json.loads(done.stdout)
-    return {name: (statuses[name], (root / f"{name}.log").read_text()) for name in ACCESS}
+    runs = {}
+    for name, body in ACCESS.items():
+        (root / name).mkdir()
+        runs[name] = (PRELUDE + body + "\nprint(json.dumps(out))\n", [root / name], root)
+    return run_forked(root, runs)
 
 
 def run_access(accessed, name: str) -> dict:
-    status, log = accessed[name]
-    assert status == 0, f"exit status {status} (negative: killed by a signal)\n{log[-3000:]}"
-    return json.loads(log.strip().splitlines()[-1])
+    done = accessed[name]
+    assert done.returncode == 0, f"exit status {done.returncode} (negative: killed by a signal)\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 OFF_DEVICE = "parameter blocks.1.fc.weight (parameter block 1) while its block is off the device"
