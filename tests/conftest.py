@@ -50,11 +50,12 @@ def flip_stored_byte(store, name: str, at: int = 100) -> None:
 
 # The driver of run_forked: it imports torch and nvoffload once, with what torch.optim imports at its first optimizer
 # (torch._dynamo: about 800 modules), then forks a child for each run; the child runs the script as `python -c`
-# would and ends as the script does (atexit handlers, finalizers), its exit status its own.
+# would and ends as the script does (atexit handlers, finalizers), its exit status its own. Worth it where a run's
+# imports outweigh its work: three runs of seconds of copies each (test_transfer's exit) took longer forked.
 _FORKING_DRIVER = """
 import json, os, sys
 import torch, torch._dynamo
-import nvoffload, nvoffload.finetune, nvoffload.optim, nvoffload.streaming
+import nvoffload, nvoffload.optim, nvoffload.streaming
 
 runs, statuses = json.loads(sys.argv[1]), {}
 for name, run in runs.items():
@@ -72,7 +73,7 @@ else:
 """
 
 
-def run_forked(root, runs: dict, env: dict | None = None, timeout_s: float = 600) -> dict:
+def run_forked(root, runs: dict) -> dict:
     """Each of ``runs`` (name -> (script, argv, cwd)) as ``python -c script *argv`` in ``cwd`` would run it, in a
     process of its own forked from one driver that imported torch and nvoffload once (seconds of imports a run
     otherwise); the runs one after the other, their output in files under ``root``. Returns name ->
@@ -84,7 +85,7 @@ def run_forked(root, runs: dict, env: dict | None = None, timeout_s: float = 600
         for name, (script, argv, cwd) in runs.items()
     }  # fmt: skip
     done = subprocess.run([sys.executable, "-c", _FORKING_DRIVER, json.dumps(spec)], capture_output=True, text=True,
-                          timeout=timeout_s, env=env)  # fmt: skip
+                          timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     statuses = json.loads(done.stdout)
     return {
