@@ -1,5 +1,9 @@
 import importlib.util
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,3 +46,50 @@ def flip_stored_byte(store, name: str, at: int = 100) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# The driver of run_forked: it imports torch and nvoffload once, with what torch.optim imports at its first optimizer
+# (torch._dynamo: about 800 modules), then forks a child for each run; the child runs the script as `python -c`
+# would and ends as the script does (atexit handlers, finalizers), its exit status its own. Worth it where a run's
+# imports outweigh its work: three runs of seconds of copies each (test_transfer's exit) took longer forked.
+_FORKING_DRIVER = """
+import json, os, sys
+import torch, torch._dynamo
+import nvoffload, nvoffload.optim, nvoffload.streaming
+
+runs, statuses = json.loads(sys.argv[1]), {}
+for name, run in runs.items():
+    pid = os.fork()
+    if pid == 0:
+        os.chdir(run["cwd"])
+        for fd, path in ((1, run["stdout"]), (2, run["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.argv = ["-c", *run["argv"]]
+        exec(compile(run["script"], name, "exec"), {"__name__": "__main__"})
+        break  # the child ends here, as the script would
+    statuses[name] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+else:
+    print(json.dumps(statuses))
+"""
+
+
+def run_forked(root, runs: dict) -> dict:
+    """Each of ``runs`` (name -> (script, argv, cwd)) as ``python -c script *argv`` in ``cwd`` would run it, in a
+    process of its own forked from one driver that imported torch and nvoffload once (seconds of imports a run
+    otherwise); the runs one after the other, their output in files under ``root``. Returns name ->
+    CompletedProcess (a negative returncode: killed by that signal)."""
+    root = Path(root)
+    spec = {
+        name: {"script": script, "argv": [str(a) for a in argv], "cwd": str(cwd), "stdout": str(root / f"{name}.out"),
+               "stderr": str(root / f"{name}.err")}
+        for name, (script, argv, cwd) in runs.items()
+    }  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _FORKING_DRIVER, json.dumps(spec)], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    statuses = json.loads(done.stdout)
+    return {
+        name: subprocess.CompletedProcess(spec[name]["argv"], statuses[name], Path(spec[name]["stdout"]).read_text(),
+                                          Path(spec[name]["stderr"]).read_text())
+        for name in runs
+    }  # fmt: skip

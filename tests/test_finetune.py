@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -536,47 +537,61 @@ def _restore_sigint():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.mark.parametrize("checkpoints", ["none", "not yet", "written"])
-def test_ctrl_c_is_one_line_exit_130_and_removes_the_swap_files(tmp_path, checkpoints):
-    """SIGINT mid-run: one line, exit 130, no KeyboardInterrupt traceback; the swap file and lock are gone. The line
-    says what --resume has: nothing without --checkpoint-dir, no checkpoint before the first is written (it said
-    "the last checkpoint written" either way), else the latest's path and step."""
+def _interrupted_in_its_steps(proc: subprocess.Popen) -> tuple[int, str]:
+    """SIGINT ``proc`` (a finetune run) once it printed its step 2; its exit status and stderr."""
     import queue
     import signal
-    import subprocess
     import threading
 
-    swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
-    swap.mkdir()
-    cmd = [sys.executable, "-m", "nvoffload", "finetune", "--preset", "tiny", "--steps", "100000", "--batch-size", "2",
-           "--swap-dir", str(swap), "--no-progress"]  # fmt: skip
-    if checkpoints != "none":  # a checkpoint every step, or after the last only
-        cmd += ["--checkpoint-dir", str(ckpt), *(["--save-every", "1"] if checkpoints == "written" else [])]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_restore_sigint) as proc:
-        lines: queue.Queue = queue.Queue()
-        reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
-        reader.start()
-        try:
-            while not lines.get(timeout=120).startswith("step 2:"):  # the run is in its steps
-                pass
-            proc.send_signal(signal.SIGINT)
-            rc = proc.wait(timeout=120)
-        finally:
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
+    reader.start()
+    try:
+        while not lines.get(timeout=120).startswith("step 2:"):  # the run is in its steps
+            pass
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    reader.join(timeout=60)  # at the end of its output
+    return rc, err
+
+
+def test_ctrl_c_is_one_line_exit_130_and_removes_the_swap_files(tmp_path):
+    """SIGINT mid-run: one line, exit 130, no KeyboardInterrupt traceback; the swap file and lock are gone. The line
+    says what --resume has: nothing without --checkpoint-dir, no checkpoint before the first is written (it said
+    "the last checkpoint written" either way), else the latest's path and step. The three runs at once."""
+    from nvoffload.training_checkpoint import latest_training_checkpoint
+
+    procs = {}
+    for checkpoints in ("none", "not yet", "written"):
+        swap, ckpt = tmp_path / checkpoints / "swap", tmp_path / checkpoints / "ckpt"
+        swap.mkdir(parents=True)
+        cmd = [sys.executable, "-m", "nvoffload", "finetune", "--preset", "tiny", "--steps", "100000", "--batch-size",
+               "2", "--swap-dir", str(swap), "--no-progress"]  # fmt: skip
+        if checkpoints != "none":  # a checkpoint every step, or after the last only
+            cmd += ["--checkpoint-dir", str(ckpt), *(["--save-every", "1"] if checkpoints == "written" else [])]
+        procs[checkpoints] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                              preexec_fn=_restore_sigint)  # fmt: skip
+    try:
+        ended = {checkpoints: _interrupted_in_its_steps(proc) for checkpoints, proc in procs.items()}
+    finally:
+        for proc in procs.values():
             proc.kill()
-        err = proc.stderr.read()
-        reader.join(timeout=60)  # at the end of its output
+            proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
     said = "nvoffload finetune: interrupted (Ctrl-C)"
+    latest = latest_training_checkpoint(tmp_path / "written" / "ckpt")
     expected = {
         "none": f"{said}; no --checkpoint-dir was given: nothing to --resume from\n",
-        "not yet": f"{said} before any checkpoint was written in {ckpt}: --resume would start at step 1\n",
+        "not yet": f"{said} before any checkpoint was written in {tmp_path / 'not yet' / 'ckpt'}: --resume would start at step 1\n",
+        "written": f"{said}; --resume goes on from {latest.path} (step {latest.step})\n",
     }
-    if checkpoints == "written":
-        from nvoffload.training_checkpoint import latest_training_checkpoint
-
-        latest = latest_training_checkpoint(ckpt)
-        expected["written"] = f"{said}; --resume goes on from {latest.path} (step {latest.step})\n"
-    assert rc == 130 and err == expected[checkpoints]
-    assert os.listdir(swap) == []
+    for checkpoints, (rc, err) in ended.items():
+        assert rc == 130 and err == expected[checkpoints], (checkpoints, rc, err)
+        assert os.listdir(tmp_path / checkpoints / "swap") == [], checkpoints
 
 
 CTRL_C_AT_IMPORT = """

@@ -1,6 +1,7 @@
 """Mixture-of-experts models under transformers 5, whose experts are fused on load (``experts.gate_up_proj`` from the
 hub's ``experts.N.gate_proj.weight``, ...): streamed from the hub layout and saved back in it, one tensor at a time."""
 
+import json
 import os
 import subprocess
 import sys
@@ -205,22 +206,23 @@ def test_a_conversion_it_cannot_revert_is_refused_before_anything_is_written(tmp
 
 
 _REGISTERED_CHUNK = """
-import sys
+import json, sys
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import Chunk, WeightConverter
 register_checkpoint_conversion_mapping("llama", [WeightConverter(
     "mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [Chunk(dim=0)])], overwrite=True)
 from nvoffload.cli import main
-sys.exit(main(sys.argv[1:]))
+for argv in json.loads(sys.argv[1]):  # one command line after the other, each run's end marked in both streams
+    rc = main(argv)
+    print(f"exit {rc}", flush=True)
+    print(f"exit {rc}", file=sys.stderr, flush=True)
 """
 
 
-@pytest.mark.parametrize(
-    "mode", [[], ["--stream", "--cpu-memory", "8M", "--device-memory", "64M"]], ids=["memory", "stream"]
-)
-def test_finetune_refuses_a_model_it_cannot_save_before_step_1(tmp_path, mode):
+def test_finetune_refuses_a_model_it_cannot_save_before_step_1(tmp_path):
     """A Llama directory stored with a fused gate_up_proj that transformers splits on load (a conversion registered
-    by the user): finetune --save-to refuses before step 1 (one line, exit 2), in memory and streamed."""
+    by the user): finetune --save-to refuses before step 1 (one line, exit 2), in memory and streamed (both runs
+    in one process: seconds of imports each otherwise)."""
     llama = make_llama()
     tensors = {k: v for k, v in llama.state_dict().items() if ".mlp.gate_proj" not in k and ".mlp.up_proj" not in k}
     for i, layer in enumerate(llama.model.layers):
@@ -229,18 +231,24 @@ def test_finetune_refuses_a_model_it_cannot_save_before_step_1(tmp_path, mode):
     (tmp_path / "start").mkdir()
     llama.config.save_pretrained(tmp_path / "start")
     save_file(tensors, tmp_path / "start" / "model.safetensors", {"format": "pt"})
-    (tmp_path / "swap").mkdir()
-    run = subprocess.run(
-        [sys.executable, "-c", _REGISTERED_CHUNK, "finetune", "--model", str(tmp_path / "start"), "--steps", "2",
-         "--seq-len", "16", "--swap-dir", str(tmp_path / "swap"), "--save-to", str(tmp_path / "out"), "--no-progress",
-         *mode],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 2 and "step 1" not in run.stdout, (run.stdout, run.stderr)
-    last = run.stderr.splitlines()[-1]  # after transformers' own "Loading weights" bar
-    assert last.startswith("nvoffload finetune: error: ") and "Chunk(dim=0)" in last, run.stderr
-    assert "Traceback" not in run.stderr and run.stderr.count("error") == 1, run.stderr
-    assert sorted(os.listdir(tmp_path)) == ["start", "swap"] and os.listdir(tmp_path / "swap") == []
+    modes = {"memory": [], "stream": ["--stream", "--cpu-memory", "8M", "--device-memory", "64M"]}
+    argvs = []
+    for name, mode in modes.items():
+        (tmp_path / name / "swap").mkdir(parents=True)
+        argvs.append(["finetune", "--model", str(tmp_path / "start"), "--steps", "2", "--seq-len", "16", "--swap-dir",
+                      str(tmp_path / name / "swap"), "--save-to", str(tmp_path / name / "out"), "--no-progress", *mode])  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", _REGISTERED_CHUNK, json.dumps(argvs)], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    outs, errs = run.stdout.split("exit 2\n"), run.stderr.split("exit 2\n")
+    assert outs[-1] == errs[-1] == "" and len(outs) == len(errs) == len(modes) + 1, (run.stdout, run.stderr)  # each exit 2
+    for name, out, err in zip(modes, outs, errs):
+        assert "step 1" not in out, (name, out, err)
+        last = err.splitlines()[-1]  # after transformers' own "Loading weights" bar
+        assert last.startswith("nvoffload finetune: error: ") and "Chunk(dim=0)" in last, (name, err)
+        assert "Traceback" not in err and err.count("error") == 1, (name, err)
+        assert os.listdir(tmp_path / name) == ["swap"] and os.listdir(tmp_path / name / "swap") == []
+    assert sorted(os.listdir(tmp_path)) == ["memory", "start", "stream"]
 
 
 PEFT_ASKS_A_DEPRECATED_QUESTION = pytest.mark.filterwarnings(  # of transformers 5: theirs, not the library's

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from conftest import run_forked
 from torch import nn
 
 import nvoffload
@@ -295,9 +296,19 @@ out["backward"] = refused(lambda: pending.backward())
 }
 
 
-def run_access(tmp_path, body: str) -> dict:
-    script = PRELUDE + body + "\nprint(json.dumps(out))\n"
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def accessed(tmp_path_factory) -> dict:
+    """Each access after the prelude, in a process of its own (a crash is its exit status)."""
+    root = tmp_path_factory.mktemp("access")
+    runs = {}
+    for name, body in ACCESS.items():
+        (root / name).mkdir()
+        runs[name] = (PRELUDE + body + "\nprint(json.dumps(out))\n", [root / name], root)
+    return run_forked(root, runs)
+
+
+def run_access(accessed, name: str) -> dict:
+    done = accessed[name]
     assert done.returncode == 0, f"exit status {done.returncode} (negative: killed by a signal)\n{done.stderr[-3000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -306,8 +317,8 @@ OFF_DEVICE = "parameter blocks.1.fc.weight (parameter block 1) while its block i
 CLOSED = "the ParameterStreamer that held its weights is closed and they went with it"
 
 
-def test_streamed_parameter_read_between_steps_is_refused_and_gather_gives_its_weights(tmp_path):
-    out = run_access(tmp_path, ACCESS["read_between_steps"])
+def test_streamed_parameter_read_between_steps_is_refused_and_gather_gives_its_weights(accessed):
+    out = run_access(accessed, "read_between_steps")
     for key, op in (("sum", "sum()"), ("ema", "lerp_()"), ("clone", "clone()"), ("data", "add_()")):
         assert out[key].startswith(f"{op} read {OFF_DEVICE}"), (key, out[key])
     assert out["deepcopy"].startswith("clone() read parameter blocks.0.ln_1.weight (parameter block 0) while its")
@@ -317,27 +328,27 @@ def test_streamed_parameter_read_between_steps_is_refused_and_gather_gives_its_w
     assert out["gather"] and out["trained"]
 
 
-def test_streamed_parameter_read_between_forward_and_backward_is_refused(tmp_path):
-    out = run_access(tmp_path, ACCESS["read_inside_a_step"])
+def test_streamed_parameter_read_between_forward_and_backward_is_refused(accessed):
+    out = run_access(accessed, "read_inside_a_step")
     assert out["sum"].startswith(f"sum() read {OFF_DEVICE}")
     assert out["loss"] and out["trained"]
 
 
-def test_model_to_that_would_read_streamed_weights_is_refused(tmp_path):
-    out = run_access(tmp_path, ACCESS["model_to"])
+def test_model_to_that_would_read_streamed_weights_is_refused(accessed):
+    out = run_access(accessed, "model_to")
     assert out["same_device"] and out["trained"]
     assert "to() (moving or converting, as model.to() does) of parameter blocks.0." in out["to_dtype"]
     assert "to() (moving or converting, as model.to() does) of parameter blocks.0." in out["to_meta"]
 
 
-def test_state_dict_of_any_sub_module_gives_the_current_weights_and_load_writes_them(tmp_path):
-    out = run_access(tmp_path, ACCESS["sub_module_state_dict"])
+def test_state_dict_of_any_sub_module_gives_the_current_weights_and_load_writes_them(accessed):
+    out = run_access(accessed, "sub_module_state_dict")
     assert out["block"] and out["fc"] and out["values"] and out["keep_vars"] and out["loaded"] and out["trained"]
     assert "load_state_dict(assign=True) would replace streamed parameters" in out["assign"]
 
 
-def test_after_close_every_access_is_refused(tmp_path):
-    out = run_access(tmp_path, ACCESS["after_close"])
+def test_after_close_every_access_is_refused(accessed):
+    out = run_access(accessed, "after_close")
     assert out["sum"].startswith("sum() read parameter blocks.1.fc.weight") and CLOSED in out["sum"]
     assert out["state_dict"].startswith("a module of this GPT needs streamed weights, but " + CLOSED)
     assert out["block_state_dict"].startswith("a module of this GPT needs streamed weights, but " + CLOSED)
