@@ -174,13 +174,12 @@ def plot(plt, rows: list[dict], values: dict, title: str):
 def main(argv=None) -> int:
     args = parse_args(argv)
     trees = {"before": args.against, "after": HERE}
-    states = {side: results_state(tree) for side, tree in trees.items()}
     commits = {side: commit(tree) for side, tree in trees.items()}
     values, worse_up, runs, failures = {}, {}, [], []
     for round_ in range(args.rounds):
         for command in args.commands:
             for side in SIDES:
-                load = os.getloadavg()[0]
+                load, state = os.getloadavg()[0], results_state(trees[side])
                 records, wall_s, failed = run_once(trees[side], command, args.timeout_s)
                 runs.append({"round": round_, "command": shlex.join(command), "side": side, "wall_s": wall_s,
                              "load_before": load, "load_after": os.getloadavg()[0], "failed": failed})  # fmt: skip
@@ -192,7 +191,7 @@ def main(argv=None) -> int:
                     for key, (value, up) in metrics(record).items():
                         values.setdefault(key, {s: [] for s in SIDES})[side].append(value)
                         worse_up[key] = up
-                if results_state(trees[side]) != states[side]:
+                if results_state(trees[side]) != state:
                     raise SystemExit(f"{shlex.join(command)} changed {trees[side] / 'bench' / 'results'}: see git status there")
         save(args, commits, summarize(values, worse_up), values, runs, failures, round_ + 1)
     return 1 if failures else 0
