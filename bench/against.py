@@ -45,13 +45,20 @@ TIME_COLUMNS = ("seconds", "step_s", "tokens_per_s")
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("commands", nargs="+", help='a bench script and its flags, quoted: "bench_overlap.py --device cpu"')
-    p.add_argument("--against", type=Path, required=True, help="the other checkout (before), e.g. git worktree add DIR COMMIT")
+    p.add_argument("commands", nargs="*", help='a bench script and its flags, quoted: "bench_overlap.py --device cpu"')
+    p.add_argument("--against", type=Path, help="the other checkout (before), e.g. git worktree add DIR COMMIT")
     p.add_argument("--rounds", type=int, default=3, help="runs of each command in each checkout")
     p.add_argument("--name", default=None, help="the report's file name (default: against_<the other checkout's commit>)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--timeout-s", type=float, default=1800, help="one run's limit")
+    p.add_argument("--replot", type=Path, help="rewrite an earlier sitting's report (its JSON) from its values, running nothing")
     args = p.parse_args(argv)
+    if args.replot:
+        if not args.replot.is_file():
+            p.error(f"--replot {args.replot}: no such file")
+        return args
+    if not args.commands or args.against is None:
+        p.error("give --against DIR and at least one command (or --replot JSON)")
     args.against = args.against.resolve()
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: at least 1")
@@ -102,28 +109,32 @@ def run_once(tree: Path, command: list[str], timeout_s: float) -> tuple[list[dic
     return records, wall_s, "" if records else "no report (a JSON with rows) written"
 
 
-def metrics(record: dict) -> dict[tuple[str, str, str], tuple[float, bool]]:
-    """A report's ratios and main times: (benchmark, case, column) -> (value, whether higher is worse)."""
+def metrics(record: dict) -> dict[tuple[str, str, str], float]:
+    """A report's ratios and main times: (benchmark, case, column) -> value."""
     found = {}
     bench = record.get("benchmark", "?")
     for key, value in (record.get("ratios") or {}).items():
         if _number(value):
-            found[(bench, "ratios", key)] = (float(value), True)
+            found[(bench, "ratios", key)] = float(value)
     for row in record["rows"]:
         case = str(row.get("case", next((v for v in row.values() if isinstance(v, str)), "?")))
-        throughput = "tokens_per_s" in row
         for column, value in row.items():
             if _number(value) and (column in TIME_COLUMNS or any(mark in column for mark in RATIO_MARKS)):
-                higher_better = "per_s" in column or (throughput and column.startswith("vs_"))
-                found[(bench, case, column)] = (float(value), not higher_better)
+                found[(bench, case, column)] = float(value)
     return found
+
+
+def worse_up(key: tuple[str, str, str], keys) -> bool:
+    """Whether higher is worse: not for a throughput (``per_s``) nor a ``vs_`` ratio of a row with tokens/s."""
+    bench, case, column = key
+    return not ("per_s" in column or (column.startswith("vs_") and (bench, case, "tokens_per_s") in keys))
 
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def summarize(values: dict, worse_up: dict) -> list[dict]:
+def summarize(values: dict) -> list[dict]:
     """One row per metric with values on both sides: medians, after / before, ranges, and a verdict."""
     rows = []
     for key in sorted(values, key=lambda k: (k[0], k[2] not in TIME_COLUMNS, k[1], k[2])):
@@ -136,25 +147,25 @@ def summarize(values: dict, worse_up: dict) -> list[dict]:
             "before": b, "before range": f"{min(before):.3g}-{max(before):.3g}",
             "after": a, "after range": f"{min(after):.3g}-{max(after):.3g}",
             "after/before": a / b if b else None,
-            "beyond spread": verdict(before, after, worse_up[key]),
+            "beyond spread": verdict(before, after, worse_up(key, values)),
         })  # fmt: skip
     return rows
 
 
-def verdict(before: list[float], after: list[float], worse_up: bool) -> str:
+def verdict(before: list[float], after: list[float], higher_worse: bool) -> str:
     """``worse`` or ``better`` when the rounds' ranges do not overlap, else ''."""
     if min(after) > max(before):
-        return "worse" if worse_up else "better"
+        return "worse" if higher_worse else "better"
     if max(after) < min(before):
-        return "better" if worse_up else "worse"
+        return "better" if higher_worse else "worse"
     return ""
 
 
 def plot(plt, rows: list[dict], values: dict, title: str):
-    """Each metric's rounds before and after, over its before median: a change beyond noise is where the after
-    points sit clear of the before points."""
-    rows = [row for row in rows if row["before"]]
-    fig, ax = plt.subplots(figsize=(10, 0.28 * len(rows) + 1.5))
+    """Each ratio's rounds before and after, over its before median (log scale): a change beyond noise is where
+    the after points sit clear of the before points. Ratios that never move (a case over itself) are left out."""
+    rows = [r for r in rows if r["metric"] not in TIME_COLUMNS and r["before"] and len({*_rounds(values, r)}) > 1]
+    fig, ax = plt.subplots(figsize=(10, 0.3 * len(rows) + 1.5))
     for y, row in enumerate(rows):
         got = values[(row["benchmark"], row["case"], row["metric"])]
         for side, color, dy in (("before", "tab:gray", 0.15), ("after", "tab:blue", -0.15)):
@@ -162,20 +173,28 @@ def plot(plt, rows: list[dict], values: dict, title: str):
             ax.plot([min(scaled), max(scaled)], [y + dy] * 2, color=color, lw=1)
             ax.plot(scaled, [y + dy] * len(scaled), "o", color=color, ms=3, label=side if y == 0 else None)
     ax.axvline(1.0, color="black", lw=0.5)
-    ax.set_yticks(range(len(rows)), [f"{r['benchmark']}: {r['case']}: {r['metric']}"[:80] for r in rows], fontsize=6)
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(rows)), [f"{r['benchmark']}: {r['case']}: {r['metric']}"[:80] for r in rows], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("value / before's median (each round a point, its range a line)")
+    ax.set_xlabel("ratio / its before median (each round a point, its range a line)")
     ax.set_title(title, fontsize=9)
     ax.legend(loc="lower right")
     fig.tight_layout()
     return fig
 
 
+def _rounds(values: dict, row: dict) -> list[float]:
+    got = values[(row["benchmark"], row["case"], row["metric"])]
+    return got["before"] + got["after"]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        return replot(args.replot)
     trees = {"before": args.against, "after": HERE}
     commits = {side: commit(tree) for side, tree in trees.items()}
-    values, worse_up, runs, failures = {}, {}, [], []
+    values, runs = {}, []
     for round_ in range(args.rounds):
         for command in args.commands:
             for side in SIDES:
@@ -185,20 +204,30 @@ def main(argv=None) -> int:
                              "load_before": load, "load_after": os.getloadavg()[0], "failed": failed})  # fmt: skip
                 print(f"round {round_ + 1}/{args.rounds} {side} ({commits[side]}): {shlex.join(command)}: "
                       f"{wall_s:.1f} s, load {load:.1f}{' FAILED: ' + failed if failed else ''}", flush=True)  # fmt: skip
-                if failed:
-                    failures.append(f"{side} {shlex.join(command)} round {round_ + 1}: {failed}")
                 for record in records:
-                    for key, (value, up) in metrics(record).items():
+                    for key, value in metrics(record).items():
                         values.setdefault(key, {s: [] for s in SIDES})[side].append(value)
-                        worse_up[key] = up
                 if results_state(trees[side]) != state:
                     raise SystemExit(f"{shlex.join(command)} changed {trees[side] / 'bench' / 'results'}: see git status there")
-        save(args, commits, summarize(values, worse_up), values, runs, failures, round_ + 1)
-    return 1 if failures else 0
+        save(args, commits, values, runs, round_ + 1)
+    return 1 if any(run["failed"] for run in runs) else 0
 
 
-def save(args, commits: dict, rows: list[dict], values: dict, runs: list[dict], failures: list[str], rounds: int) -> None:
+def replot(path: Path) -> int:
+    """An earlier sitting's report rewritten from its JSON's values, rounds and runs."""
+    record = json.loads(path.read_text())
+    settings = record["settings"]
+    args = argparse.Namespace(against=Path(settings["against"]), commands=[shlex.split(c) for c in settings["commands"]],
+                              name=path.stem, results_dir=path.parent)  # fmt: skip
+    values = {(v["benchmark"], v["case"], v["metric"]): {s: v[s] for s in SIDES} for v in record["values"]}
+    save(args, settings["commits"], values, record["runs"], settings["rounds"])
+    return 0
+
+
+def save(args, commits: dict, values: dict, runs: list[dict], rounds: int) -> None:
     """The report so far (``rounds`` complete)."""
+    rows = summarize(values)
+    failures = [f"{r['side']} {r['command']} round {r['round'] + 1}: {r['failed']}" for r in runs if r["failed"]]
     loads = [run[k] for run in runs for k in ("load_before", "load_after")]
     worse = [f"{r['benchmark']}: {r['case']}: {r['metric']}" for r in rows if r["beyond spread"] == "worse"]
     notes = (

@@ -34,6 +34,12 @@ def test_against_reports_each_ratio_before_and_after(tmp_path, against):
     assert record["settings"]["commits"]["before"] == record["settings"]["commits"]["after"]
     assert (tmp_path / "smoke.md").read_text().count("\n| bench_overlap |") == len(rows)
     assert (tmp_path / "smoke.png").stat().st_size > 0
+    # the report rewritten from its JSON, running nothing, is the same report
+    (tmp_path / "smoke.png").unlink()
+    assert against.main(["--replot", str(tmp_path / "smoke.json")]) == 0
+    replotted = json.loads((tmp_path / "smoke.json").read_text())
+    assert replotted["rows"] == record["rows"] and replotted["values"] == record["values"]
+    assert replotted["notes"] == record["notes"] and (tmp_path / "smoke.png").stat().st_size > 0
 
 
 def test_against_refuses_a_script_without_results_dir(tmp_path, against, capsys):
@@ -45,6 +51,6 @@ def test_against_refuses_a_script_without_results_dir(tmp_path, against, capsys)
 
 
 def test_verdict_takes_the_direction_that_is_worse(against):
-    assert against.verdict([1.0, 1.1], [1.2, 1.3], worse_up=True) == "worse"
-    assert against.verdict([1.0, 1.1], [1.2, 1.3], worse_up=False) == "better"
-    assert against.verdict([1.0, 1.2], [1.1, 1.3], worse_up=True) == ""
+    assert against.verdict([1.0, 1.1], [1.2, 1.3], higher_worse=True) == "worse"
+    assert against.verdict([1.0, 1.1], [1.2, 1.3], higher_worse=False) == "better"
+    assert against.verdict([1.0, 1.2], [1.1, 1.3], higher_worse=True) == ""
