@@ -178,7 +178,8 @@ def plot(plt, rows: list[dict], values: dict, title: str):
     ax.invert_yaxis()
     ax.set_xlabel("ratio / its before median (each round a point, its range a line)")
     ax.set_title(title, fontsize=9)
-    ax.legend(loc="lower right")
+    if rows:
+        ax.legend(loc="lower right")
     fig.tight_layout()
     return fig
 
