@@ -22,16 +22,21 @@ from nvoffload.streaming._host_cache import HostCache
 from nvoffload.streaming._materialize import Materializer
 from nvoffload.streaming._residency import DeviceResidency, GradientLedger
 from nvoffload.streaming._weights import StreamedWeights
-from nvoffload.transfer import Future, TransferEngine
+from nvoffload.transfer import TransferEngine
 
 __all__ = ["ParameterStreamer", "compute_device_of", "device_bytes_needed"]
 
 
-def _counter(tier: str, name: str, doc: str) -> property:
-    """A settable attribute of the streamer that lives on one of its tiers."""
+def _attr(tier: str, name: str, doc: str) -> property:
+    """An attribute of the streamer that lives on one of its tiers (settable where the tier's is)."""
     return property(
         lambda self: getattr(getattr(self, tier), name), lambda self, v: setattr(getattr(self, tier), name, v), doc=doc
     )
+
+
+def _the(part: str, method: Callable) -> property:
+    """``method`` of the streamer's ``part`` as the streamer's own: the same call, documented there."""
+    return property(lambda self: method.__get__(getattr(self, part)), doc=method.__doc__)
 
 
 class ParameterStreamer:
@@ -59,7 +64,7 @@ class ParameterStreamer:
     parameters themselves, whose storage is refilled in place), and the
     backward pass lets it go once it is done with the block
     (see :class:`~nvoffload.streaming._backward.BackwardPasses`). The optimizer
-    reads and writes streamed weights through the streamer, a
+    reads and writes streamed weights through :attr:`weights`, its
     :class:`~nvoffload.optim.WeightHome`, so the next forward sees the updates.
 
     Args:
@@ -111,12 +116,13 @@ class ParameterStreamer:
             ``memory`` has left, closed with the streamer.
     """
 
-    bytes_read = _counter("_cache", "bytes_read", "Bytes read from the store.")
-    bytes_written = _counter("_cache", "bytes_written", "Bytes written to the store.")
-    io_wait_s = _counter(
+    bytes_read = _attr("_cache", "bytes_read", "Bytes read from the store.")
+    bytes_written = _attr("_cache", "bytes_written", "Bytes written to the store.")
+    io_wait_s = _attr(
         "_residency", "io_wait_s", "Time forward and backward waited for blocks to arrive (on a GPU: in host memory)."
     )
-    grad_wait_s = _counter("_residency", "grad_wait_s", "Time backward waited for the optimizer to free device memory.")
+    grad_wait_s = _attr("_residency", "grad_wait_s", "Time backward waited for the optimizer to free device memory.")
+    backward_failed = _attr("_passes", "failed", "Outside backward: whether the last backward pass raised before it ended.")
 
     def __init__(
         self,
@@ -170,7 +176,8 @@ class ParameterStreamer:
             self._close_transfer()
             raise
         self.replaced: dict[nn.Parameter, nn.Parameter] = materializer.replaced  # meta parameters -> their successors
-        self._weights = StreamedWeights(model, self._blocks, self._cache, self._residency)
+        # the streamed parameters' current weights: the optimizer's WeightHome, and the state-dict hooks' body
+        self.weights = StreamedWeights(model, self._blocks, self._cache, self._residency)
         self._passes = BackwardPasses(self._residency)
         self._closed = False
         self._computing: dict[Block, int] = {}  # with a trace: when each block's forward or backward began
@@ -192,15 +199,14 @@ class ParameterStreamer:
             m.register_forward_hook(_hook(self, ParameterStreamer._after_forward, block, calls), always_call=True)
         self.follow_requires_grad()
         for module in self.model.modules():
-            owned = self._weights.owned(module)
+            owned = self.weights.owned(module)
             if owned:
-                module.register_state_dict_post_hook(
-                    _hook(self, ParameterStreamer._after_state_dict, owned, needs_weights=True)
-                )
-                module.register_load_state_dict_pre_hook(
-                    _hook(self, ParameterStreamer._before_load, owned, needs_weights=True)
-                )
-                module.register_load_state_dict_post_hook(_hook(self, ParameterStreamer._after_load, owned))
+                for register, method, needs_weights in (
+                    (module.register_state_dict_post_hook, StreamedWeights.after_state_dict, True),
+                    (module.register_load_state_dict_pre_hook, StreamedWeights.before_load, True),
+                    (module.register_load_state_dict_post_hook, StreamedWeights.after_load, False),
+                ):
+                    register(_hook(self, _on_weights(method), owned, needs_weights=needs_weights))
 
     def follow_requires_grad(self) -> None:
         """Give the parameters that require grad and have no gradient hook yet (all at first; later, those unfrozen
@@ -309,85 +315,15 @@ class ParameterStreamer:
             self._compute_ended(block, "backward")
         self._passes.inputs_done(block)
 
-    def _after_state_dict(self, owned, module, state_dict, prefix, local_metadata) -> None:
-        self._weights.after_state_dict(owned, state_dict, prefix)
-
-    def _before_load(self, owned, module, state_dict, prefix, local_metadata, *_) -> None:
-        self._weights.before_load(owned, local_metadata)
-
-    def _after_load(self, owned, module, incompatible_keys) -> None:
-        self._weights.after_load(owned)
-
-    @property
-    def backward_failed(self) -> bool:
-        """Outside backward: whether the last backward pass raised before it ended."""
-        return self._passes.unfinished()
-
-    # ------------------------------------------------------------------ WeightHome (the optimizer)
-    def holds(self, param: torch.Tensor) -> bool:
-        return self._weights.holds(param)
-
-    def acquire(self, param: torch.Tensor, *, staged: bool = False) -> torch.Tensor:
-        """The parameter's weights in host memory, flat (``staged``: its next weights, a delayed update's); stays
-        cached until :meth:`release`."""
-        return self._weights.acquire(param, staged=staged)
-
-    def release(self, param: torch.Tensor, *, modified: bool, staged: bool = False) -> None:
-        self._weights.release(param, modified=modified, staged=staged)
-
-    def staging(self, param: torch.Tensor) -> None:
-        """A delayed update will write the parameter's next weights until :meth:`install_staged` or
-        :meth:`drop_staged` (loading weights into its block is refused meanwhile)."""
-        self._weights.staging(param)
-
-    def install_staged(self) -> None:
-        """The delayed updates landed: the next weights written through ``acquire(staged=True)`` become the weights."""
-        self._weights.install_staged()
-
-    def drop_staged(self) -> None:
-        """The delayed updates were undone: their next weights are forgotten."""
-        self._weights.drop_staged()
-
-    def updating(self, param: torch.Tensor, done: Future) -> None:
-        """The optimizer rewrites the parameter's weights in host memory until the future ``done`` (an update
-        deferred past ``step()``): its block's next copy to the device, and reads of its weights, wait for it."""
-        self._residency.updating(self._weights.block_of(param), done)
-
-    def settled(self) -> None:
-        """Every update given to :meth:`updating` landed or was undone."""
-        self._residency.settled()
-
-    # ------------------------------------------------------------------ weights and checkpoints
-    def gather(self, param: torch.Tensor) -> torch.Tensor:
-        """A copy of a streamed parameter's current weights (CPU)."""
-        return self._weights.gather(param)
-
-    def weights_of(self, tensor: torch.Tensor):
-        """A context manager yielding the current weights of one of the model's parameters or buffers, without a
-        copy: a streamed parameter's host copy in the block cache (its block stays cached, read-only for the
-        caller, until the context exits), anything else as it is. For writing checkpoints one tensor at a time
-        (:func:`nvoffload.pretrained.save_pretrained`); call it after ``optimizer.step()``."""
-        return self._weights.current(tensor)
-
-    def writable_weights_of(self, tensor: torch.Tensor):
-        """A context manager yielding one of the model's parameters or buffers to overwrite in place: a streamed
-        parameter's host copy (its block written back to the store later), anything else itself. For loading
-        checkpoints one tensor at a time (:func:`nvoffload.load_training_checkpoint`); call it between steps."""
-        return self._weights.writable(tensor)
-
-    def save_checkpoint(self, path, metadata: dict[str, str] | None = None) -> None:
-        """Write the model's state (as ``state_dict()`` names it) to a safetensors file, one tensor in memory at a time.
-
-        The file appears under ``path`` only once complete (see
-        :class:`~nvoffload.checkpoint.SafetensorsWriter`); call it after
-        ``optimizer.step()``, not while updates are in flight. A model built on
-        the meta device loads it back with ``checkpoint=open_checkpoint(path)``.
-        """
-        self._weights.save_checkpoint(path, metadata)
-
-    def flush(self) -> None:
-        """Write every changed cached block back to the store."""
-        self._cache.flush()
+    # ------------------------------------------------------------------ weights and checkpoints: the weights' own
+    # methods, called on the streamer (the error reading a parameter off the device names gather; the training
+    # session, checkpoints and the vertical schedule call the others)
+    holds = _the("weights", StreamedWeights.holds)
+    gather = _the("weights", StreamedWeights.gather)
+    weights_of = _the("weights", StreamedWeights.current)
+    writable_weights_of = _the("weights", StreamedWeights.writable)
+    save_checkpoint = _the("weights", StreamedWeights.save_checkpoint)
+    flush = _the("_cache", HostCache.flush)
 
     def close(self) -> None:
         """Take every block off the device and give back the host cache.
@@ -432,6 +368,11 @@ def _hook(streamer: ParameterStreamer, method, *bound, needs_weights: bool = Fal
         return method(live, *bound, *args)
 
     return hook
+
+
+def _on_weights(method: Callable) -> Callable:
+    """``method`` of :class:`StreamedWeights` as a method of the streamer (for :func:`_hook`): called on its weights."""
+    return lambda streamer, *args: method(streamer.weights, *args)
 
 
 def compute_device_of(model: nn.Module) -> torch.device:
