@@ -18,9 +18,11 @@ from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.streaming._backward import BackwardPasses, CallHooks
 from nvoffload.streaming._blocks import Block, find_blocks, partition, resident_bytes
 from nvoffload.streaming._guard import closed_error
+from nvoffload.streaming._hf_models import CheckpointSources
 from nvoffload.streaming._host_cache import HostCache
 from nvoffload.streaming._materialize import Materializer
-from nvoffload.streaming._residency import DeviceResidency, GradientLedger
+from nvoffload.streaming._peft import PeftView
+from nvoffload.streaming._residency import DeviceResidency
 from nvoffload.streaming._weights import StreamedWeights
 from nvoffload.transfer import TransferEngine
 
@@ -147,13 +149,19 @@ class ParameterStreamer:
         self.device = _device.concrete(device) if device is not None else compute_device_of(model)
         if transfer is not None and transfer.device.device.type != self.device.type:
             raise ValueError(f"the transfer engine copies to {transfer.device.device}, not to {self.device}")
-        self._blocks, self._resident = partition(model, blocks if blocks is not None else find_blocks(model))
-        self._backward_order = self._blocks[::-1]  # the blocks as backward runs them, read ahead in that order
         # a transfer engine's whole share (initialize carves the gloo gradient buckets' room from it, as the
         # host tier counted them before: the same budgets pass)
         host_bytes = memory.available_bytes("host") if transfer is None else transfer.slab.capacity_bytes
-        _check_budgets(self._blocks, self._resident, memory, host_bytes, prefetch_blocks, delayed_update)
-        materializer = Materializer(model, self.device, param_init_fn=param_init_fn, checkpoint=checkpoint)
+        # 1. partition (_blocks): the blocks, each's layout, and the parameters outside them; the budgets checked
+        self._blocks, self._resident = partition(model, blocks if blocks is not None else find_blocks(model))
+        self._backward_order = self._blocks[::-1]  # the blocks as backward runs them, read ahead in that order
+        resident = resident_bytes(self._resident), resident_bytes(self._resident, grads=True)
+        _check_budgets(self._blocks, *resident, memory, host_bytes, prefetch_blocks, delayed_update)
+        # 2. names (_hf_models): how the tensors of a model on the meta device are filled, the checkpoint's
+        # names matched to the model's and checked before anything is read or allocated
+        peft = PeftView.of(model)
+        filling = Materializer(model, self.device, param_init_fn=param_init_fn, view=peft)
+        sources = CheckpointSources(model, checkpoint, peft) if checkpoint is not None else None
         self._owns_transfer = transfer is None
         if transfer is None:
             transfer = TransferEngine(host_bytes, self.device, what="parameter streaming's host memory")
@@ -161,21 +169,22 @@ class ParameterStreamer:
         try:
             if self._owns_transfer and memory.host_slab is None:  # the host tier is the slab's accounting
                 memory.use_host_slab(transfer.slab)
-            # read ahead: the block copied to the device next and ``prefetch_blocks`` after it
+            # the tiers: read ahead, the block copied to the device next and ``prefetch_blocks`` after it
             largest = max(b.nbytes for b in self._blocks)
             self._cache = HostCache(store, transfer, read_ahead_bytes=(1 + prefetch_blocks) * largest)
-            gradients = GradientLedger(memory, model)
-            self._residency = DeviceResidency(
-                memory, self._cache, transfer, self.device, gradients, resident_bytes(self._resident)
-            )
-            memory.allocate("device", resident_bytes(self._resident), "parameters outside the streamed blocks")
+            self._residency = DeviceResidency(memory, self._cache, transfer, self.device, model, resident[0])
+            memory.allocate("device", resident[0], "parameters outside the streamed blocks")
             if delayed_update:  # their gradients' bytes: the trained ones' weights, once more
-                memory.allocate("device", resident_bytes(self._resident, grads=True), "the delayed update's staged weights")
-            materializer.run(self._blocks, self._resident, self._cache, self._residency)
+                memory.allocate("device", resident[1], "the delayed update's staged weights")
+            # 3. fill (_materialize), one block at a time, and 4. residency: each block stored and cached
+            # (_host_cache), its parameters off the device (_residency) before the next is filled
+            for block in filling.filled(self._blocks, self._resident, sources):
+                self._cache.install(block, block.pack)
+                self._residency.park(block)
         except BaseException:
             self._close_transfer()
             raise
-        self.replaced: dict[nn.Parameter, nn.Parameter] = materializer.replaced  # meta parameters -> their successors
+        self.replaced: dict[nn.Parameter, nn.Parameter] = filling.replaced  # meta parameters -> their successors
         # the streamed parameters' current weights: the optimizer's WeightHome, and the state-dict hooks' body
         self.weights = StreamedWeights(model, self._blocks, self._cache, self._residency)
         self._passes = BackwardPasses(self._residency)
@@ -198,15 +207,13 @@ class ParameterStreamer:
             m.register_forward_pre_hook(_hook(self, ParameterStreamer._before_forward, block, calls, needs_weights=True))
             m.register_forward_hook(_hook(self, ParameterStreamer._after_forward, block, calls), always_call=True)
         self.follow_requires_grad()
-        for module in self.model.modules():
-            owned = self.weights.owned(module)
-            if owned:
-                for register, method, needs_weights in (
-                    (module.register_state_dict_post_hook, StreamedWeights.after_state_dict, True),
-                    (module.register_load_state_dict_pre_hook, StreamedWeights.before_load, True),
-                    (module.register_load_state_dict_post_hook, StreamedWeights.after_load, False),
-                ):
-                    register(_hook(self, _on_weights(method), owned, needs_weights=needs_weights))
+        for module, owned in self.weights.owners:
+            for register, method, needs_weights in (
+                (module.register_state_dict_post_hook, StreamedWeights.after_state_dict, True),
+                (module.register_load_state_dict_pre_hook, StreamedWeights.before_load, True),
+                (module.register_load_state_dict_post_hook, StreamedWeights.after_load, False),
+            ):
+                register(_hook(self, _on_weights(method), owned, needs_weights=needs_weights))
 
     def follow_requires_grad(self) -> None:
         """Give the parameters that require grad and have no gradient hook yet (all at first; later, those unfrozen
@@ -227,10 +234,11 @@ class ParameterStreamer:
                 "nor trained: wrap the model (peft.get_peft_model) before nvoffload.initialize(), and initialize the "
                 "wrapped model"
             )
-        for p, block in params:
-            if p.requires_grad and p not in self._grad_hooked:
-                p.register_post_accumulate_grad_hook(self._passes.grad_hook(id(p), *block))
-                self._grad_hooked.add(p)
+        with torch._C.DisableTorchFunctionSubclass():  # nothing here reads the weights: past the off-device guard
+            for p, block in params:
+                if p.requires_grad and p not in self._grad_hooked:
+                    p.register_post_accumulate_grad_hook(self._passes.grad_hook(id(p), *block))
+                    self._grad_hooked.add(p)
 
     def _before_forward(self, block: Block, calls: CallHooks, module, args) -> None:
         if _graph_task() != -1:  # a checkpointed call recomputed by backward, which holds the block: no read ahead
@@ -388,17 +396,21 @@ def compute_device_of(model: nn.Module) -> torch.device:
 def device_bytes_needed(blocks: list[Block], resident, delayed_update: bool) -> int:
     """The least device memory streaming works in: the resident parameters and their gradients (delayed: and the
     staged new weights of the trained ones), one block computing, its gradients, one arriving (3 x the largest)."""
-    weights, grads = resident_bytes(resident), resident_bytes(resident, grads=True)
-    return weights + grads * (2 if delayed_update else 1) + 3 * max(b.nbytes for b in blocks)
+    return _device_bytes(blocks, resident_bytes(resident), resident_bytes(resident, grads=True), delayed_update)
 
 
-def _check_budgets(blocks: list[Block], resident, memory: MemoryManager, host_bytes: int, prefetch_blocks: int,
-                   delayed_update: bool) -> None:  # fmt: skip
+def _device_bytes(blocks: list[Block], resident_bytes: int, resident_grad_bytes: int, delayed_update: bool) -> int:
+    """:func:`device_bytes_needed` of the resident parameters' bytes and their gradients'."""
+    return resident_bytes + resident_grad_bytes * (2 if delayed_update else 1) + 3 * max(b.nbytes for b in blocks)
+
+
+def _check_budgets(blocks: list[Block], resident_bytes: int, resident_grad_bytes: int, memory: MemoryManager,
+                   host_bytes: int, prefetch_blocks: int, delayed_update: bool) -> None:  # fmt: skip
     """Raise :class:`MemoryBudgetError` when the device budget or the ``host_bytes`` of the host cache are too small."""
     if not blocks:
         raise ValueError("the model has no parameters in its blocks: nothing to stream")
     largest = max(b.nbytes for b in blocks)
-    device_needed = device_bytes_needed(blocks, resident, delayed_update)
+    device_needed = _device_bytes(blocks, resident_bytes, resident_grad_bytes, delayed_update)
     # in host memory (slab buffers are 4 KiB-aligned): one block computing, one arriving, those read ahead; and
     # delayed, a twin being written and the block it is made from
     in_host = 2 + prefetch_blocks + (2 if delayed_update else 0)

@@ -37,12 +37,14 @@ class StreamedWeights:
         self._cache = cache
         self._residency = residency
         self._where = {p: (block, j) for block in blocks for j, p in enumerate(block.params)}
+        # the model's modules that hold streamed parameters themselves (not their children's), each with those
+        # parameters by attribute name: the modules the state-dict hooks go on
+        self.owners = [(module, owned) for module in model.modules() if (owned := self._owned(module))]
 
     def holds(self, param: torch.Tensor) -> bool:
         return param in self._where
 
-    def owned(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        """The streamed parameters ``module`` holds itself (not its children's), by attribute name."""
+    def _owned(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
         return [(key, p) for key, p in module._parameters.items() if p is not None and p in self._where]
 
     def block_of(self, param: torch.Tensor) -> Block:
