@@ -622,7 +622,7 @@ def _open_session(
     """Wire the engines into a session: the optimizer writes the streamer's weights, activation offload (with
     ``offload_activations``) and the settling of queued updates run around each of the model's forwards, and the
     optimizer and the model reach the session."""
-    offloaded.set_weight_home(streamer)
+    offloaded.set_weight_home(streamer.weights)
     activations = stash = None
     if config.stash_host_bytes is not None:  # the block inputs alone, written as saved (none kept recent), any size
         half = config.stash_staging // 2

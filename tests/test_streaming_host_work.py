@@ -107,10 +107,10 @@ def test_a_write_back_started_by_a_hook_runs_off_the_training_thread(tmp_path):
     model, store, _, streamer, x = streamed_gpt(tmp_path, n_layer=6, host_blocks=3)
     try:
         first = model.blocks[0].qkv.weight
-        weights = streamer.acquire(first)
+        weights = streamer.weights.acquire(first)
         weights.add_(1.0)
         expected = weights.clone()
-        streamer.release(first, modified=True)
+        streamer.weights.release(first, modified=True)
         puts, put = [], store.put
 
         def recording_put(name, tensor, **kw):

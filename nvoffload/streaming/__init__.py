@@ -17,9 +17,12 @@
   computes); off the device its parameters hold no bytes and refuse reads
   (``_guard``).
 
-``_materialize`` fills a model built on the meta device block by block,
-``_weights`` serves the current weights to the optimizer, state dicts and
-checkpoints, and ``_streamer`` holds the facade that wires the module hooks. For the entry points:
+``_blocks`` partitions a model into blocks and lays each out, ``_hf_models``
+matches a checkpoint's names to the model's (``_peft``: through PEFT's
+wrapping), ``_materialize`` fills a model built on the meta device block by
+block, ``_weights`` serves the current weights to the optimizer (it is its
+:class:`~nvoffload.optim.WeightHome`, ``ParameterStreamer.weights``), state dicts
+and checkpoints, and ``_streamer`` builds them in those steps and wires the module hooks. For the entry points:
 :func:`partition` (a model's blocks and the parameters outside them), :func:`stored_layout` (where a Hugging Face
 model's tensors are stored) with :data:`Index` (a part of a tensor), :class:`PeftView` (a PEFT model's base and
 adapters), :func:`resident_bytes` and :func:`device_bytes_needed` (the device budget a streamed model needs).

@@ -123,7 +123,8 @@ class BackwardPasses:
                     hold.held = False
                     self._residency.unhold(block, "backward")
 
-    def unfinished(self) -> bool:
+    @property
+    def failed(self) -> bool:
         """Outside backward: whether a pass never ended (its backward raised)."""
         return bool(self._passes) and _current_pass() == -1
 

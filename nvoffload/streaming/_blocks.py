@@ -120,6 +120,16 @@ class Block:
         """The index in ``parts`` of the part that holds parameter ``j``."""
         return self._part[j]
 
+    def pack(self, flat: torch.Tensor) -> None:
+        """Copy the parameters' weights into the block's bytes ``flat`` (a flat ``uint8`` tensor), each to its range."""
+        with torch.no_grad():
+            for view, p in zip(self.views(flat), self.params):
+                view.copy_(p)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Every parameter's :meth:`view` of ``flat``, in order."""
+        return [self.view(flat, j) for j in range(len(self.params))]
+
     def view(self, flat: torch.Tensor, j: int) -> torch.Tensor:
         """Parameter ``j``'s range of the block's bytes ``flat`` (a flat ``uint8`` tensor), with its dtype and shape."""
         return flat[self.offsets[j] : self.offsets[j] + self.param_bytes[j]].view(self.dtypes[j]).view(self.shapes[j])

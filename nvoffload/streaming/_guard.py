@@ -26,7 +26,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["StreamedParameterError", "Placement", "attach", "closed_error", "guard", "guard_all", "homes_of", "unguard", "unguard_all"]
+__all__ = [
+    "StreamedParameterError", "Placement", "attach", "attach_all", "closed_error", "guard", "guard_all", "unguard",
+    "unguard_all",
+]
 
 _ALLOWED_GET = frozenset({
     "shape", "dtype", "device", "layout", "ndim", "itemsize", "nbytes", "name", "names", "output_nr",
@@ -182,9 +185,15 @@ def unguard(param: nn.Parameter) -> None:
     param.__class__ = _placement(param).home_class
 
 
-def homes_of(params: list[nn.Parameter]) -> list[tuple[nn.Parameter, type]]:
-    """Each of ``params`` (:func:`attach`-ed) with its own class, for :func:`unguard_all`: found once, not per call."""
-    return [(p, _placement(p).home_class) for p in params]
+def attach_all(
+    params: list[nn.Parameter], names: list[str], block: int
+) -> tuple[list[Placement], list[tuple[nn.Parameter, type]]]:
+    """:func:`attach` each of ``params`` (named ``names``, of block ``block``) and :func:`guard_all` them: their
+    placements, and each with its own class, for :func:`unguard_all` (found once, not per call)."""
+    placements = [attach(p, name, block) for p, name in zip(params, names)]
+    homes = [(p, place.home_class) for p, place in zip(params, placements)]
+    guard_all(params)
+    return placements, homes
 
 
 def guard_all(params: list[nn.Parameter]) -> None:
@@ -194,6 +203,6 @@ def guard_all(params: list[nn.Parameter]) -> None:
 
 
 def unguard_all(homes: list[tuple[nn.Parameter, type]]) -> None:
-    """:func:`unguard` each parameter of ``homes`` (from :func:`homes_of`)."""
+    """:func:`unguard` each parameter of ``homes`` (from :func:`attach_all`)."""
     for p, home in homes:
         p.__class__ = home

@@ -3,6 +3,8 @@
 - :func:`rebuilt_buffers`: buffers no checkpoint holds (rotary ``inv_freq``,
   causal masks), as a twin of the model built from its ``config`` computes them;
 - :func:`default_init`: the model's own ``_init_weights``, for a ``PreTrainedModel``;
+- :class:`CheckpointSources`: the checkpoint tensors that fill each parameter and buffer, matched by
+  :func:`checkpoint_names` and :func:`checkpoint_parts` and checked before anything is read;
 - :func:`checkpoint_names`: a checkpoint's tensor names as the model names them
   (transformers' renamings, ``base_model_prefix`` added or stripped,
   ``_keys_to_ignore_on_load_unexpected``);
@@ -26,9 +28,13 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from nvoffload.streaming._blocks import state_tensors
 from nvoffload.streaming._peft import PeftView
 
-__all__ = ["Index", "checkpoint_names", "checkpoint_parts", "default_init", "rebuilt_buffers", "stored_layout"]
+__all__ = [
+    "CheckpointSources", "Index", "checkpoint_names", "checkpoint_parts", "default_init", "rebuilt_buffers",
+    "stored_layout",
+]
 
 Index = tuple[int | slice, ...]  # a part of a tensor: tensor[index]; () for the whole
 
@@ -61,7 +67,7 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def rebuilt_buffers(model: nn.Module, names: Iterable[str]) -> dict[str, torch.Tensor]:
+def rebuilt_buffers(model: nn.Module, names: Iterable[str], view: PeftView | None) -> dict[str, torch.Tensor]:
     """The buffers ``names`` (by module path) as ``type(model)(model.config)`` computes them, on the CPU.
 
     The twin is built with its parameters on the meta device, so only its
@@ -70,7 +76,6 @@ def rebuilt_buffers(model: nn.Module, names: Iterable[str]) -> dict[str, torch.T
     twin lacks a buffer or holds it with another shape.
     """
     names = list(names)
-    view = PeftView.of(model)
     twin_name = view.base_name if view is not None else (lambda name: name)
 
     def refuse(why: str, name: str = names[0]) -> ValueError:
@@ -98,13 +103,12 @@ def rebuilt_buffers(model: nn.Module, names: Iterable[str]) -> dict[str, torch.T
     return {name: built[twin_name(name)] for name in names}
 
 
-def default_init(model: nn.Module) -> Callable[[nn.Module], None] | None:
+def default_init(model: nn.Module, view: PeftView | None) -> Callable[[nn.Module], None] | None:
     """For a ``PreTrainedModel``: a function initializing a module's parameters with ``_init_weights`` of the
     innermost ``PreTrainedModel`` holding it (as ``initialize_weights`` dispatches; for a PEFT model, of its base
     model: the adapters are PEFT's, see :meth:`~nvoffload.streaming._peft.PeftView.adapter_init`); None for any
     other model."""
     pretrained = _pretrained_model_class()
-    view = PeftView.of(model)
     if view is not None:  # the base model's init; the adapters are PEFT's (see Materializer)
         model = view.base
     if pretrained is None or not isinstance(model, pretrained):
@@ -252,13 +256,13 @@ def _with_prefix(name: str, names: Collection[str], prefix: str) -> str | None:
 
 
 def checkpoint_parts(
-    model: nn.Module, tensors: Mapping[str, torch.Tensor]
+    model: nn.Module, tensors: Mapping[str, torch.Tensor], view: PeftView | None
 ) -> Callable[[str], tuple[str, Index] | None]:
     """A function giving, for a checkpoint tensor that transformers fuses into one of the model's parameters on load
     (an expert's projection: ``experts.3.up_proj.weight`` of ``experts.gate_up_proj``), that parameter's state-dict
     name (among ``tensors``, by name) and the index of its part; None for any other tensor (see
-    :func:`checkpoint_names`). A PEFT model's fused parameters are its base model's, matched through its wrapping."""
-    view = PeftView.of(model)
+    :func:`checkpoint_names`). A PEFT model's (``view``) fused parameters are its base model's, matched through its
+    wrapping."""
     if view is not None:
         to_model = {view.base_name(name): name for name in tensors}
         to_model.pop(None, None)
@@ -296,12 +300,11 @@ def _hf_parts(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Callable
     return part
 
 
-def checkpoint_names(model: nn.Module, names: Collection[str]) -> Callable[[str], str | None]:
+def checkpoint_names(model: nn.Module, names: Collection[str], view: PeftView | None) -> Callable[[str], str | None]:
     """A function giving the model's state-dict name for a checkpoint tensor's name: see :func:`_hf_names`. A PEFT
-    model is matched through its wrapping: its base model's checkpoint (``X.weight``) fills
+    model (``view``) is matched through its wrapping: its base model's checkpoint (``X.weight``) fills
     ``base_model.model.X.base_layer.weight``, and its adapter's (``adapter_model.safetensors``, names without
     the adapter's: ``...lora_A.weight``) the active adapter (``...lora_A.default.weight``)."""
-    view = PeftView.of(model)
     if view is None:
         return _hf_names(model, names)
     adapter = view.adapter_names()
@@ -354,3 +357,97 @@ def _hf_names(model: nn.Module, names: Collection[str]) -> Callable[[str], str |
         return None if ignored is not None and ignored.search(key) else name
 
     return model_name
+
+
+class _Checkpoints:
+    """Several checkpoints read as one (a base model's and a PEFT adapter's): each name from the one that holds it."""
+
+    def __init__(self, readers):
+        self._where = {}
+        for reader in readers:
+            for name in reader.keys():
+                if self._where.setdefault(name, reader) is not reader:
+                    raise ValueError(f"checkpoint tensor {name!r} is in two of the checkpoints given: give it once")
+
+    def keys(self):
+        return self._where.keys()
+
+    def info(self, name: str):
+        return self._where[name].info(name)
+
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._where[name].read(name, out)
+
+
+class CheckpointSources:
+    """The checkpoint tensors that fill each parameter and buffer of a model built on the meta device, its names
+    matched as transformers matches them (:func:`checkpoint_names`): one tensor whole, or a fused expert
+    parameter's parts (:func:`checkpoint_parts`). Checked when made, before anything is read: a missing or
+    unexpected tensor raises ``KeyError``, a shape mismatch ``ValueError``.
+
+    Attributes:
+        reader: the checkpoint; a list of them (a base model's and a PEFT adapter's) read as one, each name from
+            the one that holds it.
+        of: each tensor's parts to read, ``(checkpoint name, index)``, by tensor (a parameter replaced by a new
+            object is found under the new one once the filler moves its entry).
+    """
+
+    def __init__(self, model: nn.Module, checkpoint, view: PeftView | None):
+        self.reader = _Checkpoints(checkpoint) if isinstance(checkpoint, (list, tuple)) else checkpoint
+        self.of = _match(model, self.reader, view)
+
+
+def _match(model: nn.Module, ckpt, view: PeftView | None) -> dict[torch.Tensor, list[tuple[str, Index]]]:
+    """:attr:`CheckpointSources.of`, checked."""
+    tensors = state_tensors(model)
+    first_names: dict[torch.Tensor, str] = {}
+    for name, t in tensors.items():
+        if isinstance(t, nn.Parameter) and not t.is_meta:
+            raise ValueError(
+                f"checkpoint= fills a model built on the meta device, but {name} is on {t.device}: "
+                "build the model under `with torch.device('meta'):` or call load_state_dict() instead"
+            )
+        first_names.setdefault(t, name)
+    model_name = checkpoint_names(model, tensors.keys(), view)
+    part_of = checkpoint_parts(model, tensors, view)
+    sources: dict[torch.Tensor, list[tuple[str, Index]]] = {}
+    unexpected = []
+    for key in ckpt.keys():
+        name, index = part_of(key) or (model_name(key), ())
+        if name is None:  # a tensor the model ignores
+            continue
+        t = tensors.get(name)
+        if t is None:
+            unexpected.append(key)
+            continue
+        if not t.is_meta or repr(index) in map(repr, (i for _, i in sources.get(t, ()))):
+            continue  # a buffer the model computed itself, or a tie (or part) read already
+        shape, part = tuple(ckpt.info(key).shape), tuple(t[index].shape)
+        if shape != part:
+            raise ValueError(
+                f"checkpoint tensor {key!r} has shape {shape}, the model's {name}{list(index) if index else ''}"
+                f" has {part}"
+            )
+        sources.setdefault(t, []).append((key, index))
+    adapters = view.adapters if view is not None else set()  # PEFT initializes them
+    missing = [
+        name if t not in sources else f"{name} (parts of it)"
+        for t, name in first_names.items()
+        if t.is_meta and t not in adapters
+        and (t not in sources or sum(t[i].numel() for _, i in sources[t]) < t.numel())
+    ]
+    if missing or unexpected:
+        peft = (
+            f" (matched through PEFT's wrapping: the base model's {view.base_name(missing[0])!r} fills "
+            f"{missing[0]!r}; give the base model's checkpoint)" if view is not None and missing else ""
+        )  # fmt: skip
+        raise KeyError(
+            "the checkpoint does not match the model: "
+            + "; ".join(
+                f"{what} {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
+                for what, names in (("missing", missing), ("unexpected", unexpected))
+                if names
+            )
+            + peft
+        )
+    return sources

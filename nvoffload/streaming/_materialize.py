@@ -1,4 +1,5 @@
-"""Setting a model up for streaming: every block written to the store, one at a time, and the rest given memory."""
+"""Filling a model built on the meta device: its buffers and the parameters outside the blocks, then each block, one
+at a time (the streamer writes each to the store before the next)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,9 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from nvoffload.streaming._blocks import Block, state_tensors
-from nvoffload.streaming._hf_models import (
-    Index,
-    checkpoint_names,
-    checkpoint_parts,
-    default_init,
-    rebuilt_buffers,
-)
-from nvoffload.streaming._host_cache import HostCache
+from nvoffload.streaming._blocks import Block
+from nvoffload.streaming._hf_models import CheckpointSources, Index, default_init, rebuilt_buffers
 from nvoffload.streaming._peft import PeftView
-from nvoffload.streaming._residency import DeviceResidency
 
 __all__ = ["Materializer"]
 
@@ -31,28 +24,9 @@ def _post_order(module: nn.Module) -> Iterator[nn.Module]:
     yield module
 
 
-class _Checkpoints:
-    """Several checkpoints read as one (a base model's and a PEFT adapter's): each name from the one that holds it."""
-
-    def __init__(self, readers):
-        self._where = {}
-        for reader in readers:
-            for name in reader.keys():
-                if self._where.setdefault(name, reader) is not reader:
-                    raise ValueError(f"checkpoint tensor {name!r} is in two of the checkpoints given: give it once")
-
-    def keys(self):
-        return self._where.keys()
-
-    def info(self, name: str):
-        return self._where[name].info(name)
-
-    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self._where[name].read(name, out)
-
-
 class Materializer:
-    """Fills a model's parameters and buffers and hands each block to the host cache and the device tier.
+    """Fills a model's parameters and buffers, one block at a time (the streamer stores each and takes it off the
+    device before the next is filled).
 
     A model may be built on the meta device: its parameters are then replaced by
     new ``nn.Parameter`` objects on the device (in every module that holds them,
@@ -60,11 +34,9 @@ class Materializer:
     time from ``checkpoint`` or by ``param_init_fn`` (default: a Hugging Face
     model's own ``_init_weights``, else ``reset_parameters()``), so a model
     larger than memory never is in memory at once. A parameter no init sets
-    (it is NaN until then) raises ``ValueError`` naming it. ``checkpoint`` is
-    matched against the model when this object is made (names as transformers
-    matches them, see :func:`~nvoffload.streaming._hf_models.checkpoint_names`):
-    a missing or unexpected tensor raises ``KeyError`` and a shape mismatch
-    ``ValueError`` before anything is read. Buffers on the meta device come
+    (it is NaN until then) raises ``ValueError`` naming it. The checkpoint's
+    tensors come matched to the model's
+    (:class:`~nvoffload.streaming._hf_models.CheckpointSources`). Buffers on the meta device come
     from the checkpoint, or, for those it does not hold (non-persistent ones,
     or all without a checkpoint), from a twin of the model built from its
     ``config`` (:func:`~nvoffload.streaming._hf_models.rebuilt_buffers`).
@@ -77,19 +49,19 @@ class Materializer:
     (``open_checkpoint(adapter_dir)``, as ``PeftModel.save_pretrained`` writes it).
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, *,
-                 param_init_fn: Callable[[nn.Module], None] | None, checkpoint):  # fmt: skip
+    def __init__(self, model: nn.Module, device: torch.device, *, param_init_fn: Callable[[nn.Module], None] | None,
+                 view: PeftView | None):  # fmt: skip
         self.model = model
         self.device = device
-        self._checkpoint = _Checkpoints(checkpoint) if isinstance(checkpoint, (list, tuple)) else checkpoint
-        self._init_fn = param_init_fn or default_init(model)
+        self._checkpoint = None
+        self._sources: dict[torch.Tensor, list[tuple[str, Index]]] = {}
+        self._init_fn = param_init_fn or default_init(model, view)
         self._init_what = (
             "param_init_fn" if param_init_fn is not None
             else "reset_parameters()" if self._init_fn is None else "the model's _init_weights()"
         )  # fmt: skip
-        self._peft = PeftView.of(model)
-        self._adapter_init = self._peft.adapter_init() if self._peft is not None else None
-        self._sources = self._plan_checkpoint() if checkpoint is not None else {}
+        self._peft = view
+        self._adapter_init = view.adapter_init() if view is not None else None
         self.replaced: dict[nn.Parameter, nn.Parameter] = {}
         self._owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
         for module in model.modules():
@@ -97,9 +69,13 @@ class Materializer:
                 if p is not None:
                     self._owners.setdefault(p, []).append((module, key))
 
-    def run(self, blocks: list[Block], resident: list[tuple[str, nn.Parameter]], cache: HostCache,
-            residency: DeviceResidency) -> None:  # fmt: skip
-        """Fill buffers and ``resident`` (replaced entries are updated in place), store and park every block."""
+    def filled(self, blocks: list[Block], resident: list[tuple[str, nn.Parameter]],
+               sources: CheckpointSources | None) -> Iterator[Block]:  # fmt: skip
+        """Fill buffers and ``resident`` (replaced entries are updated in place) from ``sources`` (None: no
+        checkpoint) or by the init, then each block, yielded once filled (to be stored and taken off the device
+        before the next is filled)."""
+        if sources is not None:
+            self._checkpoint, self._sources = sources.reader, sources.of
         self._fill_buffers()
         for name, p in resident:
             if not p.is_meta and p.device != self.device:
@@ -118,14 +94,7 @@ class Materializer:
                 block.params[j] = self._replace_meta(block.params[j])
             if meta:
                 self._fill([(block.param_names[j], block.params[j]) for j in meta], _post_order(block.module))
-            cache.install(block, lambda host, block=block: self._copy_into(block, host))
-            residency.park(block)
-
-    @staticmethod
-    def _copy_into(block: Block, host: torch.Tensor) -> None:
-        with torch.no_grad():
-            for j, p in enumerate(block.params):
-                block.view(host, j).copy_(p)
+            yield block
 
     def _replace_meta(self, old: nn.Parameter) -> nn.Parameter:
         new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device=self.device), requires_grad=old.requires_grad)
@@ -169,63 +138,6 @@ class Materializer:
         elif hasattr(module, "reset_parameters") and any(True for _ in module.parameters(recurse=False)):
             module.reset_parameters()
 
-    def _plan_checkpoint(self) -> dict[torch.Tensor, list[tuple[str, Index]]]:
-        """The checkpoint tensors to read for each parameter and buffer (one, whole; or a fused expert parameter's
-        parts, see :func:`~nvoffload.streaming._hf_models.checkpoint_parts`), checked before anything is read."""
-        ckpt = self._checkpoint
-        tensors = state_tensors(self.model)
-        first_names: dict[torch.Tensor, str] = {}
-        for name, t in tensors.items():
-            if isinstance(t, nn.Parameter) and not t.is_meta:
-                raise ValueError(
-                    f"checkpoint= fills a model built on the meta device, but {name} is on {t.device}: "
-                    "build the model under `with torch.device('meta'):` or call load_state_dict() instead"
-                )
-            first_names.setdefault(t, name)
-        model_name = checkpoint_names(self.model, tensors.keys())
-        part_of = checkpoint_parts(self.model, tensors)
-        sources: dict[torch.Tensor, list[tuple[str, Index]]] = {}
-        unexpected = []
-        for key in ckpt.keys():
-            name, index = part_of(key) or (model_name(key), ())
-            if name is None:  # a tensor the model ignores
-                continue
-            t = tensors.get(name)
-            if t is None:
-                unexpected.append(key)
-                continue
-            if not t.is_meta or repr(index) in map(repr, (i for _, i in sources.get(t, ()))):
-                continue  # a buffer the model computed itself, or a tie (or part) read already
-            shape, part = tuple(ckpt.info(key).shape), tuple(t[index].shape)
-            if shape != part:
-                raise ValueError(
-                    f"checkpoint tensor {key!r} has shape {shape}, the model's {name}{list(index) if index else ''}"
-                    f" has {part}"
-                )
-            sources.setdefault(t, []).append((key, index))
-        adapters = self._peft.adapters if self._peft is not None else set()  # PEFT initializes them
-        missing = [
-            name if t not in sources else f"{name} (parts of it)"
-            for t, name in first_names.items()
-            if t.is_meta and t not in adapters
-            and (t not in sources or sum(t[i].numel() for _, i in sources[t]) < t.numel())
-        ]
-        if missing or unexpected:
-            peft = (
-                f" (matched through PEFT's wrapping: the base model's {self._peft.base_name(missing[0])!r} fills "
-                f"{missing[0]!r}; give the base model's checkpoint)" if self._peft is not None and missing else ""
-            )  # fmt: skip
-            raise KeyError(
-                "the checkpoint does not match the model: "
-                + "; ".join(
-                    f"{what} {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
-                    for what, names in (("missing", missing), ("unexpected", unexpected))
-                    if names
-                )
-                + peft
-            )
-        return sources
-
     def _read_checkpoint(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
         for name, index in self._sources[tensor]:
             part = out[index]
@@ -243,7 +155,7 @@ class Materializer:
                 if b is not None and b.is_meta:
                     meta[f"{path}.{key}" if path else key] = (module, key, b)
         unread = [name for name, (_, _, b) in meta.items() if b not in self._sources]
-        rebuilt = rebuilt_buffers(self.model, unread) if unread else {}
+        rebuilt = rebuilt_buffers(self.model, unread, self._peft) if unread else {}
         for name, (module, key, b) in meta.items():
             if name in rebuilt:
                 new = rebuilt[name].to(self.device, b.dtype)

@@ -31,11 +31,12 @@ class _Parked:
 
     __slots__ = ("storage", "flat", "homes", "name", "what")
 
-    def __init__(self, block: Block, storage: torch.Tensor):
+    def __init__(self, block: Block, storage: torch.Tensor, homes: list[tuple[nn.Parameter, type]]):
         self.storage = storage.untyped_storage()
         self.flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(self.storage, 0, (block.nbytes,), (1,))
-        self.homes = _guard.homes_of(block.params)
-        self.name, self.what = str(block), f"the weights of {block}"
+        self.homes = homes
+        self.name = str(block)
+        self.what = f"the weights of {self.name}"
 
 
 class _Counted(weakref.ref):
@@ -151,12 +152,12 @@ class DeviceResidency:
     """
 
     def __init__(self, memory: MemoryManager, cache: HostCache, transfer: TransferEngine, device: torch.device,
-                 gradients: GradientLedger, resident_bytes: int):  # fmt: skip
+                 model: nn.Module, resident_bytes: int):  # fmt: skip
         self.memory = memory
         self.cache = cache
         self.transfer = transfer
         self.device = device
-        self.gradients = gradients
+        self.gradients = GradientLedger(memory, model)  # the model names the parameters in messages
         self._resident_bytes = resident_bytes
         self._lock = threading.RLock()
         self._holds: dict[Block, dict[str, int]] = {}  # blocks held on the device: the holds of each reason (> 0)
@@ -177,11 +178,11 @@ class DeviceResidency:
         """Take a new block's parameters off the device (its weights are in the store): they become views of one
         device storage of the block, zero bytes until the block arrives."""
         storage = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
-        for j, (name, p) in enumerate(zip(block.param_names, block.params)):
-            p.data = block.view(storage, j)
-            self._placements.append(_guard.attach(p, name, block.index))
-        _guard.guard_all(block.params)
-        parked = self._parked[block] = _Parked(block, storage)
+        for p, view in zip(block.params, block.views(storage)):
+            p.data = view
+        placements, homes = _guard.attach_all(block.params, block.param_names, block.index)
+        self._placements += placements
+        parked = self._parked[block] = _Parked(block, storage, homes)
         parked.storage.resize_(0)
 
     def hold(self, block: Block, why: str, *, headroom_bytes: int = 0) -> None:

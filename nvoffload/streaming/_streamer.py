@@ -18,20 +18,27 @@ from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.streaming._backward import BackwardPasses, CallHooks
 from nvoffload.streaming._blocks import Block, find_blocks, partition, resident_bytes
 from nvoffload.streaming._guard import closed_error
+from nvoffload.streaming._hf_models import CheckpointSources
 from nvoffload.streaming._host_cache import HostCache
 from nvoffload.streaming._materialize import Materializer
-from nvoffload.streaming._residency import DeviceResidency, GradientLedger
+from nvoffload.streaming._peft import PeftView
+from nvoffload.streaming._residency import DeviceResidency
 from nvoffload.streaming._weights import StreamedWeights
-from nvoffload.transfer import Future, TransferEngine
+from nvoffload.transfer import TransferEngine
 
 __all__ = ["ParameterStreamer", "compute_device_of", "device_bytes_needed"]
 
 
-def _counter(tier: str, name: str, doc: str) -> property:
-    """A settable attribute of the streamer that lives on one of its tiers."""
+def _attr(tier: str, name: str, doc: str) -> property:
+    """An attribute of the streamer that lives on one of its tiers (settable where the tier's is)."""
     return property(
         lambda self: getattr(getattr(self, tier), name), lambda self, v: setattr(getattr(self, tier), name, v), doc=doc
     )
+
+
+def _the(part: str, method: Callable) -> property:
+    """``method`` of the streamer's ``part`` as the streamer's own: the same call, documented there."""
+    return property(lambda self: method.__get__(getattr(self, part)), doc=method.__doc__)
 
 
 class ParameterStreamer:
@@ -59,7 +66,7 @@ class ParameterStreamer:
     parameters themselves, whose storage is refilled in place), and the
     backward pass lets it go once it is done with the block
     (see :class:`~nvoffload.streaming._backward.BackwardPasses`). The optimizer
-    reads and writes streamed weights through the streamer, a
+    reads and writes streamed weights through :attr:`weights`, its
     :class:`~nvoffload.optim.WeightHome`, so the next forward sees the updates.
 
     Args:
@@ -111,12 +118,13 @@ class ParameterStreamer:
             ``memory`` has left, closed with the streamer.
     """
 
-    bytes_read = _counter("_cache", "bytes_read", "Bytes read from the store.")
-    bytes_written = _counter("_cache", "bytes_written", "Bytes written to the store.")
-    io_wait_s = _counter(
+    bytes_read = _attr("_cache", "bytes_read", "Bytes read from the store.")
+    bytes_written = _attr("_cache", "bytes_written", "Bytes written to the store.")
+    io_wait_s = _attr(
         "_residency", "io_wait_s", "Time forward and backward waited for blocks to arrive (on a GPU: in host memory)."
     )
-    grad_wait_s = _counter("_residency", "grad_wait_s", "Time backward waited for the optimizer to free device memory.")
+    grad_wait_s = _attr("_residency", "grad_wait_s", "Time backward waited for the optimizer to free device memory.")
+    backward_failed = _attr("_passes", "failed", "Outside backward: whether the last backward pass raised before it ended.")
 
     def __init__(
         self,
@@ -141,13 +149,19 @@ class ParameterStreamer:
         self.device = _device.concrete(device) if device is not None else compute_device_of(model)
         if transfer is not None and transfer.device.device.type != self.device.type:
             raise ValueError(f"the transfer engine copies to {transfer.device.device}, not to {self.device}")
-        self._blocks, self._resident = partition(model, blocks if blocks is not None else find_blocks(model))
-        self._backward_order = self._blocks[::-1]  # the blocks as backward runs them, read ahead in that order
         # a transfer engine's whole share (initialize carves the gloo gradient buckets' room from it, as the
         # host tier counted them before: the same budgets pass)
         host_bytes = memory.available_bytes("host") if transfer is None else transfer.slab.capacity_bytes
-        _check_budgets(self._blocks, self._resident, memory, host_bytes, prefetch_blocks, delayed_update)
-        materializer = Materializer(model, self.device, param_init_fn=param_init_fn, checkpoint=checkpoint)
+        # 1. partition (_blocks): the blocks, each's layout, and the parameters outside them; the budgets checked
+        self._blocks, self._resident = partition(model, blocks if blocks is not None else find_blocks(model))
+        self._backward_order = self._blocks[::-1]  # the blocks as backward runs them, read ahead in that order
+        resident = resident_bytes(self._resident), resident_bytes(self._resident, grads=True)
+        _check_budgets(self._blocks, *resident, memory, host_bytes, prefetch_blocks, delayed_update)
+        # 2. names (_hf_models): how the tensors of a model on the meta device are filled, the checkpoint's
+        # names matched to the model's and checked before anything is read or allocated
+        peft = PeftView.of(model)
+        filling = Materializer(model, self.device, param_init_fn=param_init_fn, view=peft)
+        sources = CheckpointSources(model, checkpoint, peft) if checkpoint is not None else None
         self._owns_transfer = transfer is None
         if transfer is None:
             transfer = TransferEngine(host_bytes, self.device, what="parameter streaming's host memory")
@@ -155,22 +169,24 @@ class ParameterStreamer:
         try:
             if self._owns_transfer and memory.host_slab is None:  # the host tier is the slab's accounting
                 memory.use_host_slab(transfer.slab)
-            # read ahead: the block copied to the device next and ``prefetch_blocks`` after it
+            # the tiers: read ahead, the block copied to the device next and ``prefetch_blocks`` after it
             largest = max(b.nbytes for b in self._blocks)
             self._cache = HostCache(store, transfer, read_ahead_bytes=(1 + prefetch_blocks) * largest)
-            gradients = GradientLedger(memory, model)
-            self._residency = DeviceResidency(
-                memory, self._cache, transfer, self.device, gradients, resident_bytes(self._resident)
-            )
-            memory.allocate("device", resident_bytes(self._resident), "parameters outside the streamed blocks")
+            self._residency = DeviceResidency(memory, self._cache, transfer, self.device, model, resident[0])
+            memory.allocate("device", resident[0], "parameters outside the streamed blocks")
             if delayed_update:  # their gradients' bytes: the trained ones' weights, once more
-                memory.allocate("device", resident_bytes(self._resident, grads=True), "the delayed update's staged weights")
-            materializer.run(self._blocks, self._resident, self._cache, self._residency)
+                memory.allocate("device", resident[1], "the delayed update's staged weights")
+            # 3. fill (_materialize), one block at a time, and 4. residency: each block stored and cached
+            # (_host_cache), its parameters off the device (_residency) before the next is filled
+            for block in filling.filled(self._blocks, self._resident, sources):
+                self._cache.install(block, block.pack)
+                self._residency.park(block)
         except BaseException:
             self._close_transfer()
             raise
-        self.replaced: dict[nn.Parameter, nn.Parameter] = materializer.replaced  # meta parameters -> their successors
-        self._weights = StreamedWeights(model, self._blocks, self._cache, self._residency)
+        self.replaced: dict[nn.Parameter, nn.Parameter] = filling.replaced  # meta parameters -> their successors
+        # the streamed parameters' current weights: the optimizer's WeightHome, and the state-dict hooks' body
+        self.weights = StreamedWeights(model, self._blocks, self._cache, self._residency)
         self._passes = BackwardPasses(self._residency)
         self._closed = False
         self._computing: dict[Block, int] = {}  # with a trace: when each block's forward or backward began
@@ -191,16 +207,13 @@ class ParameterStreamer:
             m.register_forward_pre_hook(_hook(self, ParameterStreamer._before_forward, block, calls, needs_weights=True))
             m.register_forward_hook(_hook(self, ParameterStreamer._after_forward, block, calls), always_call=True)
         self.follow_requires_grad()
-        for module in self.model.modules():
-            owned = self._weights.owned(module)
-            if owned:
-                module.register_state_dict_post_hook(
-                    _hook(self, ParameterStreamer._after_state_dict, owned, needs_weights=True)
-                )
-                module.register_load_state_dict_pre_hook(
-                    _hook(self, ParameterStreamer._before_load, owned, needs_weights=True)
-                )
-                module.register_load_state_dict_post_hook(_hook(self, ParameterStreamer._after_load, owned))
+        for module, owned in self.weights.owners:
+            for register, method, needs_weights in (
+                (module.register_state_dict_post_hook, StreamedWeights.after_state_dict, True),
+                (module.register_load_state_dict_pre_hook, StreamedWeights.before_load, True),
+                (module.register_load_state_dict_post_hook, StreamedWeights.after_load, False),
+            ):
+                register(_hook(self, _on_weights(method), owned, needs_weights=needs_weights))
 
     def follow_requires_grad(self) -> None:
         """Give the parameters that require grad and have no gradient hook yet (all at first; later, those unfrozen
@@ -221,10 +234,11 @@ class ParameterStreamer:
                 "nor trained: wrap the model (peft.get_peft_model) before nvoffload.initialize(), and initialize the "
                 "wrapped model"
             )
-        for p, block in params:
-            if p.requires_grad and p not in self._grad_hooked:
-                p.register_post_accumulate_grad_hook(self._passes.grad_hook(id(p), *block))
-                self._grad_hooked.add(p)
+        with torch._C.DisableTorchFunctionSubclass():  # nothing here reads the weights: past the off-device guard
+            for p, block in params:
+                if p.requires_grad and p not in self._grad_hooked:
+                    p.register_post_accumulate_grad_hook(self._passes.grad_hook(id(p), *block))
+                    self._grad_hooked.add(p)
 
     def _before_forward(self, block: Block, calls: CallHooks, module, args) -> None:
         if _graph_task() != -1:  # a checkpointed call recomputed by backward, which holds the block: no read ahead
@@ -309,85 +323,15 @@ class ParameterStreamer:
             self._compute_ended(block, "backward")
         self._passes.inputs_done(block)
 
-    def _after_state_dict(self, owned, module, state_dict, prefix, local_metadata) -> None:
-        self._weights.after_state_dict(owned, state_dict, prefix)
-
-    def _before_load(self, owned, module, state_dict, prefix, local_metadata, *_) -> None:
-        self._weights.before_load(owned, local_metadata)
-
-    def _after_load(self, owned, module, incompatible_keys) -> None:
-        self._weights.after_load(owned)
-
-    @property
-    def backward_failed(self) -> bool:
-        """Outside backward: whether the last backward pass raised before it ended."""
-        return self._passes.unfinished()
-
-    # ------------------------------------------------------------------ WeightHome (the optimizer)
-    def holds(self, param: torch.Tensor) -> bool:
-        return self._weights.holds(param)
-
-    def acquire(self, param: torch.Tensor, *, staged: bool = False) -> torch.Tensor:
-        """The parameter's weights in host memory, flat (``staged``: its next weights, a delayed update's); stays
-        cached until :meth:`release`."""
-        return self._weights.acquire(param, staged=staged)
-
-    def release(self, param: torch.Tensor, *, modified: bool, staged: bool = False) -> None:
-        self._weights.release(param, modified=modified, staged=staged)
-
-    def staging(self, param: torch.Tensor) -> None:
-        """A delayed update will write the parameter's next weights until :meth:`install_staged` or
-        :meth:`drop_staged` (loading weights into its block is refused meanwhile)."""
-        self._weights.staging(param)
-
-    def install_staged(self) -> None:
-        """The delayed updates landed: the next weights written through ``acquire(staged=True)`` become the weights."""
-        self._weights.install_staged()
-
-    def drop_staged(self) -> None:
-        """The delayed updates were undone: their next weights are forgotten."""
-        self._weights.drop_staged()
-
-    def updating(self, param: torch.Tensor, done: Future) -> None:
-        """The optimizer rewrites the parameter's weights in host memory until the future ``done`` (an update
-        deferred past ``step()``): its block's next copy to the device, and reads of its weights, wait for it."""
-        self._residency.updating(self._weights.block_of(param), done)
-
-    def settled(self) -> None:
-        """Every update given to :meth:`updating` landed or was undone."""
-        self._residency.settled()
-
-    # ------------------------------------------------------------------ weights and checkpoints
-    def gather(self, param: torch.Tensor) -> torch.Tensor:
-        """A copy of a streamed parameter's current weights (CPU)."""
-        return self._weights.gather(param)
-
-    def weights_of(self, tensor: torch.Tensor):
-        """A context manager yielding the current weights of one of the model's parameters or buffers, without a
-        copy: a streamed parameter's host copy in the block cache (its block stays cached, read-only for the
-        caller, until the context exits), anything else as it is. For writing checkpoints one tensor at a time
-        (:func:`nvoffload.pretrained.save_pretrained`); call it after ``optimizer.step()``."""
-        return self._weights.current(tensor)
-
-    def writable_weights_of(self, tensor: torch.Tensor):
-        """A context manager yielding one of the model's parameters or buffers to overwrite in place: a streamed
-        parameter's host copy (its block written back to the store later), anything else itself. For loading
-        checkpoints one tensor at a time (:func:`nvoffload.load_training_checkpoint`); call it between steps."""
-        return self._weights.writable(tensor)
-
-    def save_checkpoint(self, path, metadata: dict[str, str] | None = None) -> None:
-        """Write the model's state (as ``state_dict()`` names it) to a safetensors file, one tensor in memory at a time.
-
-        The file appears under ``path`` only once complete (see
-        :class:`~nvoffload.checkpoint.SafetensorsWriter`); call it after
-        ``optimizer.step()``, not while updates are in flight. A model built on
-        the meta device loads it back with ``checkpoint=open_checkpoint(path)``.
-        """
-        self._weights.save_checkpoint(path, metadata)
-
-    def flush(self) -> None:
-        """Write every changed cached block back to the store."""
-        self._cache.flush()
+    # ------------------------------------------------------------------ weights and checkpoints: the weights' own
+    # methods, called on the streamer (the error reading a parameter off the device names gather; the training
+    # session, checkpoints and the vertical schedule call the others)
+    holds = _the("weights", StreamedWeights.holds)
+    gather = _the("weights", StreamedWeights.gather)
+    weights_of = _the("weights", StreamedWeights.current)
+    writable_weights_of = _the("weights", StreamedWeights.writable)
+    save_checkpoint = _the("weights", StreamedWeights.save_checkpoint)
+    flush = _the("_cache", HostCache.flush)
 
     def close(self) -> None:
         """Take every block off the device and give back the host cache.
@@ -434,6 +378,11 @@ def _hook(streamer: ParameterStreamer, method, *bound, needs_weights: bool = Fal
     return hook
 
 
+def _on_weights(method: Callable) -> Callable:
+    """``method`` of :class:`StreamedWeights` as a method of the streamer (for :func:`_hook`): called on its weights."""
+    return lambda streamer, *args: method(streamer.weights, *args)
+
+
 def compute_device_of(model: nn.Module) -> torch.device:
     """Where ``model`` computes: the device of its real parameters; for a model on the meta device, CUDA when present."""
     devices = {p.device for p in model.parameters()} - {torch.device("meta")}
@@ -447,17 +396,21 @@ def compute_device_of(model: nn.Module) -> torch.device:
 def device_bytes_needed(blocks: list[Block], resident, delayed_update: bool) -> int:
     """The least device memory streaming works in: the resident parameters and their gradients (delayed: and the
     staged new weights of the trained ones), one block computing, its gradients, one arriving (3 x the largest)."""
-    weights, grads = resident_bytes(resident), resident_bytes(resident, grads=True)
-    return weights + grads * (2 if delayed_update else 1) + 3 * max(b.nbytes for b in blocks)
+    return _device_bytes(blocks, resident_bytes(resident), resident_bytes(resident, grads=True), delayed_update)
 
 
-def _check_budgets(blocks: list[Block], resident, memory: MemoryManager, host_bytes: int, prefetch_blocks: int,
-                   delayed_update: bool) -> None:  # fmt: skip
+def _device_bytes(blocks: list[Block], resident_bytes: int, resident_grad_bytes: int, delayed_update: bool) -> int:
+    """:func:`device_bytes_needed` of the resident parameters' bytes and their gradients'."""
+    return resident_bytes + resident_grad_bytes * (2 if delayed_update else 1) + 3 * max(b.nbytes for b in blocks)
+
+
+def _check_budgets(blocks: list[Block], resident_bytes: int, resident_grad_bytes: int, memory: MemoryManager,
+                   host_bytes: int, prefetch_blocks: int, delayed_update: bool) -> None:  # fmt: skip
     """Raise :class:`MemoryBudgetError` when the device budget or the ``host_bytes`` of the host cache are too small."""
     if not blocks:
         raise ValueError("the model has no parameters in its blocks: nothing to stream")
     largest = max(b.nbytes for b in blocks)
-    device_needed = device_bytes_needed(blocks, resident, delayed_update)
+    device_needed = _device_bytes(blocks, resident_bytes, resident_grad_bytes, delayed_update)
     # in host memory (slab buffers are 4 KiB-aligned): one block computing, one arriving, those read ahead; and
     # delayed, a twin being written and the block it is made from
     in_host = 2 + prefetch_blocks + (2 if delayed_update else 0)

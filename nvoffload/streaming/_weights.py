@@ -17,6 +17,7 @@ from nvoffload.checkpoint import SafetensorsWriter
 from nvoffload.streaming._blocks import Block, state_tensors
 from nvoffload.streaming._host_cache import HostCache
 from nvoffload.streaming._residency import DeviceResidency
+from nvoffload.transfer import Future
 
 __all__ = ["StreamedWeights"]
 
@@ -24,10 +25,10 @@ __all__ = ["StreamedWeights"]
 class StreamedWeights:
     """Reads and writes of the streamed parameters' weights through the host cache.
 
-    It is the optimizer's :class:`~nvoffload.optim.WeightHome` (through the
-    streamer) and the body of the state-dict hooks the streamer installs on every
-    module that holds streamed parameters, so that ``state_dict()`` of the model
-    or of any sub-module gives the current weights and ``load_state_dict()`` of
+    It is the optimizer's :class:`~nvoffload.optim.WeightHome` (``streamer.weights``,
+    handed to the optimizer as it is) and the state-dict hooks the streamer installs
+    on every module that holds streamed parameters, so that ``state_dict()`` of the
+    model or of any sub-module gives the current weights and ``load_state_dict()`` of
     any of them writes them.
     """
 
@@ -36,12 +37,14 @@ class StreamedWeights:
         self._cache = cache
         self._residency = residency
         self._where = {p: (block, j) for block in blocks for j, p in enumerate(block.params)}
+        # the model's modules that hold streamed parameters themselves (not their children's), each with those
+        # parameters by attribute name: the modules the state-dict hooks go on
+        self.owners = [(module, owned) for module in model.modules() if (owned := self._owned(module))]
 
     def holds(self, param: torch.Tensor) -> bool:
         return param in self._where
 
-    def owned(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        """The streamed parameters ``module`` holds itself (not its children's), by attribute name."""
+    def _owned(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
         return [(key, p) for key, p in module._parameters.items() if p is not None and p in self._where]
 
     def block_of(self, param: torch.Tensor) -> Block:
@@ -80,6 +83,15 @@ class StreamedWeights:
         host copy first)."""
         self._residency.stage(None)
         self._cache.drop_next()
+
+    def updating(self, param: torch.Tensor, done: Future) -> None:
+        """The optimizer rewrites the parameter's weights in host memory until the future ``done`` (an update
+        deferred past ``step()``): its block's next copy to the device, and reads of its weights, wait for it."""
+        self._residency.updating(self._where[param][0], done)
+
+    def settled(self) -> None:
+        """Every update given to :meth:`updating` landed or was undone."""
+        self._residency.settled()
 
     def _check_between_passes(self) -> None:
         held = self._residency.held()
@@ -149,8 +161,8 @@ class StreamedWeights:
                 " call optimizer.synchronize() before loading weights"
             )
 
-    # ------------------------------------------------------------------ state-dict hooks of one module
-    def after_state_dict(self, owned: list[tuple[str, nn.Parameter]], state_dict: dict, prefix: str) -> None:
+    # ------------------------------------------------------------------ state-dict hooks of one module (their arguments)
+    def after_state_dict(self, owned: list[tuple[str, nn.Parameter]], module, state_dict: dict, prefix: str, _) -> None:
         """Replace the entries of ``owned`` (placeholders: the parameters are off the device) by their weights;
         ``state_dict(keep_vars=True)`` entries, the parameters themselves, stay."""
         for key, p in owned:
@@ -158,7 +170,8 @@ class StreamedWeights:
             if name in state_dict and state_dict[name] is not p:
                 state_dict[name] = self.gather(p)
 
-    def before_load(self, owned: list[tuple[str, nn.Parameter]], local_metadata: dict) -> None:
+    def before_load(self, owned: list[tuple[str, nn.Parameter]], module, state_dict, prefix, local_metadata: dict,
+                    *_) -> None:  # fmt: skip
         """Bring the block of ``owned`` to the device, where ``load_state_dict`` copies into the parameters."""
         if local_metadata.get("assign_to_params_buffers"):
             raise ValueError(
@@ -168,7 +181,7 @@ class StreamedWeights:
         self._check_landed(self.block_of(owned[0][1]))
         self._residency.hold(self.block_of(owned[0][1]), "load_state_dict")
 
-    def after_load(self, owned: list[tuple[str, nn.Parameter]]) -> None:
+    def after_load(self, owned: list[tuple[str, nn.Parameter]], module, incompatible_keys) -> None:
         """Write what ``load_state_dict`` copied into ``owned`` to their block's host copy, and let the block go."""
         block = self.block_of(owned[0][1])
         with torch.no_grad(), self._cache.pinned(block, modified=True) as host:
