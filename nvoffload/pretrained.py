@@ -213,7 +213,7 @@ def save_pretrained(
             :func:`saved_tensors` (the model's own parameter or buffer), it
             returns a context manager yielding the weights, on any device,
             valid until it exits. Default: the tensor itself. A streamed model
-            passes its streamer's :meth:`~nvoffload.streaming.ParameterStreamer.weights_of`
+            passes its streamer's ``weights.current``
             (which :meth:`nvoffload.OffloadSession.save_pretrained` does).
         extra: called with the temporary directory before it is put in place,
             to add files (e.g. ``tokenizer.save_pretrained``).

@@ -359,8 +359,8 @@ class OffloadSession:
 
     def save_checkpoint(self, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
         """Write the model's weights to a safetensors file, one tensor at a time: see
-        :meth:`~nvoffload.streaming.ParameterStreamer.save_checkpoint`."""
-        self.streamer.save_checkpoint(path, metadata)
+        :meth:`StreamedWeights.save_checkpoint <nvoffload.streaming._weights.StreamedWeights.save_checkpoint>` (``streamer.weights``)."""
+        self.streamer.weights.save_checkpoint(path, metadata)
 
     def save_pretrained(
         self, save_directory: str | os.PathLike, *, max_shard_bytes: int | None = None,
@@ -374,7 +374,7 @@ class OffloadSession:
         from nvoffload.pretrained import DEFAULT_MAX_SHARD_BYTES, save_pretrained
 
         return save_pretrained(
-            self.streamer.model, save_directory, read=self.streamer.weights_of, extra=extra, merged=merged,
+            self.streamer.model, save_directory, read=self.streamer.weights.current, extra=extra, merged=merged,
             max_shard_bytes=DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes,
         )  # fmt: skip
 

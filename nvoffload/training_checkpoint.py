@@ -751,7 +751,7 @@ def _weights(optimizer: torch.optim.Optimizer, *, write: bool):
     session = getattr(optimizer, "session", None)
     if session is None:
         return None
-    return session.streamer.writable_weights_of if write else session.streamer.weights_of
+    return session.streamer.weights.writable if write else session.streamer.weights.current
 
 
 def _load_model(model: nn.Module, optimizer: torch.optim.Optimizer, model_dir: str, checks: _Checks) -> None:

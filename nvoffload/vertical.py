@@ -155,7 +155,7 @@ def _head_per_micro_batch(model, streamer, h, sizes, micro_batches, loss, diviso
     """Each micro-batch's loss and its gradients (divided by ``divisor``, times the loss ``scale``): of its rows of
     ``h`` (concatenated) and of the parameters outside the streamed blocks that the head uses (summed, in the order
     of the micro-batches)."""
-    blocks = {p for p in streamer.model.parameters() if streamer.holds(p)}
+    blocks = {p for p in streamer.model.parameters() if streamer.weights.holds(p)}
     outside = [p for p in model.parameters() if p.requires_grad and p not in blocks]
     losses, grads_h = [], []
     head: dict[torch.Tensor, torch.Tensor] = {}

@@ -46,7 +46,7 @@ def test_streaming_refuses_until_resumed_from_the_last_checkpoint(tmp_path, wher
     names = [n for n in store._records if n.startswith("stream.block" if where == "block" else "opt")]
     for name in names:  # every block (or optimizer chunk) on disk: whichever is read next is corrupt
         flip_stored_byte(store, name)
-    opt.session.streamer._cache.close()  # nothing left in host memory: the next reads come from disk
+    opt.session.streamer.cache.close()  # nothing left in host memory: the next reads come from disk
     x, y = batch(cfg, 3)
     for _ in range(2):  # refused, and refused again: no step trains on the flipped byte
         with pytest.raises((ChecksumError, OffloadIOError), match="checksum mismatch") as info:

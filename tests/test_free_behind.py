@@ -69,11 +69,11 @@ def test_a_block_dropped_while_its_copy_runs_is_freed_behind_the_copy(tmp_path):
             residency.stage(None)  # lets it go: returns while the copy is held
             assert not gate.query() and not copy.done()
             assert storage.nbytes() == block.nbytes and memory.stats()["device"].used_bytes == used + block.nbytes
-            assert streamer._cache._lru[block].pins == 1
+            assert streamer.cache._lru[block].pins == 1
         copy.result()
         residency.stage(None)  # the next call reaps it
         assert storage.nbytes() == 0 and memory.stats()["device"].used_bytes == used
-        assert streamer._cache._lru[block].pins == 0
+        assert streamer.cache._lru[block].pins == 0
         x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
         model(x, x).backward()  # and the block comes back as before
     finally:

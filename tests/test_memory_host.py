@@ -86,7 +86,7 @@ def _held_bytes(session) -> int:
 
 
 def _streamer_buffers(session):
-    cache = session.streamer._cache
+    cache = session.streamer.cache
     return [entry.host for entry in cache._lru.values()]
 
 

@@ -240,7 +240,7 @@ out["data"] = refused(lambda: p.data.add_(1))
 out["print"] = repr(p)
 out["deepcopy"] = refused(lambda: copy.deepcopy(model))
 out["metadata"] = [list(p.shape), str(p.dtype), str(p.device), p.requires_grad, p.grad is None, p.is_leaf]
-out["gather"] = close(streamer.gather(p), ref.blocks[1].fc.weight.detach())
+out["gather"] = close(streamer.weights.gather(p), ref.blocks[1].fc.weight.detach())
 train_step()  # nothing above disturbed training
 out["trained"] = same_as_ref(model.state_dict())
 """,
@@ -274,7 +274,7 @@ out["keep_vars"] = model.blocks[1].fc.state_dict(keep_vars=True)["weight"] is p
 new = {k: torch.full_like(v, 0.25) for k, v in ref.blocks[0].fc.state_dict().items()}
 model.blocks[0].fc.load_state_dict(new)  # a sub-module's load writes the streamed weights
 ref.blocks[0].fc.load_state_dict(new)
-out["loaded"] = torch.equal(streamer.gather(model.blocks[0].fc.weight), new["weight"])
+out["loaded"] = torch.equal(streamer.weights.gather(model.blocks[0].fc.weight), new["weight"])
 out["assign"] = None
 try:
     model.blocks[0].fc.load_state_dict(new, assign=True)
@@ -322,7 +322,7 @@ def test_streamed_parameter_read_between_steps_is_refused_and_gather_gives_its_w
     for key, op in (("sum", "sum()"), ("ema", "lerp_()"), ("clone", "clone()"), ("data", "add_()")):
         assert out[key].startswith(f"{op} read {OFF_DEVICE}"), (key, out[key])
     assert out["deepcopy"].startswith("clone() read parameter blocks.0.ln_1.weight (parameter block 0) while its")
-    assert "ParameterStreamer.gather(param)" in out["sum"]
+    assert "streamer.weights.gather(param)" in out["sum"]
     assert out["print"] == "Parameter containing:\n<parameter blocks.1.fc.weight (parameter block 1): off the device, shape (256, 64), torch.float32>"
     assert out["metadata"] == [[256, 64], "torch.float32", "cpu", True, True, True]
     assert out["gather"] and out["trained"]

@@ -122,7 +122,7 @@ def test_a_write_back_started_by_a_hook_runs_off_the_training_thread(tmp_path):
             model(x)
         written = [thread for name, thread in puts if name == "stream.block0"]
         assert written and threading.main_thread() not in written
-        torch.testing.assert_close(streamer.gather(first).view(-1), expected, rtol=0, atol=0)
+        torch.testing.assert_close(streamer.weights.gather(first).view(-1), expected, rtol=0, atol=0)
     finally:
         streamer.close()
         store.close()

@@ -285,7 +285,7 @@ def test_four_micro_batches_move_no_more_weight_or_state_bytes_than_one(tmp_path
                 (model(x, y) / G).backward()
             opt.step()
         opt.synchronize()
-        session.streamer.flush()
+        session.streamer.cache.flush()
 
     def measured(G, vertical, seed):
         step(G, vertical, seed)  # the host cache as such steps leave it

@@ -79,7 +79,7 @@ class Placement:
             return closed_error(f"{what} {self.describe()}, but")
         return StreamedParameterError(
             f"{what} {self.describe()} while its block is off the device (its storage holds no bytes): read the "
-            "weights with ParameterStreamer.gather(param) or the module's state_dict(), or inside the block's forward"
+            "weights with streamer.weights.gather(param) (the ParameterStreamer's) or the module's state_dict(), or inside the block's forward"
         )
 
 

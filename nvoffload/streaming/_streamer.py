@@ -36,11 +36,6 @@ def _attr(tier: str, name: str, doc: str) -> property:
     )
 
 
-def _the(part: str, method: Callable) -> property:
-    """``method`` of the streamer's ``part`` as the streamer's own: the same call, documented there."""
-    return property(lambda self: method.__get__(getattr(self, part)), doc=method.__doc__)
-
-
 class ParameterStreamer:
     """Streams the parameters of a model's blocks between NVMe, host memory and the device.
 
@@ -51,7 +46,7 @@ class ParameterStreamer:
     parameter keeps its identity, shape, dtype, device, ``grad`` and hooks, so
     optimizers, autograd and checkpoint code keep working, but its storage holds
     no bytes and reading it raises :class:`~nvoffload.streaming.StreamedParameterError`
-    (read it with :meth:`gather` or ``state_dict()``, which give the current weights,
+    (read it with ``streamer.weights.gather`` or ``state_dict()``, which give the current weights,
     for the model or any sub-module). Parameters outside every block
     (embeddings, final norm, head) stay on the device, counted in the device budget.
 
@@ -118,8 +113,8 @@ class ParameterStreamer:
             ``memory`` has left, closed with the streamer.
     """
 
-    bytes_read = _attr("_cache", "bytes_read", "Bytes read from the store.")
-    bytes_written = _attr("_cache", "bytes_written", "Bytes written to the store.")
+    bytes_read = _attr("cache", "bytes_read", "Bytes read from the store.")
+    bytes_written = _attr("cache", "bytes_written", "Bytes written to the store.")
     io_wait_s = _attr(
         "_residency", "io_wait_s", "Time forward and backward waited for blocks to arrive (on a GPU: in host memory)."
     )
@@ -171,22 +166,22 @@ class ParameterStreamer:
                 memory.use_host_slab(transfer.slab)
             # the tiers: read ahead, the block copied to the device next and ``prefetch_blocks`` after it
             largest = max(b.nbytes for b in self._blocks)
-            self._cache = HostCache(store, transfer, read_ahead_bytes=(1 + prefetch_blocks) * largest)
-            self._residency = DeviceResidency(memory, self._cache, transfer, self.device, model, resident[0])
+            self.cache = HostCache(store, transfer, read_ahead_bytes=(1 + prefetch_blocks) * largest)
+            self._residency = DeviceResidency(memory, self.cache, transfer, self.device, model, resident[0])
             memory.allocate("device", resident[0], "parameters outside the streamed blocks")
             if delayed_update:  # their gradients' bytes: the trained ones' weights, once more
                 memory.allocate("device", resident[1], "the delayed update's staged weights")
             # 3. fill (_materialize), one block at a time, and 4. residency: each block stored and cached
             # (_host_cache), its parameters off the device (_residency) before the next is filled
             for block in filling.filled(self._blocks, self._resident, sources):
-                self._cache.install(block, block.pack)
+                self.cache.install(block, block.pack)
                 self._residency.park(block)
         except BaseException:
             self._close_transfer()
             raise
         self.replaced: dict[nn.Parameter, nn.Parameter] = filling.replaced  # meta parameters -> their successors
         # the streamed parameters' current weights: the optimizer's WeightHome, and the state-dict hooks' body
-        self.weights = StreamedWeights(model, self._blocks, self._cache, self._residency)
+        self.weights = StreamedWeights(model, self._blocks, self.cache, self._residency)
         self._passes = BackwardPasses(self._residency)
         self._closed = False
         self._computing: dict[Block, int] = {}  # with a trace: when each block's forward or backward began
@@ -248,7 +243,7 @@ class ParameterStreamer:
         self._passes.release_unfinished()
         self._staged_grads = (None, 0)  # found again by the next backward (parameters may be frozen or unfrozen)
         self._residency.hold(block, "forward")
-        self._cache.read_ahead(self._blocks, block)
+        self.cache.read_ahead(self._blocks, block)
         self._residency.stage(self._blocks[block.pos + 1] if block.pos + 1 < len(self._blocks) else None)
         if trace.active() is not None:
             self._compute_began(block, waited_ns)
@@ -306,7 +301,7 @@ class ParameterStreamer:
         staged, staged_grads = self._staged_grads  # found by the pre-hook before, which staged this block
         grads = staged_grads if staged is block else self._grad_headroom(block)
         self._passes.enter(block, headroom_bytes=grads)
-        self._cache.read_ahead(self._backward_order, block)
+        self.cache.read_ahead(self._backward_order, block)
         # the next block arrives now; its gradients and this block's are made while both are on the device
         nxt = self._blocks[block.pos - 1] if block.pos > 0 else None
         self._staged_grads = (nxt, self._grad_headroom(nxt) if nxt else 0)
@@ -323,21 +318,11 @@ class ParameterStreamer:
             self._compute_ended(block, "backward")
         self._passes.inputs_done(block)
 
-    # ------------------------------------------------------------------ weights and checkpoints: the weights' own
-    # methods, called on the streamer (the error reading a parameter off the device names gather; the training
-    # session, checkpoints and the vertical schedule call the others)
-    holds = _the("weights", StreamedWeights.holds)
-    gather = _the("weights", StreamedWeights.gather)
-    weights_of = _the("weights", StreamedWeights.current)
-    writable_weights_of = _the("weights", StreamedWeights.writable)
-    save_checkpoint = _the("weights", StreamedWeights.save_checkpoint)
-    flush = _the("_cache", HostCache.flush)
-
     def close(self) -> None:
         """Take every block off the device and give back the host cache.
 
         The streamed parameters' weights go with it (save them first with
-        :meth:`save_checkpoint` or ``state_dict()``): from now on reading a
+        ``streamer.weights.save_checkpoint`` or ``state_dict()``): from now on reading a
         streamed parameter, running a block forward or backward, and
         ``state_dict()`` or ``load_state_dict()`` of a module holding streamed
         parameters raise :class:`~nvoffload.streaming.StreamedParameterError`.
@@ -347,7 +332,7 @@ class ParameterStreamer:
         self._closed = True
         self._passes.closed = True
         self._residency.close()
-        self._cache.close()
+        self.cache.close()
         self._close_transfer()
 
     def _close_transfer(self) -> None:
