@@ -12,6 +12,7 @@ its weights and AdamW state on NVMe, in one run:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
@@ -116,7 +117,8 @@ def measure(args, root: Path) -> dict:
         timed("step" if step > 1 else "warm-up step", lambda: train_step(model, opt, step, args.tokens))
         digests[step] = weights_digest(model)
     alone_s = sum(end - start for what, start, end in timeline if what == "step") / args.steps
-    job = timed("training waits", lambda: nvoffload.start_training_checkpoint(ckpt, step=step, model=model, optimizer=opt, keep_last=1))
+    start = functools.partial(nvoffload.start_training_checkpoint, ckpt, step=step, model=model, optimizer=opt, keep_last=1)
+    job = timed("training waits", start)
     waited_s = timeline[-1][2] - timeline[-1][1]
     beside = []
     while not job.done() or not beside:

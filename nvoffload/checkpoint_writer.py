@@ -4,8 +4,8 @@ training goes on.
 :class:`EngineWriter` moves the bytes of :class:`~nvoffload.checkpoint.SafetensorsWriter` files' tensors
 through an :class:`~nvoffload.io.IOEngine`: each part's 4 KiB-aligned middle by the native threads with
 O_DIRECT, its CRC-32C computed by them as the blocks go out; the unaligned edges (under 4 KiB at each end)
-put together in the pages they share, and written by them too. :class:`BackgroundCheckpoint` is a checkpoint being written by a
-thread of its own (:func:`nvoffload.start_training_checkpoint`).
+put together in the pages they share, and written by them too. :class:`BackgroundCheckpoint` is a checkpoint
+being written by a thread of its own (:func:`nvoffload.start_training_checkpoint`).
 
 Testing hooks name the phases of a background checkpoint (:data:`PHASES`): :func:`hold_at` holds the writer
 there until released, and ``NVOFFLOAD_CHECKPOINT_STOP_AT=<phase>:<marker file>`` makes the process create the
@@ -68,7 +68,9 @@ class EngineWriter:
         hi = max(lo, (offset + data.numel()) // ALIGNMENT_BYTES * ALIGNMENT_BYTES - offset)
         head, middle, tail = data[:lo], data[lo:hi], data[hi:]
         crcs = crc32c(head), crc32c(tail)
-        parts = [self._engine.submit(pages.file, middle, offset + lo, write=True, checksum=True)] if middle.numel() else []
+        parts = []
+        if middle.numel():
+            parts.append(self._engine.submit(pages.file, middle, offset + lo, write=True, checksum=True))
         written = pages.put(head, offset) + pages.put(tail, offset + hi)  # (the page's write, its buffer)
         self.written_bytes += data.numel()
 

@@ -656,7 +656,8 @@ def _open_shards(
     try:
         for filename, names in shards.items():
             info = {n: (tensors[n].dtype, tuple(tensors[n].shape)) for n in names}
-            writers[filename] = SafetensorsWriter(os.path.join(tmp, filename), info, data_alignment_bytes=ALIGNMENT_BYTES)
+            path = os.path.join(tmp, filename)
+            writers[filename] = SafetensorsWriter(path, info, data_alignment_bytes=ALIGNMENT_BYTES)  # for O_DIRECT
     except BaseException:
         for w in writers.values():
             w.abort()
