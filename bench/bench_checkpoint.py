@@ -139,6 +139,7 @@ def parse_args(argv):
     p.add_argument("--dir", default=None, help="where the swap file and checkpoints go (default: under /tmp)")
     p.add_argument("--quick", action="store_true", help="the tiny preset, one repeat: the smoke run")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--name", default="bench_checkpoint", help="of the results files (default %(default)s)")
     p.add_argument("--background", action="store_true", help="also measure a background checkpoint (see above)")
     p.add_argument("--background-preset", dest="bg_preset", default="gpt2-1.3b", help="its model (default %(default)s)")
     p.add_argument("--steps", type=int, default=3, help="steps timed without a checkpoint (default %(default)s)")
@@ -227,13 +228,16 @@ def main(argv=None) -> Path:
         row["save_vs_fio"] = row["save_GBps"] / rows[-1]["save_GBps"] if fio is not None else float("nan")
 
     def plot(plt):
-        fig, ax = plt.subplots(figsize=(8, 4))
+        fig, axes = plt.subplots(2 if background else 1, 1, figsize=(9, 7 if background else 4), squeeze=False)
+        ax = axes[0][0]
         for name, samples in timelines.items():
             ax.plot([t for t, _ in samples], [b / GB for _, b in samples], label=name)
         ax.set_xlabel("seconds (save, then load)")
         ax.set_ylabel("resident memory above start (GB)")
         ax.set_title(f"training checkpoint of {args.preset}: memory while saving and loading (last repeat)")
         ax.legend()
+        if background:
+            _plot_timeline(axes[1][0], background, args)
         fig.tight_layout()
         return fig
 
@@ -248,12 +252,35 @@ def main(argv=None) -> Path:
             f" weights and {args.state_precision} AdamW state on NVMe): steps at {background['steps_rate_vs_alone']:.2f}x their rate beside"
             f" it; {background['checkpoint_GB']:.2f} GB of state at {background['checkpoint_GBps']:.2f} GB/s,"
             f" {background['checkpoint_vs_copy']:.2f}x the disk's copy rate ({background['copy_GBps']:.2f} GB/s);"
-            f" {background['kills']} kills, resume bit-identical: {background['resume_bit_identical']}."
+            f" {background['kills']} kills, resume bit-identical: {background['resume_bit_identical']}. Training waited"
+            f" {background['training_waited_s']:.1f} s at its start (the model's weights written, the state held;"
+            " counted in the steps beside it)."
+            f" Load average (2 cores, shared) {background['load_average'][0]:.1f} before,"
+            f" {background['load_average'][1]:.1f} after the measurement."
         )
     return save_report(
-        "bench_checkpoint", rows, settings={"preset": args.preset, "repeats": args.repeats}, plot_column="save_GBps",
+        args.name, rows, settings={"preset": args.preset, "repeats": args.repeats}, plot_column="save_GBps",
         notes=notes, results_dir=args.results_dir, extra={"timelines": timelines, "background": background}, plot=plot,
     )  # fmt: skip
+
+
+_COLORS = {"warm-up step": "0.8", "step": "tab:blue", "training waits": "tab:red", "step beside": "tab:orange",
+           "checkpoint written": "tab:green", "disk copy of the same bytes": "tab:purple"}  # fmt: skip
+
+
+def _plot_timeline(ax, background: dict, args) -> None:
+    """The background checkpoint's measurement as bars in time: the steps alone, the training's wait at its
+    start, the steps beside it, its write, and the disk's copy of the same bytes."""
+    rows = list(_COLORS)
+    for what, start, end in background["timeline"]:
+        ax.barh(rows.index(what), end - start, left=start, color=_COLORS[what], edgecolor="black", linewidth=0.5)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title(
+        f"background checkpoint, {args.bg_preset}, {background['checkpoint_GB']:.1f} GB: "
+        f"{background['checkpoint_vs_copy']:.2f}x the copy rate, steps {background['steps_rate_vs_alone']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ its weights and AdamW state on NVMe, in one run:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
@@ -96,32 +97,42 @@ def copy_rate(source: str, directory: Path, nbytes: int, block_bytes: int = 64 <
 
 
 def measure(args, root: Path) -> dict:
-    """Steps with and without a background checkpoint, its rate against the disk's copy rate, in one run."""
+    """Steps with and without a background checkpoint, its rate against the disk's copy rate, in one run; the
+    timeline of it all (``(what, start_s, end_s)``, seconds from the first step) and the load average around it."""
     swap, ckpt = root / "swap", root / "ckpt"
     swap.mkdir()
+    load = [os.getloadavg()[0]]
     model, opt = build(args.preset, swap, args.cpu_memory_bytes, args.state_precision)
-    digests = {}
-    step, times = 0, []
+    digests, timeline, zero = {}, [], time.monotonic()
+
+    def timed(what: str, run) -> float:
+        start = time.monotonic()
+        result = run()
+        timeline.append((what, start - zero, time.monotonic() - zero))
+        return result
+
+    step = 0
     for _ in range(1 + args.steps):  # the first step is a warm-up
-        start = time.perf_counter()
         step += 1
-        train_step(model, opt, step, args.tokens)
-        times.append(time.perf_counter() - start)
+        timed("step" if step > 1 else "warm-up step", lambda: train_step(model, opt, step, args.tokens))
         digests[step] = weights_digest(model)
-    alone_s = sum(times[1:]) / len(times[1:])
-    started = time.perf_counter()
-    job = nvoffload.start_training_checkpoint(ckpt, step=step, model=model, optimizer=opt, keep_last=1)
-    waited_s, beside = time.perf_counter() - started, []
+    alone_s = sum(end - start for what, start, end in timeline if what == "step") / args.steps
+    start = functools.partial(nvoffload.start_training_checkpoint, ckpt, step=step, model=model, optimizer=opt, keep_last=1)
+    job = timed("training waits", start)
+    waited_s = timeline[-1][2] - timeline[-1][1]
+    beside = []
     while not job.done() or not beside:
-        start = time.perf_counter()
         step += 1
-        train_step(model, opt, step, args.tokens)
-        beside.append(time.perf_counter() - start)
+        timed("step beside", lambda: train_step(model, opt, step, args.tokens))
+        beside.append(timeline[-1][2] - timeline[-1][1])
         digests[step] = weights_digest(model)
     job.wait()
+    timeline.append(("checkpoint written", job.started_s - zero, job.ended_s - zero))
     shutil.rmtree(ckpt)  # room for the copy
     ckpt.mkdir()
-    copy = copy_rate(str(max(swap.glob("*.swap"), key=lambda p: p.stat().st_size)), ckpt, job.nbytes)
+    largest = str(max(swap.glob("*.swap"), key=lambda p: p.stat().st_size))
+    copy = timed("disk copy of the same bytes", lambda: copy_rate(largest, ckpt, job.nbytes))
+    load.append(os.getloadavg()[0])
     beside_s = (sum(beside) + waited_s) / len(beside)
     for _ in range(args.kills + 2):  # the reference run's steps the kills' resumes may reach
         step += 1
@@ -134,6 +145,7 @@ def measure(args, root: Path) -> dict:
         "steps_rate_vs_alone": alone_s / beside_s, "steps_beside": len(beside), "training_waited_s": waited_s,
         "checkpoint_s": job.seconds, "checkpoint_GB": job.nbytes / GB, "checkpoint_GBps": job.nbytes / job.seconds / GB,
         "copy_GBps": copy / GB, "checkpoint_vs_copy": job.nbytes / job.seconds / copy, "digests": digests,
+        "timeline": timeline, "load_average": load,
     }  # fmt: skip
 
 

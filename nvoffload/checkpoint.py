@@ -522,8 +522,11 @@ def _plan(tensors_info: Mapping[str, tuple[torch.dtype, Sequence[int]]]) -> dict
     return {name: (info, offsets[name]) for name, info in infos.items()}
 
 
-def _encode_header(layout: dict[str, tuple[TensorInfo, int]], metadata: Mapping[str, str] | None) -> bytes:
-    """The JSON header, padded with spaces to a multiple of 8 bytes (as the reference writer does)."""
+def _encode_header(
+    layout: dict[str, tuple[TensorInfo, int]], metadata: Mapping[str, str] | None, data_alignment_bytes: int
+) -> bytes:
+    """The JSON header, padded with spaces so that the data starts at a multiple of ``data_alignment_bytes``
+    (8, as the reference writer does; a multiple of 8)."""
     header: dict[str, object] = {}
     if metadata is not None:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
@@ -536,7 +539,7 @@ def _encode_header(layout: dict[str, tuple[TensorInfo, int]], metadata: Mapping[
             "data_offsets": [offset, offset + info.nbytes],
         }
     encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    return encoded + b" " * (-len(encoded) % _LENGTH_BYTES)
+    return encoded + b" " * (-(_LENGTH_BYTES + len(encoded)) % data_alignment_bytes)
 
 
 class SafetensorsWriter:
@@ -556,6 +559,9 @@ class SafetensorsWriter:
         path: the file to create (replaced if it exists, once complete).
         tensors_info: ``{name: (dtype, shape)}`` of every tensor the file will hold.
         metadata: ``{str: str}`` stored as the header's ``__metadata__``.
+        data_alignment_bytes: where the tensors' data starts: at a multiple of this (a multiple of 8; the header
+            padded with spaces, as the format allows). 4096 lets O_DIRECT write the tensors
+            (:class:`~nvoffload.checkpoint_writer.EngineWriter`).
     """
 
     def __init__(
@@ -563,10 +569,14 @@ class SafetensorsWriter:
         path: str | os.PathLike,
         tensors_info: Mapping[str, tuple[torch.dtype, Sequence[int]]],
         metadata: Mapping[str, str] | None = None,
+        *,
+        data_alignment_bytes: int = _LENGTH_BYTES,
     ):
+        if data_alignment_bytes < _LENGTH_BYTES or data_alignment_bytes % _LENGTH_BYTES:
+            raise ValueError(f"data_alignment_bytes must be a positive multiple of 8, got {data_alignment_bytes!r}")
         self.path = os.fspath(path)
         self._layout = _plan(tensors_info)
-        header = _encode_header(self._layout, metadata)
+        header = _encode_header(self._layout, metadata, data_alignment_bytes)
         self._data_start = _LENGTH_BYTES + len(header)
         self._written = dict.fromkeys(self._layout, 0)  # name -> elements written so far (write_slice: in order)
         self._done: set[str] = set()  # names written completely
@@ -629,6 +639,11 @@ class SafetensorsWriter:
                 _pwrite_all(self._file.fd, _bytes_of(data), self.data_offset(name) + start * data.element_size())
             crc = crc32c(data)
         self.placed(name, start, tensor.numel(), crc)
+
+    @property
+    def data_start(self) -> int:
+        """Where in the file the tensors' data starts (a multiple of ``data_alignment_bytes``)."""
+        return self._data_start
 
     @property
     def partial_path(self) -> str:

@@ -4,8 +4,8 @@ training goes on.
 :class:`EngineWriter` moves the bytes of :class:`~nvoffload.checkpoint.SafetensorsWriter` files' tensors
 through an :class:`~nvoffload.io.IOEngine`: each part's 4 KiB-aligned middle by the native threads with
 O_DIRECT, its CRC-32C computed by them as the blocks go out; the unaligned edges (under 4 KiB at each end)
-by a buffered ``pwrite`` on the calling thread. :class:`BackgroundCheckpoint` is a checkpoint being written by a
-thread of its own (:func:`nvoffload.start_training_checkpoint`).
+put together in the pages they share, and written by them too. :class:`BackgroundCheckpoint` is a checkpoint
+being written by a thread of its own (:func:`nvoffload.start_training_checkpoint`).
 
 Testing hooks name the phases of a background checkpoint (:data:`PHASES`): :func:`hold_at` holds the writer
 there until released, and ``NVOFFLOAD_CHECKPOINT_STOP_AT=<phase>:<marker file>`` makes the process create the
@@ -25,12 +25,12 @@ import torch
 
 from nvoffload.checkpoint import SafetensorsWriter
 from nvoffload.core.atomic import naming
-from nvoffload.core.buffers import ALIGNMENT_BYTES, byte_view, round_up
+from nvoffload.core.buffers import ALIGNMENT_BYTES, aligned_empty, byte_view, round_up
 from nvoffload.core.future import WAIT_LIMIT_S, Future
 from nvoffload.core.workers import Worker
 from nvoffload.io.checksum import crc32c, crc32c_combine
 from nvoffload.io.config import IOConfig
-from nvoffload.io.engine import IOEngine, OpenFile
+from nvoffload.io.engine import IOEngine, NativePart, OpenFile
 
 __all__ = ["PHASES", "BackgroundCheckpoint", "EngineWriter", "hold_at", "reached"]
 
@@ -43,12 +43,18 @@ _held: dict[str, threading.Event] = {}
 
 
 class EngineWriter:
-    """Writes parts of the tensors of safetensors files (made by :class:`SafetensorsWriter`, which wrote their
-    header and checks that every tensor is written) through the native I/O threads; ``written_bytes`` counts."""
+    """Writes parts of the tensors of safetensors files through the native I/O threads, O_DIRECT only; each
+    file made by :class:`SafetensorsWriter` with ``data_alignment_bytes=ALIGNMENT_BYTES`` (which wrote its
+    header and checks that every tensor is written). ``written_bytes`` counts.
+
+    A part's 4 KiB-aligned middle goes out from its own memory, its CRC-32C computed by the I/O threads; its
+    unaligned edges (under 4 KiB at each end, where it meets another part) are copied into the page they share
+    (:class:`_Pages`), written once every byte of it is there. No buffered write meets the O_DIRECT ones: on
+    ext4 a buffered write takes the file's lock exclusively, waiting for every O_DIRECT write in flight."""
 
     def __init__(self, config: IOConfig | None = None):
         self._engine = IOEngine(config)
-        self._files: dict[str, tuple[OpenFile, int]] = {}  # partial path -> (the engine's file, a buffered fd)
+        self._files: dict[str, _Pages] = {}  # partial path -> its pages being put together (and the file)
         self.written_bytes = 0
 
     def write(self, writer: SafetensorsWriter, name: str, start: int, values: torch.Tensor) -> Future:
@@ -56,44 +62,93 @@ class EngineWriter:
         flat elements ``[start, ...)``; the future's completion counts them in ``writer`` with their CRC-32C
         (``writer.placed``): complete the futures of one tensor in order."""
         data = byte_view(values.contiguous())
-        path = writer.partial_path
-        if path not in self._files:  # its blocks allocated at once: O_DIRECT writes into holes convert extents
-            self._files[path] = (self._engine.open(path), os.open(path, os.O_WRONLY))
-            self._engine.allocate(self._files[path][0], 0, os.path.getsize(path))
-        file, fd = self._files[path]
+        pages = self._pages(writer)
         offset = writer.data_offset(name) + start * values.element_size()
         lo = round_up(offset) - offset
         hi = max(lo, (offset + data.numel()) // ALIGNMENT_BYTES * ALIGNMENT_BYTES - offset)
         head, middle, tail = data[:lo], data[lo:hi], data[hi:]
-        with naming(path):
-            _pwrite(fd, head, offset)
-            _pwrite(fd, tail, offset + hi)
         crcs = crc32c(head), crc32c(tail)
-        part = self._engine.submit(file, middle, offset + lo, write=True, checksum=True) if middle.numel() else None
+        parts = []
+        if middle.numel():
+            parts.append(self._engine.submit(pages.file, middle, offset + lo, write=True, checksum=True))
+        written = pages.put(head, offset) + pages.put(tail, offset + hi)  # (the page's write, its buffer)
         self.written_bytes += data.numel()
 
         def finish(error: BaseException | None) -> None:
             if error is not None:
                 raise error
-            crc = crc32c_combine(crcs[0], part.crc(), middle.numel()) if part is not None else crcs[0]
+            crc = crc32c_combine(crcs[0], parts[0].crc(), middle.numel()) if middle.numel() else crcs[0]
             writer.placed(name, start, values.numel(), crc32c_combine(crc, crcs[1], tail.numel()))
 
-        return Future([part] if part is not None else [], finish, what=f"{name} of {path}", keepalive=values)
+        return Future(
+            parts + [part for part, _ in written], finish, what=f"{name} of {writer.partial_path}",
+            keepalive=(values, [page for _, page in written]),
+        )  # fmt: skip
+
+    def _pages(self, writer: SafetensorsWriter) -> _Pages:
+        path = writer.partial_path
+        if path not in self._files:
+            if writer.data_start % ALIGNMENT_BYTES:
+                raise ValueError(
+                    f"{path}: its data starts at byte {writer.data_start}; O_DIRECT writes need a multiple of"
+                    f" {ALIGNMENT_BYTES} (SafetensorsWriter(..., data_alignment_bytes={ALIGNMENT_BYTES}))"
+                )
+            file = self._engine.open(path)
+            self._files[path] = _Pages(self._engine, file, os.path.getsize(path))
+            # its blocks allocated at once: O_DIRECT writes into holes convert extents
+            self._engine.allocate(file, 0, os.path.getsize(path))
+        return self._files[path]
+
+    def finish(self) -> None:
+        """Every part written (their futures done): wait for the writes, and leave each file whole (its last
+        page, written whole, cut back to the file's size). Then :meth:`close`."""
+        self._engine.close()
+        for pages in self._files.values():
+            pages.finish()
+        self.close()
 
     def close(self) -> None:
-        """Close the files it opened and stop its threads (after the writes queued). Idempotent."""
-        for file, fd in self._files.values():
-            self._engine.close_file(file)
-            os.close(fd)
-        self._files.clear()
+        """Stop its threads (after the writes queued) and close the files it opened. Idempotent."""
         self._engine.close()
+        for pages in self._files.values():
+            self._engine.close_file(pages.file)
+        self._files.clear()
 
 
-def _pwrite(fd: int, data: torch.Tensor, offset: int) -> None:
-    view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
+class _Pages:
+    """The 4 KiB pages of one file that parts share (a tensor's tail and the next one's head), each put together
+    in host memory from the parts' edges and written by the I/O threads once every byte of it (up to the file's
+    end) is there."""
+
+    def __init__(self, engine: IOEngine, file: OpenFile, end: int):
+        self._engine, self.file, self._end = engine, file, end
+        self._filling: dict[int, list] = {}  # page offset -> [its 4 KiB buffer, bytes not there yet]
+        self._past_end = False  # the last page went out whole, past the file's end
+
+    def put(self, data: torch.Tensor, offset: int) -> list[tuple[NativePart, torch.Tensor]]:
+        """Place ``data`` (bytes, within one page) at ``offset``; the page's write (and its buffer, alive until
+        it is done) when this completed it."""
+        if not data.numel():
+            return []
+        page = offset // ALIGNMENT_BYTES * ALIGNMENT_BYTES
+        if page not in self._filling:
+            self._filling[page] = [aligned_empty(ALIGNMENT_BYTES).zero_(), min(ALIGNMENT_BYTES, self._end - page)]
+        entry = self._filling[page]
+        entry[0][offset - page : offset - page + data.numel()].copy_(data)
+        entry[1] -= data.numel()
+        if entry[1]:
+            return []
+        del self._filling[page]
+        self._past_end |= page + ALIGNMENT_BYTES > self._end
+        return [(self._engine.submit(self.file, entry[0], page, write=True), entry[0])]
+
+    def finish(self) -> None:
+        """The writes done: check every page went out, and cut the file back to its size."""
+        if self._filling:
+            raise RuntimeError(f"{self.file.path}: the pages at {sorted(self._filling)[:3]} were never completed")
+        if self._past_end:
+            with naming(self.file.path):
+                os.truncate(self.file.path, self._end)
 
 
 class BackgroundCheckpoint:

@@ -81,6 +81,7 @@ from nvoffload.checkpoint import (
 )
 from nvoffload.checkpoint_writer import BackgroundCheckpoint, EngineWriter, reached
 from nvoffload.core.atomic import fsync_path, naming, new_sibling, put_in_place
+from nvoffload.core.buffers import ALIGNMENT_BYTES
 from nvoffload.core.future import Future
 from nvoffload.distributed import Ranks, RankTimeoutError
 from nvoffload.io.checksum import crc32c
@@ -400,7 +401,7 @@ class _Copy:
         try:
             reached("copy")
             self._snapshot.stream(sink, max_bytes_in_flight=self._max_bytes_in_flight)
-            engine.close()
+            engine.finish()
             for w in self._writers.values():
                 w.close()
         except BaseException:
@@ -655,7 +656,8 @@ def _open_shards(
     try:
         for filename, names in shards.items():
             info = {n: (tensors[n].dtype, tuple(tensors[n].shape)) for n in names}
-            writers[filename] = SafetensorsWriter(os.path.join(tmp, filename), info)
+            path = os.path.join(tmp, filename)
+            writers[filename] = SafetensorsWriter(path, info, data_alignment_bytes=ALIGNMENT_BYTES)  # for O_DIRECT
     except BaseException:
         for w in writers.values():
             w.abort()

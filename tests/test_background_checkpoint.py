@@ -18,7 +18,9 @@ import torch
 from test_training_checkpoint import CFG, SAVE_AT, STEPS, Run, _assert_equal, _batch, _goes_on_as_uninterrupted, _state
 
 import nvoffload
-from nvoffload.checkpoint_writer import hold_at
+from nvoffload.checkpoint import SafetensorsWriter, open_checkpoint
+from nvoffload.checkpoint_writer import EngineWriter, hold_at
+from nvoffload.io.checksum import crc32c
 from nvoffload.io import TensorStore
 from nvoffload.models import GPT
 from nvoffload.optim import NVMeAdamW
@@ -175,6 +177,74 @@ run.train(1)
 job.wait()
 print("not killed")
 """
+
+
+def test_the_writer_widens_compact_state_into_its_own_buffers(tmp_path):
+    """bf16 moments are handed to the sink as fp32 in the writer's own buffers (no memory allocated, and faulted
+    in, per chunk), their values those of the state dict."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with NVMeAdamW(model.parameters(), lr=3e-3, swap_dir=tmp_path, cpu_memory_bytes=8 << 20,
+                   state_precision="bf16-moments") as opt:  # fmt: skip
+        for _ in range(2):
+            model(*_batch()).backward()
+            opt.step()
+            opt.zero_grad()
+        expected = opt.state_dict()["state"]
+        layout = opt.state_layout()
+        snapshot = opt.snapshot_state(layout)
+        where = {id(t): (idx, key) for idx, st in layout["state"].items() for key, t in st.items()}
+        buffers, got = set(), {}
+
+        def sink(placeholder, elements, values):
+            assert values.dtype == torch.float32
+            buffers.add(values.untyped_storage().data_ptr())
+            got.setdefault(where[id(placeholder)], []).append(values.clone())
+
+        snapshot.stream(sink, max_bytes_in_flight=1)
+        snapshot.release()
+    assert len(buffers) == 2 and len(got) > 4
+    for (idx, key), parts in got.items():
+        assert torch.equal(torch.cat(parts), expected[idx][key].reshape(-1)), (idx, key)
+
+
+def test_the_engine_writer_puts_unaligned_edges_together_and_writes_only_with_o_direct(tmp_path, monkeypatch):
+    """Tensors whose sizes are not multiples of 4 KiB, written in parts in any order of tensors: every byte goes
+    out through the I/O threads (no buffered write beside their O_DIRECT ones), the file is whole (its last page
+    cut back to its size) and its checksums those of the tensors."""
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(1001), "b": torch.randn(3, 777).bfloat16(), "c": torch.randn(5003), "d": torch.randn(7)}
+    path = tmp_path / "state.safetensors"
+    writer = SafetensorsWriter(path, {n: (t.dtype, t.shape) for n, t in tensors.items()}, data_alignment_bytes=4096)
+    assert writer.data_start % 4096 == 0
+    buffered = []
+    monkeypatch.setattr(os, "pwrite", lambda *args: buffered.append(args))
+    engine = EngineWriter()
+    futures = []
+    for name, cut in (("c", 2000), ("a", 333), ("d", 7), ("b", 1500)):  # two parts each, d's second one empty
+        flat = tensors[name].reshape(-1)
+        futures += [engine.write(writer, name, 0, flat[:cut]), engine.write(writer, name, cut, flat[cut:])]
+    for future in futures:
+        future.result()
+    engine.finish()
+    monkeypatch.undo()
+    writer.close()
+    assert buffered == []
+    assert os.path.getsize(path) == writer.data_start + sum(t.numel() * t.element_size() for t in tensors.values())
+    with open_checkpoint(path) as reader:
+        for name, t in tensors.items():
+            assert torch.equal(reader.read(name), t), name
+            assert writer.checksums[name] == crc32c(t.contiguous()), name
+
+
+def test_the_engine_writer_refuses_a_file_whose_data_is_not_aligned(tmp_path):
+    writer = SafetensorsWriter(tmp_path / "state.safetensors", {"a": (torch.float32, (8,))})
+    engine = EngineWriter()
+    with pytest.raises(ValueError, match="state.safetensors.tmp: its data starts at byte .*data_alignment_bytes=4096"):
+        engine.write(writer, "a", 0, torch.ones(8))
+    engine.close()
+    writer.abort()
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("phase", ["state", "manifest"])

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nvoffload.core.buffers import aligned_empty
+from nvoffload.core.buffers import aligned_empty, round_up
 from nvoffload.core.future import Future
 from nvoffload.optim._chunk_io import ChunkIO
 from nvoffload.optim._chunk_state import Chunk, ChunkStore, Slot
@@ -213,23 +213,44 @@ class StateSnapshot:
     def _rows_numel(self, held: _Held) -> int:
         return self._chunks.layout.rows(held.chunk.record) * held.chunk.numel
 
+    def _widened_numel(self, held: _Held) -> int:
+        """fp32 elements of the 16-bit values of ``held`` that :meth:`_values` widens."""
+        rows = torch.empty(self._rows_numel(held), device="meta").view(-1, held.chunk.numel)
+        state = self._chunks.layout.chunk_state(held.chunk, rows)
+        views = (state.weights, *state.moments) if state.exponents is None else ()
+        return sum(v.numel() for v in views if v.dtype != torch.float32)
+
+    def _values(self, held: _Held, rows: torch.Tensor, spare: torch.Tensor) -> list[torch.Tensor]:
+        """:meth:`ChunkState.values` of ``held``'s ``rows``, a 16-bit one widened into ``spare`` (fp32, the buffer's
+        own: no memory allocated, and faulted in, per chunk); 8-bit moments decoded."""
+        state = self._chunks.layout.chunk_state(held.chunk, rows)
+        if state.exponents is not None:
+            return state.values()
+        values, free = [], spare
+        for view in (state.weights, *state.moments):
+            if view.dtype != torch.float32:
+                view, free = free[: view.numel()].copy_(view), free[view.numel() :]
+            values.append(view)
+        return values
+
     def stream(self, sink: AsyncSink, *, max_bytes_in_flight: int) -> None:
         """Call ``sink(placeholder, elements, values)`` for every value of every chunk held, chunk by chunk in
         order of elements (as :meth:`StateCodec.stream`); the reads run ahead and ``sink``'s writes behind,
-        in buffers of at most ``max_bytes_in_flight`` bytes in all (at least two chunks'): a buffer is read
-        into again once the writes ``sink`` returned for it are done."""
+        in buffers of at most ``max_bytes_in_flight`` bytes in all (at least two chunks', each its rows and its
+        widened values): a buffer is read into again once the writes ``sink`` returned for it are done."""
         if not self._items:
             return
-        largest = max(self._rows_numel(h) * 4 for h in self._items)
-        depth = max(2, min(len(self._items), max_bytes_in_flight // largest))
-        free: deque[torch.Tensor] = deque(aligned_empty(largest).view(torch.float32) for _ in range(depth))
+        largest = round_up(max(self._rows_numel(h) * 4 for h in self._items))
+        widest = max(self._widened_numel(h) * 4 for h in self._items)
+        depth = max(2, min(len(self._items), max_bytes_in_flight // (largest + widest)))
+        free: deque[torch.Tensor] = deque(aligned_empty(largest + widest).view(torch.float32) for _ in range(depth))
         reads: deque[tuple[_Held, torch.Tensor, torch.Tensor, Future]] = deque()
         writes: deque[tuple[torch.Tensor, list[Future]]] = deque()
 
         def hand_over() -> None:
             held, buffer, rows, read = reads.popleft()
             read.result()
-            values = self._chunks.layout.chunk_state(held.chunk, rows).values()
+            values = self._values(held, rows, buffer[largest // 4 :])
             futures = [sink(held.state[key], held.chunk.elements, value) for key, value in zip(held.keys, values) if key]
             writes.append((buffer, [f for f in futures if f is not None]))
 
