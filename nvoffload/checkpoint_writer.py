@@ -211,7 +211,10 @@ def reached(phase: str) -> None:
     if stop_at.partition(":")[0] == phase:
         with open(stop_at.partition(":")[2], "w") as marker:
             marker.write(f"{os.getpid()}\n")
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # Sent to this thread, which takes it on its way out of the call and stops first: sent to the process,
+        # the signal may go to another thread (the training thread, asleep), and this one would go on writing
+        # until that one is scheduled and stops the rest (seen on a loaded machine: the checkpoint put in place).
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 @contextlib.contextmanager

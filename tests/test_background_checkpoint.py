@@ -266,7 +266,8 @@ def test_a_kill_during_a_background_checkpoint_leaves_the_previous_one(tmp_path,
         while not marker.exists():  # the writer reached the phase and stopped the process there
             assert child.poll() is None and time.monotonic() < deadline, child.stdout.read()
             time.sleep(0.01)
-        assert any(e.startswith(".checkpoint-3.tmp-") for e in os.listdir(tmp_path / "ckpt"))
+        entries = os.listdir(tmp_path / "ckpt")
+        assert any(e.startswith(".checkpoint-3.tmp-") for e in entries), (entries, marker.read_text())
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(60)
