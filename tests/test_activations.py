@@ -431,7 +431,11 @@ def test_buffers_stay_in_place(target, tmp_path):
     assert_released(offload)
 
 
-def test_dropped_context_removes_its_swap_files_without_gc(tmp_path):
+@pytest.mark.parametrize("copy_delay_us", [0, 200_000])
+def test_dropped_context_removes_its_swap_files_without_gc(tmp_path, monkeypatch, copy_delay_us):
+    # With the copies slowed, backward uses tensors whose writes are still in flight (read back avoided) and
+    # releases them before their writes end: the context must not be kept alive by them.
+    monkeypatch.setenv("NVOFFLOAD_SIM_COPY_DELAY_US", str(copy_delay_us))
     model, inputs = make_case("gpt")
     swap_files = lambda: [f for f in os.listdir(tmp_path) if f.endswith(".swap")]  # noqa: E731
     gc.collect()

@@ -625,7 +625,10 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - named like torch
             if record.original is not None:
                 if record.original._version != record.version:
                     raise self._modified_error(record, record.original._version)
-                result = record.original if ticket.view is None else record.original.as_strided(*ticket.view)
+                # An alias even of the whole tensor: the finalizer below must see autograd drop it, not the record
+                # (a write in flight holds the record, which would keep this context alive through that finalizer).
+                original = record.original
+                result = original.as_strided(*(ticket.view or (original.size(), original.stride(), original.storage_offset())))
                 if not record.written:
                     self._tensors_forwarded += 1
                 elif record.avoided_in != self._passes:  # counted once a pass, however many handles share it
