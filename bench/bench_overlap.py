@@ -343,9 +343,9 @@ def main(argv=None) -> dict:
         step_s(model, x, y, device)  # warm-up: reads every block into the host cache
         times, waits = [], []
         for _ in range(args.repeats):
-            streamer.io_wait_s = 0.0
+            streamer.reset_stats()
             times.append(sum(step_s(model, x, y, device)))
-            waits.append(streamer.io_wait_s)
+            waits.append(streamer.stats().io_wait_s)
         streamed = statistics.median(times)
         waited = statistics.median(waits)
         with trace.tracing() as recorded:  # one more step, for the timeline

@@ -155,7 +155,8 @@ def run_recipe(args, cfg: GPTConfig, recipe: str, traced: bool = False) -> tuple
                 recorded = trace.stop()
             read, written = session.io_bytes()
             tiers = session.memory_stats()
-            io_wait, grad_wait = session.streamer.io_wait_s, session.streamer.grad_wait_s
+            streamed = session.streamer.stats()
+            io_wait, grad_wait = streamed.io_wait_s, streamed.grad_wait_s
             norm = opt.grad_norm()
             rows.append({
                 "case": f"{recipe} step {step}" + (" (traced)" if tracing else ""),

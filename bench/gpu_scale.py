@@ -445,10 +445,11 @@ def timed_steps(run: Run, opt, batches, case: dict, results: Results, budget: Bu
         sync(run)
         seconds = time.perf_counter() - start
         read, written = session.io_bytes()
+        streamed = session.streamer.stats()
         steps.append({
             "step": i, "warmup": i < run.warmup_steps, "step_s": seconds, "loss": float(losses.mean()),
-            "nvme_read_bytes": read, "nvme_written_bytes": written, "io_wait_s": session.streamer.io_wait_s,
-            "grad_wait_s": session.streamer.grad_wait_s,
+            "nvme_read_bytes": read, "nvme_written_bytes": written, "io_wait_s": streamed.io_wait_s,
+            "grad_wait_s": streamed.grad_wait_s,
         })  # fmt: skip
         print(f"gpu_scale: step {i}{' (warm-up)' if i < run.warmup_steps else ''}: {seconds:.3f} s,"
               f" NVMe {read / 1e9:.2f} GB read, {written / 1e9:.2f} GB written", flush=True)  # fmt: skip

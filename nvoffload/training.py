@@ -305,10 +305,10 @@ class OffloadSession:
     def io_bytes(self) -> tuple[int, int]:
         """Bytes read and written on NVMe by the streamer, the optimizer and the stash since the last
         :meth:`reset_stats`."""
-        opt = self.optimizer.memory_stats()
+        opt, streamed = self.optimizer.memory_stats(), self.streamer.stats()
         stash_read, stash_written = (now - then for now, then in zip(self._stash_nvme_bytes(), self._stash_counted))
-        return (self.streamer.bytes_read + opt.read_bytes + stash_read,
-                self.streamer.bytes_written + opt.written_bytes + stash_written)  # fmt: skip
+        return (streamed.bytes_read + opt.read_bytes + stash_read,
+                streamed.bytes_written + opt.written_bytes + stash_written)  # fmt: skip
 
     def _stash_nvme_bytes(self) -> tuple[int, int]:
         """Bytes the stash has read from and written to NVMe since it opened (not those kept in host memory)."""
@@ -322,8 +322,7 @@ class OffloadSession:
         self._stash_counted = self._stash_nvme_bytes()
         self.memory.reset_peaks()
         self.optimizer.reset_io_stats()
-        self.streamer.bytes_read = self.streamer.bytes_written = 0
-        self.streamer.io_wait_s = self.streamer.grad_wait_s = 0.0
+        self.streamer.reset_stats()
 
     @property
     def activation_offload(self):
@@ -349,7 +348,7 @@ class OffloadSession:
         while the next one computes); after a backward that raised, its step is undone (the next one starts
         from the last ``step()``'s weights); parameters unfrozen since the last forward train from this one on."""
         opt = self.optimizer
-        if self.streamer.backward_failed:
+        if self.streamer.passes.failed:
             opt.abandon_step()
         elif opt.updates_queued:
             opt.synchronize()

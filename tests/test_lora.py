@@ -122,11 +122,12 @@ def test_lora_on_a_streamed_base_trains_like_torch_and_peft_and_writes_only_the_
                 assert opt.memory_stats().written_bytes == 12 * sum(p.numel() for p in trainable)
                 # the streamer: the blocks' adapter parts (each written back once per update, at most), no base weight;
                 # how many of them a step writes back depends on when each update lands against its block's eviction
-                streamed = opt.session.streamer.bytes_written
-                assert streamed % layer_bytes == 0 and streamed // layer_bytes <= len(trainable)
-                assert written == opt.memory_stats().written_bytes + streamed
-                assert read == opt.memory_stats().read_bytes + opt.session.streamer.bytes_read
-                assert opt.session.streamer.bytes_read > 0  # the base weights are read again: the host holds 3 blocks
+                streamed = opt.session.streamer.stats()
+                adapter_parts = streamed.bytes_written // layer_bytes
+                assert streamed.bytes_written % layer_bytes == 0 and adapter_parts <= len(trainable)
+                assert written == opt.memory_stats().written_bytes + streamed.bytes_written
+                assert read == opt.memory_stats().read_bytes + streamed.bytes_read
+                assert streamed.bytes_read > 0  # the base weights are read again: the host holds 3 blocks
         state = model.state_dict()
         for name, value in ref.state_dict().items():
             if "lora_" in name:

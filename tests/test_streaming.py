@@ -25,7 +25,7 @@ from nvoffload.io import TensorStore
 from nvoffload.memory import MemoryBudgetError, MemoryManager
 from nvoffload.models import GPT, GPTConfig
 from nvoffload.optim import OffloadIOError
-from nvoffload.streaming import ParameterStreamer
+from nvoffload.streaming import ParameterStreamer, StreamingStats
 from nvoffload.transfer import TransferEngine
 
 MiB = 1 << 20
@@ -381,6 +381,29 @@ print(before, mapped(32 << 20), mapped(24 << 20), mapped(512 << 10))
     # From the heap by default (the threshold rose). After the call: mapped (sizes no free heap chunk can hold),
     # and the threshold no longer rises when the 32 MiB mapping is freed; small blocks from the heap.
     assert out.split() == ["False", "True", "True", "False"]
+
+
+def test_the_streamers_counters_are_one_snapshot_zeroed_together(tmp_path):
+    """``stats()`` gathers the store bytes from the host cache and the waits from the residency as one frozen
+    snapshot: each block written once when it is stored, each read once by a forward whose host cache holds three
+    of its six blocks; ``reset_stats()`` zeroes all four and leaves a snapshot taken before as it was."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=6, d_model=64, seq_len=16))
+    block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+    memory = MemoryManager(device_memory_bytes=64 * MiB, cpu_memory_bytes=3 * block + (64 << 10))
+    with TensorStore([tmp_path]) as store:
+        streamer = ParameterStreamer(model, store, memory)
+        try:
+            built = streamer.stats()
+            assert (built.bytes_read, built.bytes_written) == (0, 6 * block)  # each block stored once
+            streamer.reset_stats()
+            assert streamer.stats() == StreamingStats(bytes_read=0, bytes_written=0, io_wait_s=0.0, grad_wait_s=0.0)
+            assert built.bytes_written == 6 * block  # a snapshot: reset_stats() does not reach it
+            with torch.no_grad():
+                model(torch.zeros(1, 16, dtype=torch.long))
+            assert (streamer.stats().bytes_read, streamer.stats().bytes_written) == (6 * block, 0)  # each read once
+        finally:
+            streamer.close()
 
 
 # ---------------------------------------------------------------------- double buffering on the transfer engine

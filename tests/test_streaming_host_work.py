@@ -179,7 +179,7 @@ def test_a_block_waiting_for_device_memory_wakes_as_gradients_are_freed_not_on_a
         loss = model(x, x)
         timer.start()
         loss.backward()
-        assert freed_at and streamer.grad_wait_s > 1.0  # it waited for the gradients
+        assert freed_at and streamer.stats().grad_wait_s > 1.0  # it waited for the gradients
         assert len([t for t in checks if t < freed_at[0]]) == 1
     finally:
         timer.cancel()

@@ -292,11 +292,11 @@ def test_four_micro_batches_move_no_more_weight_or_state_bytes_than_one(tmp_path
         session.reset_stats()
         copied[0] = 0
         step(G, vertical, seed)
-        streamer = session.streamer
+        streamed = session.streamer.stats()
         return {
-            "store read (weights)": streamer.bytes_read, "store written (weights)": streamer.bytes_written,
-            "optimizer read": session.io_bytes()[0] - streamer.bytes_read,
-            "optimizer written": session.io_bytes()[1] - streamer.bytes_written, "to device": copied[0],
+            "store read (weights)": streamed.bytes_read, "store written (weights)": streamed.bytes_written,
+            "optimizer read": session.io_bytes()[0] - streamed.bytes_read,
+            "optimizer written": session.io_bytes()[1] - streamed.bytes_written, "to device": copied[0],
         }  # fmt: skip
 
     try:

@@ -25,16 +25,17 @@ block, ``_weights`` serves the current weights to the optimizer (it is its
 and checkpoints, and ``_streamer`` builds them in those steps and wires the module hooks. For the entry points:
 :func:`partition` (a model's blocks and the parameters outside them), :func:`stored_layout` (where a Hugging Face
 model's tensors are stored) with :data:`Index` (a part of a tensor), :class:`PeftView` (a PEFT model's base and
-adapters), :func:`resident_bytes` and :func:`device_bytes_needed` (the device budget a streamed model needs).
+adapters), :func:`resident_bytes` and :func:`device_bytes_needed` (the device budget a streamed model needs),
+:class:`StreamingStats` (``ParameterStreamer.stats()``: the store bytes and the waits).
 """
 
 from nvoffload.streaming._blocks import find_blocks, partition, resident_bytes, state_tensors
 from nvoffload.streaming._hf_models import Index, stored_layout
 from nvoffload.streaming._peft import PeftView
 from nvoffload.streaming._guard import StreamedParameterError
-from nvoffload.streaming._streamer import ParameterStreamer, compute_device_of, device_bytes_needed
+from nvoffload.streaming._streamer import ParameterStreamer, StreamingStats, compute_device_of, device_bytes_needed
 
 __all__ = [
-    "Index", "ParameterStreamer", "PeftView", "StreamedParameterError", "compute_device_of", "device_bytes_needed",
-    "find_blocks", "partition", "resident_bytes", "state_tensors", "stored_layout",
+    "Index", "ParameterStreamer", "PeftView", "StreamedParameterError", "StreamingStats", "compute_device_of",
+    "device_bytes_needed", "find_blocks", "partition", "resident_bytes", "state_tensors", "stored_layout",
 ]

@@ -6,6 +6,7 @@ import contextlib
 import time
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,14 +27,17 @@ from nvoffload.streaming._residency import DeviceResidency
 from nvoffload.streaming._weights import StreamedWeights
 from nvoffload.transfer import TransferEngine
 
-__all__ = ["ParameterStreamer", "compute_device_of", "device_bytes_needed"]
+__all__ = ["ParameterStreamer", "StreamingStats", "compute_device_of", "device_bytes_needed"]
 
 
-def _attr(tier: str, name: str, doc: str) -> property:
-    """An attribute of the streamer that lives on one of its tiers (settable where the tier's is)."""
-    return property(
-        lambda self: getattr(getattr(self, tier), name), lambda self, v: setattr(getattr(self, tier), name, v), doc=doc
-    )
+@dataclass(frozen=True)
+class StreamingStats:
+    """A snapshot of a streamer's counters, since it was built or its last :meth:`~ParameterStreamer.reset_stats`."""
+
+    bytes_read: int  # read from the store into the host cache
+    bytes_written: int  # written from the host cache to the store
+    io_wait_s: float  # forward and backward waiting for blocks to arrive (on a GPU: in host memory)
+    grad_wait_s: float  # backward waiting for the optimizer to free gradients' device memory
 
 
 class ParameterStreamer:
@@ -63,6 +67,7 @@ class ParameterStreamer:
     (see :class:`~nvoffload.streaming._backward.BackwardPasses`). The optimizer
     reads and writes streamed weights through :attr:`weights`, its
     :class:`~nvoffload.optim.WeightHome`, so the next forward sees the updates.
+    Its counters (store bytes, waits) are read as one snapshot: :meth:`stats`.
 
     Args:
         model: the model; its parameters may be on the device or on the meta
@@ -112,14 +117,6 @@ class ParameterStreamer:
             own, over a :class:`~nvoffload.transfer.HostSlab` of the host budget
             ``memory`` has left, closed with the streamer.
     """
-
-    bytes_read = _attr("cache", "bytes_read", "Bytes read from the store.")
-    bytes_written = _attr("cache", "bytes_written", "Bytes written to the store.")
-    io_wait_s = _attr(
-        "_residency", "io_wait_s", "Time forward and backward waited for blocks to arrive (on a GPU: in host memory)."
-    )
-    grad_wait_s = _attr("_residency", "grad_wait_s", "Time backward waited for the optimizer to free device memory.")
-    backward_failed = _attr("_passes", "failed", "Outside backward: whether the last backward pass raised before it ended.")
 
     def __init__(
         self,
@@ -182,7 +179,8 @@ class ParameterStreamer:
         self.replaced: dict[nn.Parameter, nn.Parameter] = filling.replaced  # meta parameters -> their successors
         # the streamed parameters' current weights: the optimizer's WeightHome, and the state-dict hooks' body
         self.weights = StreamedWeights(model, self._blocks, self.cache, self._residency)
-        self._passes = BackwardPasses(self._residency)
+        # when each backward pass is done with a block; outside backward, ``passes.failed``: a pass that raised
+        self.passes = BackwardPasses(self._residency)
         self._closed = False
         self._computing: dict[Block, int] = {}  # with a trace: when each block's forward or backward began
         self._staged_grads: tuple[Block | None, int] = (None, 0)  # the block backward staged last, its gradients' bytes
@@ -232,7 +230,7 @@ class ParameterStreamer:
         with torch._C.DisableTorchFunctionSubclass():  # nothing here reads the weights: past the off-device guard
             for p, block in params:
                 if p.requires_grad and p not in self._grad_hooked:
-                    p.register_post_accumulate_grad_hook(self._passes.grad_hook(id(p), *block))
+                    p.register_post_accumulate_grad_hook(self.passes.grad_hook(id(p), *block))
                     self._grad_hooked.add(p)
 
     def _before_forward(self, block: Block, calls: CallHooks, module, args) -> None:
@@ -240,7 +238,7 @@ class ParameterStreamer:
             self._residency.hold(block, "forward")
             return
         waited_ns = time.monotonic_ns()
-        self._passes.release_unfinished()
+        self.passes.release_unfinished()
         self._staged_grads = (None, 0)  # found again by the next backward (parameters may be frozen or unfrozen)
         self._residency.hold(block, "forward")
         self.cache.read_ahead(self._blocks, block)
@@ -280,6 +278,20 @@ class ParameterStreamer:
         """The streamed blocks' modules, in forward order."""
         return [b.module for b in self._blocks]
 
+    def stats(self) -> StreamingStats:
+        """The store bytes the host cache read and wrote and the time the passes waited, as one snapshot."""
+        return StreamingStats(
+            bytes_read=self.cache.bytes_read,
+            bytes_written=self.cache.bytes_written,
+            io_wait_s=self._residency.io_wait_s,
+            grad_wait_s=self._residency.grad_wait_s,
+        )
+
+    def reset_stats(self) -> None:
+        """Zero the counters of :meth:`stats` (:meth:`~nvoffload.training.OffloadSession.reset_stats` calls it)."""
+        self.cache.bytes_read = self.cache.bytes_written = 0
+        self._residency.io_wait_s = self._residency.grad_wait_s = 0.0
+
     @contextlib.contextmanager
     def kept(self, module: nn.Module):
         """Keep the streamed block ``module`` on the device while the context is open, across several calls of
@@ -300,7 +312,7 @@ class ParameterStreamer:
         waited_ns = time.monotonic_ns()
         staged, staged_grads = self._staged_grads  # found by the pre-hook before, which staged this block
         grads = staged_grads if staged is block else self._grad_headroom(block)
-        self._passes.enter(block, headroom_bytes=grads)
+        self.passes.enter(block, headroom_bytes=grads)
         self.cache.read_ahead(self._backward_order, block)
         # the next block arrives now; its gradients and this block's are made while both are on the device
         nxt = self._blocks[block.pos - 1] if block.pos > 0 else None
@@ -316,7 +328,7 @@ class ParameterStreamer:
     def _after_backward_call(self, block: Block, module, *grads) -> None:
         if self._computing:
             self._compute_ended(block, "backward")
-        self._passes.inputs_done(block)
+        self.passes.inputs_done(block)
 
     def close(self) -> None:
         """Take every block off the device and give back the host cache.
@@ -330,7 +342,7 @@ class ParameterStreamer:
         if self._closed:
             return
         self._closed = True
-        self._passes.closed = True
+        self.passes.closed = True
         self._residency.close()
         self.cache.close()
         self._close_transfer()
