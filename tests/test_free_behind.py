@@ -6,41 +6,21 @@ only once a fallback timer opens the stream, and the test sees the copy done."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import torch
 
 from nvoffload.activations import offload_activations
-from nvoffload.device import _SimEvent
 from nvoffload.io import TensorStore
 from nvoffload.memory import MemoryManager
 from nvoffload.models import GPT, GPTConfig
 from nvoffload.streaming import ParameterStreamer
 from nvoffload.transfer import FreeBehind, Future, TransferEngine
 
-FALLBACK_S = 60.0  # opens the held stream if the code under test waits for it (it fails then, instead of hanging)
-
-
-@contextlib.contextmanager
-def held_h2d(engine: TransferEngine, direction: str = "h2d"):
-    """Hold ``engine``'s host-to-device stream (or ``direction``'s): copies queued on it from now on run once the
-    block ends, or once the fallback timer fired (then ``gate.query()`` is True)."""
-    gate = _SimEvent()
-    engine.device.copy_stream(direction).copy(torch.empty(1), torch.empty(1), gate, "the test's gate")
-    timer = threading.Timer(FALLBACK_S, gate._complete)
-    timer.start()
-    try:
-        yield gate
-    finally:
-        timer.cancel()
-        gate._complete()
-
+from held_streams import held_stream
 
 def test_free_behind_runs_releases_once_their_transfers_are_done_without_waiting():
     with TransferEngine(1 << 20, "cpu") as engine:
         frees, released = FreeBehind("test buffers"), []
-        with held_h2d(engine) as gate:
+        with held_stream(engine) as gate:
             copy = engine.to_device(torch.empty(4), torch.ones(4))
             frees.free(copy, lambda: released.append("held"), 16)
             frees.free(Future.completed(), lambda: released.append("done"))
@@ -62,7 +42,7 @@ def test_a_block_dropped_while_its_copy_runs_is_freed_behind_the_copy(tmp_path):
     storage = block.params[0].untyped_storage()
     try:
         used = memory.stats()["device"].used_bytes
-        with held_h2d(streamer.transfer) as gate:
+        with held_stream(streamer.transfer) as gate:
             residency.stage(block)
             copy = residency._copies[block]
             assert memory.stats()["device"].used_bytes == used + block.nbytes
@@ -96,7 +76,7 @@ def test_a_saved_tensor_released_while_its_write_runs_is_freed_behind_the_write(
     """A graph freed while its saved tensors are still being written (forward without backward): releasing them
     does not wait for the writes; their host buffers and originals stay counted until the writes ended."""
     with TransferEngine(8 << 20, "cpu") as engine:
-        with held_h2d(engine, "d2h") as gate:
+        with held_stream(engine, "d2h") as gate:
             loss, offload = offloaded_mlp(engine)
             written = offload.stats().offloaded_bytes
             assert written > 0
@@ -118,7 +98,7 @@ def test_a_read_ahead_dropped_while_its_copy_runs_is_freed_behind_the_copy():
         with offload._locked():
             offload._writes.drain()
         handles = list(offload._records)
-        with held_h2d(engine) as gate:
+        with held_stream(engine) as gate:
             with offload._locked():
                 offload._read_ahead_of(handles[-1] + 1)  # as unpacking a tensor saved after them would
                 reading = [r for r in offload._records.values() if r.load is not None]

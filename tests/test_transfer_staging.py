@@ -16,6 +16,8 @@ from nvoffload.device import SimDevice
 from nvoffload.io import StoreIOError, TensorStore
 from nvoffload.transfer import TransferEngine, gds
 
+from held_streams import held_stream
+
 KiB = 1 << 10
 
 
@@ -104,17 +106,19 @@ def test_gds_transfers_start_at_their_event_without_the_caller_waiting(tmp_path,
     _FileIO.opened = []
     with TensorStore(tmp_path, checksum=False) as store, TransferEngine(256 * KiB, late) as engine:
         src = torch.zeros(3000)  # "device" memory of the stand-in
-        filled = engine.to_device(src, torch.full((3000,), 7.0))  # lands 3 ms late
-        saved = engine.save(store, "x", src, None, after=filled.event)
-        assert not filled.done()  # save did not wait for the copy on the host
+        with held_stream(engine) as gate:
+            filled = engine.to_device(src, torch.full((3000,), 7.0))  # lands once the block ends
+            saved = engine.save(store, "x", src, None, after=filled.event)
+            assert not filled.done() and not gate.query()  # save did not wait for the copy on the host
         saved.result()
         assert torch.equal(store.get("x").result(), torch.full((3000,), 7.0))  # written after the copy landed
 
         dst = torch.full((3000,), 3.0)
         seen = torch.zeros(3000)
-        read_old = late.copy_stream("d2h").copy(seen, dst, late.record(), "seen")  # reads dst 3 ms late
-        loaded = engine.load(store, "x", dst, None, after=read_old)
-        assert not read_old.query()
+        with held_stream(engine, "d2h") as gate:
+            read_old = late.copy_stream("d2h").copy(seen, dst, late.record(), "seen")  # reads dst once the block ends
+            loaded = engine.load(store, "x", dst, None, after=read_old)
+            assert not read_old.query() and not gate.query()  # load did not wait for it on the host
         engine.wait(loaded)
         assert torch.equal(seen, torch.full((3000,), 3.0))  # the read did not overtake the copy reading dst
         assert torch.equal(dst, torch.full((3000,), 7.0))
