@@ -81,13 +81,13 @@ from nvoffload.checkpoint import (
 )
 from nvoffload.checkpoint_writer import BackgroundCheckpoint, EngineWriter, reached
 from nvoffload.core.atomic import fsync_path, naming, new_sibling, put_in_place
-from nvoffload.core.buffers import ALIGNMENT_BYTES
+from nvoffload.core.buffers import ALIGNMENT_BYTES, aligned_empty
 from nvoffload.core.future import Future
 from nvoffload.distributed import Ranks, RankTimeoutError
 from nvoffload.io.checksum import crc32c
 from nvoffload.io.ownership import claim
 from nvoffload.optim.offload import OffloadOptimizer
-from nvoffload.pretrained import save_pretrained, saved_tensors, shard_files
+from nvoffload.pretrained import ModelFiles, save_pretrained, saved_tensors, shard_files
 
 __all__ = [
     "DEFAULT_BYTES_IN_FLIGHT",
@@ -335,10 +335,10 @@ def start_training_checkpoint(
     target = os.path.join(root, f"checkpoint-{step}")
     tmp = new_sibling(target, "tmp")
     writers: dict[str, SafetensorsWriter] = {}
+    weights = snapshot = None
     try:
         _land(optimizer)
-        model_checksums: dict[str, dict[str, int]] = {}
-        save_pretrained(model, os.path.join(tmp, "model"), read=_weights(optimizer, write=False), checksums=model_checksums)
+        weights = _HeldWeights(model, optimizer, os.path.join(tmp, "model"))
         layout = optimizer.state_layout()
         skeleton, tensors, name_of, _ = _named_state(optimizer, layout, None)
         writers, writer_of = _open_shards(tmp, tensors, max_shard_bytes, "optimizer")
@@ -346,19 +346,20 @@ def start_training_checkpoint(
         torch.save(_trainer_state(skeleton, scheduler, grad_scaler, [_rng_state()], extra), state)
         snapshot = optimizer.snapshot_state(layout)
     except BaseException:
+        if weights is not None:
+            weights.abort()
         for w in writers.values():
             w.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         release()
         raise
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    copy = _Copy(snapshot, writers, writer_of, name_of, max_bytes_in_flight, nbytes)
-    model_tensors = {f"model/{name}": crcs for name, crcs in model_checksums.items()}
+    copy = _Copy(weights, snapshot, writers, writer_of, name_of, max_bytes_in_flight, nbytes)
 
     def write() -> TrainingCheckpoint:
         try:
             files = copy.run()
-            _finish(tmp, target, step, 1, {**model_tensors, **files}, lambda f: f.write(state.getbuffer()))
+            _finish(tmp, target, step, 1, files, lambda f: f.write(state.getbuffer()))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             release()
@@ -370,23 +371,102 @@ def start_training_checkpoint(
             release()
         return TrainingCheckpoint(target, step, extra if extra is not None else {})
 
-    job = _writing[root] = BackgroundCheckpoint(step, write, nbytes)
+    job = _writing[root] = BackgroundCheckpoint(step, write, weights.nbytes + nbytes)
     return job
 
 
+class _HeldWeights:
+    """A background checkpoint's model: the files :func:`save_pretrained` writes, opened in ``directory`` (the
+    small ones written), and the weights of this step held for the checkpoint's thread to write: a streamed
+    model's blocks where they are (:meth:`StreamedWeights.snapshot`: in the host cache, their writers waiting,
+    or pinned in the store), the other tensors copied into host memory (the parameters outside the blocks, the
+    buffers; all of a model that is not streamed)."""
+
+    def __init__(self, model: nn.Module, optimizer: OffloadOptimizer, directory: str):
+        self.files = ModelFiles(model)
+        os.makedirs(directory)
+        self.files.save_rest(directory)
+        self.writers: dict[str, SafetensorsWriter] = {}
+        self.names: dict[torch.Tensor, list[str]] = {}  # the model's tensor -> the names it is written under
+        for name, saved in self.files.tensors.items():
+            self.names.setdefault(saved.tensor, []).append(name)
+        session = getattr(optimizer, "session", None)
+        streamed = [t for t in self.names if session is not None and session.streamer.weights.holds(t)]
+        self.snapshot = session.streamer.weights.snapshot(streamed) if streamed else None
+        streamed = set(streamed)
+        try:
+            for filename in self.files.shards:
+                self.writers[filename] = self.files.open(directory, filename)
+            self.copies = {t: _host_copy(t) for t in self.names if t not in streamed}
+        except BaseException:
+            self.abort()
+            raise
+        self.nbytes = sum(_nbytes(saved) for saved in self.files.tensors.values())
+
+    def write(self, engine: EngineWriter, max_bytes_in_flight: int) -> dict[str, dict[str, int]]:
+        """Write every tensor through ``engine`` (``reached("weights")`` half-way) and close the files; returns
+        ``{file: {tensor: CRC-32C}}`` (relative to the checkpoint). What was held is let go."""
+        writer_of = {name: self.writers[f] for f, names in self.files.shards.items() for name in names}
+        half = self.nbytes // 2
+
+        def sink(tensor: torch.Tensor, weights: torch.Tensor) -> Future:
+            futures = []
+            for name in self.names[tensor]:
+                before = engine.written_bytes
+                futures.append(engine.write(writer_of[name], name, 0, self.files.tensors[name].of(weights).contiguous()))
+                if before < half <= engine.written_bytes:
+                    reached("weights")
+            return Future.all_of(futures)
+
+        if self.snapshot is not None:
+            self.snapshot.stream(sink, max_bytes_in_flight=max_bytes_in_flight)
+        Future.all_of([sink(t, copy) for t, copy in self.copies.items()]).result()
+        self.copies = {}
+        return {f"model/{f}": dict(w.checksums) for f, w in self.writers.items()}
+
+    def close(self) -> None:
+        """Every tensor written (the engine finished): put the files in place."""
+        for w in self.writers.values():
+            w.close()
+        self.release()
+
+    def abort(self) -> None:
+        for w in self.writers.values():
+            w.abort()
+        self.release()
+
+    def release(self) -> None:
+        """Let go of the weights held. Idempotent."""
+        self.copies = {}
+        if self.snapshot is not None:
+            self.snapshot.release()
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` in host memory of its own (4 KiB-aligned)."""
+    copy = aligned_empty(tensor.numel() * tensor.element_size()).view(tensor.dtype).view(tensor.shape)
+    with torch.no_grad():
+        return copy.copy_(tensor.detach())
+
+
+def _nbytes(saved) -> int:
+    return math.prod(saved.shape) * saved.dtype.itemsize
+
+
 class _Copy:
-    """A background checkpoint's copy of the optimizer state: the snapshot's chunks into the state files,
-    through the native I/O threads."""
+    """A background checkpoint's copy: the model's weights held into its files, then the optimizer state (the
+    snapshot's chunks) into the state files, through the native I/O threads."""
 
     def __init__(
-        self, snapshot, writers: dict, writer_of: dict, name_of: dict[int, str], max_bytes_in_flight: int, nbytes: int
-    ):
-        self._snapshot, self._writers, self._writer_of, self._name_of = snapshot, writers, writer_of, name_of
-        self._max_bytes_in_flight, self._nbytes = max_bytes_in_flight, nbytes  # nbytes: of the files' tensors
+        self, weights: _HeldWeights, snapshot, writers: dict, writer_of: dict, name_of: dict[int, str],
+        max_bytes_in_flight: int, nbytes: int,
+    ):  # fmt: skip
+        self._weights, self._snapshot, self._writers, self._writer_of = weights, snapshot, writers, writer_of
+        self._name_of, self._max_bytes_in_flight, self._nbytes = name_of, max_bytes_in_flight, nbytes  # of the state
 
     def run(self) -> dict[str, dict[str, int]]:
-        """Copy everything; returns ``{file: {tensor: CRC-32C}}``. The snapshot is released and the files
-        closed (complete) or removed (on an error)."""
+        """Copy everything; returns ``{file: {tensor: CRC-32C}}``. The weights and the snapshot are released and
+        the files closed (complete) or removed (on an error)."""
         engine = EngineWriter()
         half = self._nbytes // 2
 
@@ -394,24 +474,28 @@ class _Copy:
             name = self._name_of[id(placeholder)]
             before = engine.written_bytes
             future = engine.write(self._writer_of[name], name, elements.start, values)
-            if before < half <= engine.written_bytes:
+            if before < self._weights.nbytes + half <= engine.written_bytes:
                 reached("state")
             return future
 
         try:
             reached("copy")
+            files = self._weights.write(engine, self._max_bytes_in_flight)
             self._snapshot.stream(sink, max_bytes_in_flight=self._max_bytes_in_flight)
             engine.finish()
+            self._weights.close()
             for w in self._writers.values():
                 w.close()
         except BaseException:
             engine.close()
+            self._weights.abort()
             for w in self._writers.values():
                 w.abort()
             raise
         finally:
+            self._weights.release()
             self._snapshot.release()
-        return {f: dict(w.checksums) for f, w in self._writers.items()}
+        return {**files, **{f: dict(w.checksums) for f, w in self._writers.items()}}
 
 
 def _trainer_state(optimizer_state: dict, scheduler, grad_scaler, rng_of_ranks: list, extra: dict | None) -> dict:
