@@ -9,8 +9,11 @@ One checkpoint is a directory ``<directory>/checkpoint-<step>/`` holding:
 
 - ``model/``: the weights as a Hugging Face model directory
   (:func:`nvoffload.pretrained.save_pretrained`: safetensors shards, and
-  ``config.json`` for a ``transformers`` model), read one tensor at a time
-  (a streamed model's from the streamer's host cache);
+  ``config.json`` for a ``transformers`` model; the same files, their data at
+  4 KiB); with an :class:`~nvoffload.optim.OffloadOptimizer` in one process
+  written by the native I/O threads (O_DIRECT, each block's CRC-32C computed
+  as it goes out; a streamed model's blocks from the streamer's host cache or
+  store), else one tensor at a time;
 - ``optimizer.safetensors`` (or ``optimizer-00001-of-0000N.safetensors``):
   the optimizer's per-element state in fp32, named ``<parameter index>.<key>``
   (``exp_avg``, ``exp_avg_sq``, ``master_param`` of 16-bit parameters, ...),
@@ -35,9 +38,9 @@ fsynced, and renamed to ``checkpoint-<step>`` only when complete, so a crash
 most a hidden partial directory, which the next run on the directory removes. Only the last
 ``keep_last`` complete checkpoints are kept.
 
-:func:`start_training_checkpoint` writes one while training goes on: the call writes the model and holds the
-step's optimizer state (its generation pinned in the store), a thread of its own copies the state and renames
-the directory; the checkpoint is the state of that step exactly (:func:`save_training_checkpoint` of such an
+:func:`start_training_checkpoint` writes one while training goes on: the call holds the step's weights (a
+streamed model's blocks in the streamer's host cache or store, the rest copied) and optimizer state (its generation
+pinned in the store), a thread of its own writes them through the I/O engine and renames the directory; the checkpoint is the state of that step exactly (:func:`save_training_checkpoint` of such an
 optimizer is that, waited for).
 
 One run writes to a directory at a time: a save holds the directory's lock (the swap directories' lock,
@@ -301,18 +304,22 @@ def start_training_checkpoint(
     max_bytes_in_flight: int = DEFAULT_BYTES_IN_FLIGHT,
 ) -> BackgroundCheckpoint:
     """Start saving ``<directory>/checkpoint-<step>`` (the same files as :func:`save_training_checkpoint`,
-    atomic as a whole) and return while its optimizer state is written: training goes on beside it, and the
-    checkpoint holds the state of this step exactly. ``wait()`` on the :class:`BackgroundCheckpoint` returned
+    atomic as a whole) and return while its weights and optimizer state are written: training goes on beside it,
+    and the checkpoint holds the state of this step exactly. ``wait()`` on the :class:`BackgroundCheckpoint` returned
     gives the :class:`TrainingCheckpoint` (or raises what failed it); wait for it before closing the optimizer.
 
-    Training waits here (after ``optimizer.step()``) only while the model's weights are written (the 16-bit
-    weights: 2 of the 14 bytes per parameter of a bf16 run's checkpoint) and the step's state is held:
-    the store's generation of each chunk pinned (:meth:`OffloadOptimizer.snapshot_state`; the next steps'
-    commits leave it on NVMe, one more generation at most, so no step waits for the copy; the resident state's
-    rows copied in host memory, outside the optimizer's budget until written). A thread of its own
-    then copies the state to the checkpoint through the native I/O threads (O_DIRECT, CRC-32C on the I/O
-    threads; every swap directory read at once), ``max_bytes_in_flight`` bytes of host buffers at most, writes
-    ``trainer_state.pt`` (captured now) and the manifest, and renames the directory into place. A new
+    Training waits here (after ``optimizer.step()``) only while the step's weights and state are held, nothing
+    written: a streamed model's blocks that the streamer's store does not have yet stay in its host cache
+    (:meth:`StreamedWeights.snapshot`: the next step's updates of such a block, and the cache's eviction of it,
+    wait until the writer has written it, which it does first), the other blocks' store entries are pinned; the
+    tensors outside the blocks (all of a model that is not streamed) are copied into host memory, outside the
+    budgets until written; the store's generation of each chunk of state is pinned
+    (:meth:`OffloadOptimizer.snapshot_state`; the next steps' commits leave it on NVMe, one more generation at
+    most, so no step waits for the copy; the resident state's rows copied in host memory, outside the optimizer's
+    budget until written). A thread of its own then writes the weights and copies the state to the checkpoint
+    through the native I/O threads (O_DIRECT, CRC-32C on the I/O threads; every swap directory read at once),
+    ``max_bytes_in_flight`` bytes of host buffers at most (besides the weights held), writes ``trainer_state.pt``
+    (captured now) and the manifest, and renames the directory into place. A new
     checkpoint of the same directory waits for the last one first (``NVOFFLOAD_WAIT_LIMIT_S`` at most).
 
     An :class:`~nvoffload.optim.OffloadOptimizer` in one process only (any other: :func:`save_training_checkpoint`).
