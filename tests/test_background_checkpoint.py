@@ -26,6 +26,7 @@ from nvoffload.io.checksum import crc32c
 from nvoffload.io import TensorStore
 from nvoffload.models import GPT
 from nvoffload.optim import NVMeAdamW
+from nvoffload.pretrained import save_pretrained
 from nvoffload.training_checkpoint import MANIFEST, latest_training_checkpoint, verify_training_checkpoint
 
 
@@ -180,6 +181,20 @@ def test_the_checkpoints_thread_writes_the_weights_not_the_training_thread(tmp_p
             headers.append(8 + int.from_bytes(f.read(8), "little"))
     assert sorted(nbytes for thread, nbytes in buffered if thread == training) == sorted(headers)  # no tensor
     run.close()
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "stream"])
+def test_the_checkpoints_model_is_what_save_pretrained_writes(tmp_path, mode):
+    """The model directory the I/O engine fills is the one save_pretrained writes, byte for byte."""
+    run = Run(mode, tmp_path / "swap")
+    run.train(1)
+    saved = _start(run, tmp_path / "ckpt").wait()
+    if mode == "stream":
+        run.opt.session.save_pretrained(tmp_path / "pretrained")
+    else:
+        save_pretrained(run.model, tmp_path / "pretrained")
+    run.close()
+    assert _files(Path(saved.path) / "model") == _files(tmp_path / "pretrained")
 
 
 def test_a_background_checkpoint_of_resident_state_holds_its_step(tmp_path):
