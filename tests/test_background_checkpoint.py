@@ -240,6 +240,30 @@ def test_a_failed_background_checkpoint_raises_from_wait_and_leaves_nothing(tmp_
     run.close()
 
 
+def test_a_full_disk_while_the_weights_are_written_raises_from_wait_and_lets_the_blocks_go(tmp_path, monkeypatch):
+    """A streamed model's blocks held in the host cache: the writer fails on them (ENOSPC from the I/O threads);
+    wait() raises it naming the file, nothing of the checkpoint is left, and the blocks are let go: the next steps
+    update them and the next checkpoint is written."""
+    run = Run("stream", tmp_path / "swap")
+    run.train(1)
+    _start(run, tmp_path / "ckpt").wait()
+    run.train(1)
+    init = EngineWriter.__init__
+
+    def full_disk(self, config=None):
+        init(self, config)
+        self._engine.inject_fault("enospc", after_ops=1)  # the second block the I/O threads write
+
+    monkeypatch.setattr(EngineWriter, "__init__", full_disk)
+    with pytest.raises(OSError, match=r"No space left on device.*model\.safetensors"):
+        _start(run, tmp_path / "ckpt").wait()
+    monkeypatch.undo()
+    assert os.listdir(tmp_path / "ckpt") == ["checkpoint-1"]
+    run.train(1)  # its updates of the blocks the writer held
+    assert _start(run, tmp_path / "ckpt").wait().step == 3
+    run.close()
+
+
 def test_the_writer_holds_a_bounded_number_of_chunks_and_a_new_checkpoint_waits_for_the_last(tmp_path):
     run = Run("optimizer", tmp_path / "swap", cpu_memory_bytes=8 << 20)
     run.train(2)
