@@ -3,7 +3,9 @@
 :func:`save_pretrained` writes what ``transformers``' ``save_pretrained`` writes
 for a causal LM: ``model.safetensors`` (or shards ``model-00001-of-0000N.safetensors``
 and ``model.safetensors.index.json``), each file with the metadata
-``{"format": "pt"}``, ``config.json`` (its ``dtype`` and ``architectures`` set
+``{"format": "pt"}`` and its data at 4 KiB (the header padded with spaces, as
+the format allows: a background checkpoint writes the same files with
+O_DIRECT, :class:`ModelFiles`), ``config.json`` (its ``dtype`` and ``architectures`` set
 as Hugging Face sets them) and ``generation_config.json`` when the model can
 generate; ``AutoModelForCausalLM.from_pretrained`` opens the result. Unlike
 ``transformers``, it holds one tensor in memory at a time (a streamed model's
