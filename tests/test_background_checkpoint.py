@@ -418,3 +418,23 @@ def test_a_kill_during_a_background_checkpoint_leaves_the_previous_one(tmp_path,
     assert resumed.losses == expected_losses
     _assert_equal(resumed.weights(), expected_weights)
     resumed.close()
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft asks transformers
+def test_a_streamed_lora_models_checkpoint_writes_its_adapters_of_its_step(tmp_path):
+    """A PEFT model on a streamed base: the adapters (the blocks' trained parts, held in the host cache) are written
+    as PEFT saves them, those of the checkpoint's step while the next step updates them."""
+    pytest.importorskip("peft")
+    from test_lora import streamed_lora, train_step
+
+    model, opt = streamed_lora(tmp_path, "llama")
+    with opt:
+        train_step(model, opt, 0)
+        opt.session.save_pretrained(tmp_path / "then")  # step 1's adapter
+        job = nvoffload.start_training_checkpoint(tmp_path / "ckpt", step=1, model=model, optimizer=opt)
+        train_step(model, opt, 1)  # its updates of the adapters wait for the writer
+        saved = job.wait()
+        opt.session.save_pretrained(tmp_path / "now")  # step 2's
+    written = _files(Path(saved.path) / "model")
+    assert written == _files(tmp_path / "then") and written.keys() == {"adapter_config.json", "adapter_model.safetensors"}
+    assert written != _files(tmp_path / "now")  # the next step changed them
