@@ -250,10 +250,10 @@ def main(argv=None) -> Path:
         notes += (
             f" Background checkpoint of a streamed {args.bg_preset} ({background['params'] / 1e6:.0f}M parameters,"
             f" weights and {args.state_precision} AdamW state on NVMe): steps at {background['steps_rate_vs_alone']:.2f}x their rate beside"
-            f" it; {background['checkpoint_GB']:.2f} GB of state at {background['checkpoint_GBps']:.2f} GB/s,"
+            f" it; {background['checkpoint_GB']:.2f} GB of weights and state at {background['checkpoint_GBps']:.2f} GB/s,"
             f" {background['checkpoint_vs_copy']:.2f}x the disk's copy rate ({background['copy_GBps']:.2f} GB/s);"
             f" {background['kills']} kills, resume bit-identical: {background['resume_bit_identical']}. Training waited"
-            f" {background['training_waited_s']:.1f} s at its start (the model's weights written, the state held;"
+            f" {background['training_waited_s']:.1f} s at its start (the weights and the state held;"
             " counted in the steps beside it)."
             f" Load average (2 cores, shared) {background['load_average'][0]:.1f} before,"
             f" {background['load_average'][1]:.1f} after the measurement."

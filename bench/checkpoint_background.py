@@ -2,9 +2,10 @@
 its weights and AdamW state on NVMe, in one run:
 
 - the steps' rate without a checkpoint, and beside a background one (:func:`nvoffload.start_training_checkpoint`);
-- the checkpoint's write rate (its optimizer state files' bytes over the time it took) against the disk's copy
-  rate of the same bytes measured in the same run (the swap file's first bytes read and written to the checkpoint
-  directory's drive by the native I/O threads, O_DIRECT, 4 x 64 MiB in flight);
+- the checkpoint's write rate (its tensors' bytes, the weights' and the optimizer state's, over the time its
+  thread took) against the disk's copy rate of the same bytes measured in the same run (the swap file's first
+  bytes read and written to the checkpoint directory's drive by the native I/O threads, O_DIRECT, 4 x 64 MiB in
+  flight);
 - ``kills`` SIGKILLs of a child process at random moments of a background checkpoint: after each, the latest
   checkpoint verifies; then a child resumes from it and takes one step, whose weights must equal the
   uninterrupted run's at that step (a SHA-256 of the state dict).

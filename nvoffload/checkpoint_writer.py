@@ -34,10 +34,10 @@ from nvoffload.io.engine import IOEngine, NativePart, OpenFile
 
 __all__ = ["PHASES", "BackgroundCheckpoint", "EngineWriter", "hold_at", "reached"]
 
-PHASES = ("copy", "state", "manifest")
-"""Where a background checkpoint can be held: ``copy``, on its thread before the optimizer state is read;
-``state``, half of it written; ``manifest``, every file but the manifest written (the directory not yet renamed
-into place)."""
+PHASES = ("copy", "weights", "state", "manifest")
+"""Where a background checkpoint can be held: ``copy``, on its thread before anything is written; ``weights``, half
+of the model's weights written; ``state``, half of the optimizer state written; ``manifest``, every file but the
+manifest written (the directory not yet renamed into place)."""
 
 _held: dict[str, threading.Event] = {}
 
@@ -153,7 +153,7 @@ class _Pages:
 
 class BackgroundCheckpoint:
     """A checkpoint written by a thread of its own while training goes on: :meth:`wait` for it (its errors raise
-    there), :meth:`done` to look. ``nbytes``: the bytes of the files it writes behind (the optimizer state's);
+    there), :meth:`done` to look. ``nbytes``: the bytes of the tensors it writes (the weights and the optimizer state);
     ``started_s`` and ``ended_s`` (``time.monotonic``): when the thread got them and when it was done."""
 
     def __init__(self, step: int, write: Callable[[], object], nbytes: int):

@@ -3,7 +3,9 @@
 :func:`save_pretrained` writes what ``transformers``' ``save_pretrained`` writes
 for a causal LM: ``model.safetensors`` (or shards ``model-00001-of-0000N.safetensors``
 and ``model.safetensors.index.json``), each file with the metadata
-``{"format": "pt"}``, ``config.json`` (its ``dtype`` and ``architectures`` set
+``{"format": "pt"}`` and its data at 4 KiB (the header padded with spaces, as
+the format allows: a background checkpoint writes the same files with
+O_DIRECT, :class:`ModelFiles`), ``config.json`` (its ``dtype`` and ``architectures`` set
 as Hugging Face sets them) and ``generation_config.json`` when the model can
 generate; ``AutoModelForCausalLM.from_pretrained`` opens the result. Unlike
 ``transformers``, it holds one tensor in memory at a time (a streamed model's
@@ -53,10 +55,11 @@ from torch import nn
 
 from nvoffload.checkpoint import SafetensorsWriter
 from nvoffload.core.atomic import fsync_path, new_sibling, put_in_place
+from nvoffload.core.buffers import ALIGNMENT_BYTES
 from nvoffload.streaming import Index, PeftView, state_tensors, stored_layout
 
 __all__ = [
-    "DEFAULT_MAX_SHARD_BYTES", "SavedTensor", "build_meta_model", "check_save_directory", "save_pretrained",
+    "DEFAULT_MAX_SHARD_BYTES", "ModelFiles", "SavedTensor", "build_meta_model", "check_save_directory", "save_pretrained",
     "saved_tensors",
 ]  # fmt: skip
 
@@ -180,6 +183,70 @@ def _write_index(tmp: str, model: nn.Module, peft: PeftView | None, tensors: dic
         f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
+class ModelFiles:
+    """What :func:`save_pretrained` writes for ``model``, planned before anything is written: ``tensors``, the
+    tensors by name (:func:`saved_tensors`, a PEFT model's adapter, or with ``merged`` its base model's), ``shards``,
+    each safetensors file's tensor names, and ``read`` (``read`` given, wrapped to merge a LoRA adapter with
+    ``merged``). :meth:`open` makes a file's writer; :meth:`save_rest` writes the small files beside them. A
+    background checkpoint fills the files through the I/O engine with this; :func:`save_pretrained` one tensor
+    at a time.
+
+    Raises:
+        ValueError: ``max_shard_bytes`` is not a positive int, ``merged`` without a PEFT model, no tensors, or see
+            :func:`saved_tensors`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        read: Callable[[torch.Tensor], AbstractContextManager[torch.Tensor]] | None = None,
+        merged: bool = False,
+    ):
+        if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+        self.read = read if read is not None else _as_is
+        peft = PeftView.of(model)
+        if merged and peft is None:
+            raise ValueError(
+                f"merged=True merges a PEFT model's adapter into its base model; this {type(model).__name__} has none"
+            )
+        self._configs = functools.partial(_save_configs, model)
+        if peft is not None and not merged:  # the adapter, in the one file PEFT reads
+            self.tensors = {name: SavedTensor(t) for name, t in peft.adapter_state().items()}
+            self.shards, self._configs = {ADAPTER_WEIGHTS_NAME: list(self.tensors)}, peft.save_config
+        else:
+            if peft is not None:  # the base model's tensors under its own names, the adapter merged into them
+                self.read, model = peft.merging(self.read), peft.base
+                self._configs = functools.partial(_save_configs, peft.base)
+                self.tensors = {
+                    peft.base_name(peft.prefix + n): t for n, t in saved_tensors(model).items() if t.tensor not in peft.adapters
+                }  # fmt: skip
+            else:
+                self.tensors = saved_tensors(model)
+            self.shards = shard_files({name: _nbytes(t) for name, t in self.tensors.items()}, max_shard_bytes, "model")
+        if not self.tensors:
+            raise ValueError(f"{type(model).__name__} has no parameters or buffers to save")
+        self._model, self._peft = model, peft
+
+    def open(self, directory: str, filename: str) -> SafetensorsWriter:
+        """The writer of ``filename`` (a key of ``shards``) in ``directory``, its header written; its data starts at
+        4 KiB, so that the I/O engine can write the tensors with O_DIRECT
+        (:class:`~nvoffload.checkpoint_writer.EngineWriter`)."""
+        shapes = {name: (self.tensors[name].dtype, tuple(self.tensors[name].shape)) for name in self.shards[filename]}
+        return SafetensorsWriter(
+            os.path.join(directory, filename), shapes, _METADATA, data_alignment_bytes=ALIGNMENT_BYTES
+        )  # fmt: skip
+
+    def save_rest(self, directory: str) -> None:
+        """The files beside the tensors' into ``directory``: a sharded model's index, ``config.json`` and
+        ``generation_config.json`` (or a PEFT adapter's ``adapter_config.json``)."""
+        if len(self.shards) > 1:
+            _write_index(directory, self._model, self._peft, self.tensors, self.shards)
+        self._configs(directory)
+
+
 def save_pretrained(
     model: nn.Module,
     save_directory: str | os.PathLike,
@@ -229,39 +296,18 @@ def save_pretrained(
             untouched. Any error of ``read`` or ``extra`` likewise.
         ValueError: ``max_shard_bytes`` is not a positive int, or see :func:`saved_tensors`.
     """
-    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    files = ModelFiles(model, max_shard_bytes=max_shard_bytes, read=read, merged=merged)
     target = check_save_directory(save_directory)
-    read = read if read is not None else _as_is
-    peft = PeftView.of(model)
-    if merged and peft is None:
-        raise ValueError(f"merged=True merges a PEFT model's adapter into its base model; this {type(model).__name__} has none")
-    save_configs = functools.partial(_save_configs, model)
-    if peft is not None and not merged:  # the adapter, in the one file PEFT reads
-        tensors = {name: SavedTensor(t) for name, t in peft.adapter_state().items()}
-        shards, save_configs = {ADAPTER_WEIGHTS_NAME: list(tensors)}, peft.save_config
-    else:
-        if peft is not None:  # the base model's tensors under its own names, the adapter merged into them
-            read, model, save_configs = peft.merging(read), peft.base, functools.partial(_save_configs, peft.base)
-            tensors = {peft.base_name(peft.prefix + n): t for n, t in saved_tensors(model).items() if t.tensor not in peft.adapters}
-        else:
-            tensors = saved_tensors(model)
-        shards = shard_files({name: _nbytes(t) for name, t in tensors.items()}, max_shard_bytes, "model")
-    if not tensors:
-        raise ValueError(f"{type(model).__name__} has no parameters or buffers to save")
     tmp = new_sibling(target, "tmp")
     try:
-        for filename, names in shards.items():
-            shapes = {name: (tensors[name].dtype, tuple(tensors[name].shape)) for name in names}
-            with SafetensorsWriter(os.path.join(tmp, filename), shapes, _METADATA) as writer:
+        for filename, names in files.shards.items():
+            with files.open(tmp, filename) as writer:
                 for name in names:
-                    with read(tensors[name].tensor) as weights:
-                        writer.write(name, tensors[name].of(weights))
+                    with files.read(files.tensors[name].tensor) as weights:
+                        writer.write(name, files.tensors[name].of(weights))
             if checksums is not None:
                 checksums[filename] = dict(writer.checksums)
-        if len(shards) > 1:
-            _write_index(tmp, model, peft, tensors, shards)
-        save_configs(tmp)
+        files.save_rest(tmp)
         if extra is not None:
             extra(tmp)
         written = sorted(os.listdir(tmp))

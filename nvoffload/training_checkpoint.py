@@ -9,8 +9,11 @@ One checkpoint is a directory ``<directory>/checkpoint-<step>/`` holding:
 
 - ``model/``: the weights as a Hugging Face model directory
   (:func:`nvoffload.pretrained.save_pretrained`: safetensors shards, and
-  ``config.json`` for a ``transformers`` model), read one tensor at a time
-  (a streamed model's from the streamer's host cache);
+  ``config.json`` for a ``transformers`` model; the same files, their data at
+  4 KiB); with an :class:`~nvoffload.optim.OffloadOptimizer` in one process
+  written by the native I/O threads (O_DIRECT, each block's CRC-32C computed
+  as it goes out; a streamed model's blocks from the streamer's host cache or
+  store), else one tensor at a time;
 - ``optimizer.safetensors`` (or ``optimizer-00001-of-0000N.safetensors``):
   the optimizer's per-element state in fp32, named ``<parameter index>.<key>``
   (``exp_avg``, ``exp_avg_sq``, ``master_param`` of 16-bit parameters, ...),
@@ -35,9 +38,9 @@ fsynced, and renamed to ``checkpoint-<step>`` only when complete, so a crash
 most a hidden partial directory, which the next run on the directory removes. Only the last
 ``keep_last`` complete checkpoints are kept.
 
-:func:`start_training_checkpoint` writes one while training goes on: the call writes the model and holds the
-step's optimizer state (its generation pinned in the store), a thread of its own copies the state and renames
-the directory; the checkpoint is the state of that step exactly (:func:`save_training_checkpoint` of such an
+:func:`start_training_checkpoint` writes one while training goes on: the call holds the step's weights (a
+streamed model's blocks in the streamer's host cache or store, the rest copied) and optimizer state (its generation
+pinned in the store), a thread of its own writes them through the I/O engine and renames the directory; the checkpoint is the state of that step exactly (:func:`save_training_checkpoint` of such an
 optimizer is that, waited for).
 
 One run writes to a directory at a time: a save holds the directory's lock (the swap directories' lock,
@@ -81,13 +84,13 @@ from nvoffload.checkpoint import (
 )
 from nvoffload.checkpoint_writer import BackgroundCheckpoint, EngineWriter, reached
 from nvoffload.core.atomic import fsync_path, naming, new_sibling, put_in_place
-from nvoffload.core.buffers import ALIGNMENT_BYTES
+from nvoffload.core.buffers import ALIGNMENT_BYTES, aligned_empty
 from nvoffload.core.future import Future
 from nvoffload.distributed import Ranks, RankTimeoutError
 from nvoffload.io.checksum import crc32c
 from nvoffload.io.ownership import claim
 from nvoffload.optim.offload import OffloadOptimizer
-from nvoffload.pretrained import save_pretrained, saved_tensors, shard_files
+from nvoffload.pretrained import ModelFiles, save_pretrained, saved_tensors, shard_files
 
 __all__ = [
     "DEFAULT_BYTES_IN_FLIGHT",
@@ -301,18 +304,22 @@ def start_training_checkpoint(
     max_bytes_in_flight: int = DEFAULT_BYTES_IN_FLIGHT,
 ) -> BackgroundCheckpoint:
     """Start saving ``<directory>/checkpoint-<step>`` (the same files as :func:`save_training_checkpoint`,
-    atomic as a whole) and return while its optimizer state is written: training goes on beside it, and the
-    checkpoint holds the state of this step exactly. ``wait()`` on the :class:`BackgroundCheckpoint` returned
+    atomic as a whole) and return while its weights and optimizer state are written: training goes on beside it,
+    and the checkpoint holds the state of this step exactly. ``wait()`` on the :class:`BackgroundCheckpoint` returned
     gives the :class:`TrainingCheckpoint` (or raises what failed it); wait for it before closing the optimizer.
 
-    Training waits here (after ``optimizer.step()``) only while the model's weights are written (the 16-bit
-    weights: 2 of the 14 bytes per parameter of a bf16 run's checkpoint) and the step's state is held:
-    the store's generation of each chunk pinned (:meth:`OffloadOptimizer.snapshot_state`; the next steps'
-    commits leave it on NVMe, one more generation at most, so no step waits for the copy; the resident state's
-    rows copied in host memory, outside the optimizer's budget until written). A thread of its own
-    then copies the state to the checkpoint through the native I/O threads (O_DIRECT, CRC-32C on the I/O
-    threads; every swap directory read at once), ``max_bytes_in_flight`` bytes of host buffers at most, writes
-    ``trainer_state.pt`` (captured now) and the manifest, and renames the directory into place. A new
+    Training waits here (after ``optimizer.step()``) only while the step's weights and state are held, nothing
+    written: a streamed model's blocks that the streamer's store does not have yet stay in its host cache
+    (:meth:`StreamedWeights.snapshot`: the next step's updates of such a block, and the cache's eviction of it,
+    wait until the writer has written it, which it does first), the other blocks' store entries are pinned; the
+    tensors outside the blocks (all of a model that is not streamed) are copied into host memory, outside the
+    budgets until written; the store's generation of each chunk of state is pinned
+    (:meth:`OffloadOptimizer.snapshot_state`; the next steps' commits leave it on NVMe, one more generation at
+    most, so no step waits for the copy; the resident state's rows copied in host memory, outside the optimizer's
+    budget until written). A thread of its own then writes the weights and copies the state to the checkpoint
+    through the native I/O threads (O_DIRECT, CRC-32C on the I/O threads; every swap directory read at once),
+    ``max_bytes_in_flight`` bytes of host buffers at most (besides the weights held), writes ``trainer_state.pt``
+    (captured now) and the manifest, and renames the directory into place. A new
     checkpoint of the same directory waits for the last one first (``NVOFFLOAD_WAIT_LIMIT_S`` at most).
 
     An :class:`~nvoffload.optim.OffloadOptimizer` in one process only (any other: :func:`save_training_checkpoint`).
@@ -335,10 +342,10 @@ def start_training_checkpoint(
     target = os.path.join(root, f"checkpoint-{step}")
     tmp = new_sibling(target, "tmp")
     writers: dict[str, SafetensorsWriter] = {}
+    weights = snapshot = None
     try:
         _land(optimizer)
-        model_checksums: dict[str, dict[str, int]] = {}
-        save_pretrained(model, os.path.join(tmp, "model"), read=_weights(optimizer, write=False), checksums=model_checksums)
+        weights = _HeldWeights(model, optimizer, os.path.join(tmp, "model"))
         layout = optimizer.state_layout()
         skeleton, tensors, name_of, _ = _named_state(optimizer, layout, None)
         writers, writer_of = _open_shards(tmp, tensors, max_shard_bytes, "optimizer")
@@ -346,19 +353,20 @@ def start_training_checkpoint(
         torch.save(_trainer_state(skeleton, scheduler, grad_scaler, [_rng_state()], extra), state)
         snapshot = optimizer.snapshot_state(layout)
     except BaseException:
+        if weights is not None:
+            weights.abort()
         for w in writers.values():
             w.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         release()
         raise
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    copy = _Copy(snapshot, writers, writer_of, name_of, max_bytes_in_flight, nbytes)
-    model_tensors = {f"model/{name}": crcs for name, crcs in model_checksums.items()}
+    copy = _Copy(weights, snapshot, writers, writer_of, name_of, max_bytes_in_flight, nbytes)
 
     def write() -> TrainingCheckpoint:
         try:
             files = copy.run()
-            _finish(tmp, target, step, 1, {**model_tensors, **files}, lambda f: f.write(state.getbuffer()))
+            _finish(tmp, target, step, 1, files, lambda f: f.write(state.getbuffer()))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             release()
@@ -370,23 +378,102 @@ def start_training_checkpoint(
             release()
         return TrainingCheckpoint(target, step, extra if extra is not None else {})
 
-    job = _writing[root] = BackgroundCheckpoint(step, write, nbytes)
+    job = _writing[root] = BackgroundCheckpoint(step, write, weights.nbytes + nbytes)
     return job
 
 
+class _HeldWeights:
+    """A background checkpoint's model: the files :func:`save_pretrained` writes, opened in ``directory`` (the
+    small ones written), and the weights of this step held for the checkpoint's thread to write: a streamed
+    model's blocks where they are (:meth:`StreamedWeights.snapshot`: in the host cache, their writers waiting,
+    or pinned in the store), the other tensors copied into host memory (the parameters outside the blocks, the
+    buffers; all of a model that is not streamed)."""
+
+    def __init__(self, model: nn.Module, optimizer: OffloadOptimizer, directory: str):
+        self.files = ModelFiles(model)
+        os.makedirs(directory)
+        self.files.save_rest(directory)
+        self.writers: dict[str, SafetensorsWriter] = {}
+        self.names: dict[torch.Tensor, list[str]] = {}  # the model's tensor -> the names it is written under
+        for name, saved in self.files.tensors.items():
+            self.names.setdefault(saved.tensor, []).append(name)
+        session = getattr(optimizer, "session", None)
+        streamed = [t for t in self.names if session is not None and session.streamer.weights.holds(t)]
+        self.snapshot = session.streamer.weights.snapshot(streamed) if streamed else None
+        streamed = set(streamed)
+        try:
+            for filename in self.files.shards:
+                self.writers[filename] = self.files.open(directory, filename)
+            self.copies = {t: _host_copy(t) for t in self.names if t not in streamed}
+        except BaseException:
+            self.abort()
+            raise
+        self.nbytes = sum(_nbytes(saved) for saved in self.files.tensors.values())
+
+    def write(self, engine: EngineWriter, max_bytes_in_flight: int) -> dict[str, dict[str, int]]:
+        """Write every tensor through ``engine`` (``reached("weights")`` half-way) and close the files; returns
+        ``{file: {tensor: CRC-32C}}`` (relative to the checkpoint). What was held is let go."""
+        writer_of = {name: self.writers[f] for f, names in self.files.shards.items() for name in names}
+        half = self.nbytes // 2
+
+        def sink(tensor: torch.Tensor, weights: torch.Tensor) -> Future:
+            futures = []
+            for name in self.names[tensor]:
+                before = engine.written_bytes
+                futures.append(engine.write(writer_of[name], name, 0, self.files.tensors[name].of(weights).contiguous()))
+                if before < half <= engine.written_bytes:
+                    reached("weights")
+            return Future.all_of(futures)
+
+        if self.snapshot is not None:
+            self.snapshot.stream(sink, max_bytes_in_flight=max_bytes_in_flight)
+        Future.all_of([sink(t, copy) for t, copy in self.copies.items()]).result()
+        self.copies = {}
+        return {f"model/{f}": dict(w.checksums) for f, w in self.writers.items()}
+
+    def close(self) -> None:
+        """Every tensor written (the engine finished): put the files in place."""
+        for w in self.writers.values():
+            w.close()
+        self.release()
+
+    def abort(self) -> None:
+        for w in self.writers.values():
+            w.abort()
+        self.release()
+
+    def release(self) -> None:
+        """Let go of the weights held. Idempotent."""
+        self.copies = {}
+        if self.snapshot is not None:
+            self.snapshot.release()
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` in host memory of its own (4 KiB-aligned)."""
+    copy = aligned_empty(tensor.numel() * tensor.element_size()).view(tensor.dtype).view(tensor.shape)
+    with torch.no_grad():
+        return copy.copy_(tensor.detach())
+
+
+def _nbytes(saved) -> int:
+    return math.prod(saved.shape) * saved.dtype.itemsize
+
+
 class _Copy:
-    """A background checkpoint's copy of the optimizer state: the snapshot's chunks into the state files,
-    through the native I/O threads."""
+    """A background checkpoint's copy: the model's weights held into its files, then the optimizer state (the
+    snapshot's chunks) into the state files, through the native I/O threads."""
 
     def __init__(
-        self, snapshot, writers: dict, writer_of: dict, name_of: dict[int, str], max_bytes_in_flight: int, nbytes: int
-    ):
-        self._snapshot, self._writers, self._writer_of, self._name_of = snapshot, writers, writer_of, name_of
-        self._max_bytes_in_flight, self._nbytes = max_bytes_in_flight, nbytes  # nbytes: of the files' tensors
+        self, weights: _HeldWeights, snapshot, writers: dict, writer_of: dict, name_of: dict[int, str],
+        max_bytes_in_flight: int, nbytes: int,
+    ):  # fmt: skip
+        self._weights, self._snapshot, self._writers, self._writer_of = weights, snapshot, writers, writer_of
+        self._name_of, self._max_bytes_in_flight, self._nbytes = name_of, max_bytes_in_flight, nbytes  # of the state
 
     def run(self) -> dict[str, dict[str, int]]:
-        """Copy everything; returns ``{file: {tensor: CRC-32C}}``. The snapshot is released and the files
-        closed (complete) or removed (on an error)."""
+        """Copy everything; returns ``{file: {tensor: CRC-32C}}``. The weights and the snapshot are released and
+        the files closed (complete) or removed (on an error)."""
         engine = EngineWriter()
         half = self._nbytes // 2
 
@@ -394,24 +481,28 @@ class _Copy:
             name = self._name_of[id(placeholder)]
             before = engine.written_bytes
             future = engine.write(self._writer_of[name], name, elements.start, values)
-            if before < half <= engine.written_bytes:
+            if before < self._weights.nbytes + half <= engine.written_bytes:
                 reached("state")
             return future
 
         try:
             reached("copy")
+            files = self._weights.write(engine, self._max_bytes_in_flight)
             self._snapshot.stream(sink, max_bytes_in_flight=self._max_bytes_in_flight)
             engine.finish()
+            self._weights.close()
             for w in self._writers.values():
                 w.close()
         except BaseException:
             engine.close()
+            self._weights.abort()
             for w in self._writers.values():
                 w.abort()
             raise
         finally:
+            self._weights.release()
             self._snapshot.release()
-        return {f: dict(w.checksums) for f, w in self._writers.items()}
+        return {**files, **{f: dict(w.checksums) for f, w in self._writers.items()}}
 
 
 def _trainer_state(optimizer_state: dict, scheduler, grad_scaler, rng_of_ranks: list, extra: dict | None) -> dict:

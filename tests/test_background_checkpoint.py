@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -20,10 +21,12 @@ from test_training_checkpoint import CFG, SAVE_AT, STEPS, Run, _assert_equal, _b
 import nvoffload
 from nvoffload.checkpoint import SafetensorsWriter, open_checkpoint
 from nvoffload.checkpoint_writer import EngineWriter, hold_at
+from nvoffload.core.future import WAIT_LIMIT_S
 from nvoffload.io.checksum import crc32c
 from nvoffload.io import TensorStore
 from nvoffload.models import GPT
 from nvoffload.optim import NVMeAdamW
+from nvoffload.pretrained import save_pretrained
 from nvoffload.training_checkpoint import MANIFEST, latest_training_checkpoint, verify_training_checkpoint
 
 
@@ -91,6 +94,109 @@ def test_a_background_checkpoint_holds_its_step_while_training_goes_on(tmp_path,
     _goes_on_as_uninterrupted(resumed, expected_losses, expected_weights, expected_state)
 
 
+SMALL_CACHE_BYTES = 208 << 10  # Run("stream")'s host cache holds 3 of its 4 blocks: one is read from the store
+
+
+@pytest.mark.parametrize(
+    "mode, cpu_memory_bytes", [("optimizer", None), ("stream", None), ("stream", SMALL_CACHE_BYTES)],
+    ids=["in-memory", "streamed", "streamed-small-cache"],
+)  # fmt: skip
+def test_the_weights_written_are_those_of_its_step_while_the_next_steps_change_them(tmp_path, mode, cpu_memory_bytes):
+    """The writer is held before it writes anything while the next steps run: a model in memory has its weights
+    copied at the start (all the next steps run while it is held); a streamed model's blocks stay held in the host
+    cache (the next step's forward runs while the writer is held, its updates of them wait for the writer) or
+    pinned in the store (the next steps' write-backs replace their entries; with the cache that small, the forward
+    needs a held block's room, and waits for the writer: it is let go at once). The checkpoint is the one taken
+    with training stopped, bit for bit, and the steps beside it train as without it."""
+    stopped = Run(mode, tmp_path / "a", cpu_memory_bytes=cpu_memory_bytes)
+    stopped.train(SAVE_AT)
+    stopped.save(tmp_path / "stopped")
+    stopped.train(STEPS - SAVE_AT)
+    expected_weights, expected_losses = stopped.weights(), stopped.losses
+    stopped.close()
+
+    run = Run(mode, tmp_path / "b", cpu_memory_bytes=cpu_memory_bytes)
+    run.train(SAVE_AT)
+    forward_ran, failed = threading.Event(), []
+
+    def beside() -> None:
+        try:
+            run.train(STEPS - SAVE_AT)
+        except BaseException as exc:  # raised below
+            failed.append(exc)
+            forward_ran.set()
+
+    with hold_at("copy") as go:
+        job = _start(run, tmp_path / "background")
+        hook = run.model.register_forward_hook(lambda *_: forward_ran.set())
+        trainer = threading.Thread(target=beside)
+        trainer.start()
+        if mode == "optimizer":
+            trainer.join(WAIT_LIMIT_S)
+        if cpu_memory_bytes is None:
+            assert forward_ran.wait(WAIT_LIMIT_S) and not failed, failed
+        assert not job.done()
+        go.set()
+        trainer.join(WAIT_LIMIT_S)
+    hook.remove()
+    assert not trainer.is_alive() and not failed, failed
+    job.wait()
+    assert run.losses == expected_losses
+    _assert_equal(run.weights(), expected_weights)
+    run.close()
+    ckpt = f"checkpoint-{SAVE_AT}"
+    assert _files(tmp_path / "background" / ckpt) == _files(tmp_path / "stopped" / ckpt)
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "stream"])
+def test_the_checkpoints_thread_writes_the_weights_not_the_training_thread(tmp_path, monkeypatch, mode):
+    """Where the model's tensors are written: every one through the I/O engine from the checkpoint's own thread;
+    the training thread writes only the files' headers and the small files beside them (buffered)."""
+    run = Run(mode, tmp_path / "swap")
+    run.train(1)
+    engine_writes, buffered = [], []
+    write, pwrite = EngineWriter.write, os.pwrite
+
+    def recorded_write(self, writer, name, start, values):
+        engine_writes.append((threading.current_thread().name, writer.path, name))
+        return write(self, writer, name, start, values)
+
+    def recorded_pwrite(fd, data, offset):
+        buffered.append((threading.current_thread().name, len(data)))
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(EngineWriter, "write", recorded_write)
+    monkeypatch.setattr(os, "pwrite", recorded_pwrite)
+    job = _start(run, tmp_path / "ckpt")
+    training = threading.current_thread().name
+    job.wait()
+    monkeypatch.undo()
+    model = {(os.path.basename(path), name) for _, path, name in engine_writes if f"{os.sep}model{os.sep}" in path}
+    with open_checkpoint(os.path.join(job.wait().path, "model")) as reader:
+        assert model == {(os.path.basename(reader.file_of(name)), name) for name in reader.keys()}
+    assert {thread for thread, _, _ in engine_writes} == {f"nvoffload-checkpoint-{run.step}"}
+    headers = []
+    for path in Path(job.wait().path).rglob("*.safetensors"):
+        with open(path, "rb") as f:
+            headers.append(8 + int.from_bytes(f.read(8), "little"))
+    assert sorted(nbytes for thread, nbytes in buffered if thread == training) == sorted(headers)  # no tensor
+    run.close()
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "stream"])
+def test_the_checkpoints_model_is_what_save_pretrained_writes(tmp_path, mode):
+    """The model directory the I/O engine fills is the one save_pretrained writes, byte for byte."""
+    run = Run(mode, tmp_path / "swap")
+    run.train(1)
+    saved = _start(run, tmp_path / "ckpt").wait()
+    if mode == "stream":
+        run.opt.session.save_pretrained(tmp_path / "pretrained")
+    else:
+        save_pretrained(run.model, tmp_path / "pretrained")
+    run.close()
+    assert _files(Path(saved.path) / "model") == _files(tmp_path / "pretrained")
+
+
 def test_a_background_checkpoint_of_resident_state_holds_its_step(tmp_path):
     """A chunk kept resident in host memory writes the generation after next into the buffer of the one held:
     the checkpoint copies it when it starts."""
@@ -134,6 +240,30 @@ def test_a_failed_background_checkpoint_raises_from_wait_and_leaves_nothing(tmp_
     run.close()
 
 
+def test_a_full_disk_while_the_weights_are_written_raises_from_wait_and_lets_the_blocks_go(tmp_path, monkeypatch):
+    """A streamed model's blocks held in the host cache: the writer fails on them (ENOSPC from the I/O threads);
+    wait() raises it naming the file, nothing of the checkpoint is left, and the blocks are let go: the next steps
+    update them and the next checkpoint is written."""
+    run = Run("stream", tmp_path / "swap")
+    run.train(1)
+    _start(run, tmp_path / "ckpt").wait()
+    run.train(1)
+    init = EngineWriter.__init__
+
+    def full_disk(self, config=None):
+        init(self, config)
+        self._engine.inject_fault("enospc", after_ops=1)  # the second block the I/O threads write
+
+    monkeypatch.setattr(EngineWriter, "__init__", full_disk)
+    with pytest.raises(OSError, match=r"No space left on device.*model\.safetensors"):
+        _start(run, tmp_path / "ckpt").wait()
+    monkeypatch.undo()
+    assert os.listdir(tmp_path / "ckpt") == ["checkpoint-1"]
+    run.train(1)  # its updates of the blocks the writer held
+    assert _start(run, tmp_path / "ckpt").wait().step == 3
+    run.close()
+
+
 def test_the_writer_holds_a_bounded_number_of_chunks_and_a_new_checkpoint_waits_for_the_last(tmp_path):
     run = Run("optimizer", tmp_path / "swap", cpu_memory_bytes=8 << 20)
     run.train(2)
@@ -167,7 +297,7 @@ sys.path.insert(0, {tests!r})
 import torch
 from test_background_checkpoint import _start
 from test_training_checkpoint import Run
-run = Run("optimizer", {swap!r})
+run = Run({mode!r}, {swap!r})
 run.train(2)
 run.save({ckpt!r})
 run.train(1)
@@ -247,16 +377,18 @@ def test_the_engine_writer_refuses_a_file_whose_data_is_not_aligned(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("phase", ["state", "manifest"])
-def test_a_kill_during_a_background_checkpoint_leaves_the_previous_one(tmp_path, phase):
-    whole = Run("optimizer", tmp_path / "whole")
+@pytest.mark.parametrize(
+    "mode, phase", [("optimizer", "weights"), ("stream", "weights"), ("optimizer", "state"), ("optimizer", "manifest")]
+)  # fmt: skip
+def test_a_kill_during_a_background_checkpoint_leaves_the_previous_one(tmp_path, mode, phase):
+    whole = Run(mode, tmp_path / "whole")
     whole.train(STEPS)
     expected_weights, expected_losses = whole.weights(), whole.losses
     whole.close()
 
     marker = tmp_path / "stopped"
     script = _CHILD.format(
-        tests=str(Path(__file__).parent), swap=str(tmp_path / "swap"), ckpt=str(tmp_path / "ckpt"),
+        tests=str(Path(__file__).parent), mode=mode, swap=str(tmp_path / "swap"), ckpt=str(tmp_path / "ckpt"),
         stop_at=f"{phase}:{marker}",
     )  # fmt: skip
     (tmp_path / "swap").mkdir()
@@ -277,7 +409,7 @@ def test_a_kill_during_a_background_checkpoint_leaves_the_previous_one(tmp_path,
     assert verify_training_checkpoint(tmp_path / "ckpt").step == 2
     assert not os.path.exists(tmp_path / "ckpt" / "checkpoint-3" / MANIFEST)
 
-    resumed = Run("optimizer", tmp_path / "resume", seed=7)
+    resumed = Run(mode, tmp_path / "resume", seed=7)
     with pytest.warns(UserWarning, match="removed 1 partial checkpoint"):
         release = nvoffload.training_checkpoint.claim_checkpoint_directory(tmp_path / "ckpt")
     release()
@@ -286,3 +418,23 @@ def test_a_kill_during_a_background_checkpoint_leaves_the_previous_one(tmp_path,
     assert resumed.losses == expected_losses
     _assert_equal(resumed.weights(), expected_weights)
     resumed.close()
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft asks transformers
+def test_a_streamed_lora_models_checkpoint_writes_its_adapters_of_its_step(tmp_path):
+    """A PEFT model on a streamed base: the adapters (the blocks' trained parts, held in the host cache) are written
+    as PEFT saves them, those of the checkpoint's step while the next step updates them."""
+    pytest.importorskip("peft")
+    from test_lora import streamed_lora, train_step
+
+    model, opt = streamed_lora(tmp_path, "llama")
+    with opt:
+        train_step(model, opt, 0)
+        opt.session.save_pretrained(tmp_path / "then")  # step 1's adapter
+        job = nvoffload.start_training_checkpoint(tmp_path / "ckpt", step=1, model=model, optimizer=opt)
+        train_step(model, opt, 1)  # its updates of the adapters wait for the writer
+        saved = job.wait()
+        opt.session.save_pretrained(tmp_path / "now")  # step 2's
+    written = _files(Path(saved.path) / "model")
+    assert written == _files(tmp_path / "then") and written.keys() == {"adapter_config.json", "adapter_model.safetensors"}
+    assert written != _files(tmp_path / "now")  # the next step changed them

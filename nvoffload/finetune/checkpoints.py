@@ -45,9 +45,9 @@ class Checkpoints:
         started = time.perf_counter()
         job = start_training_checkpoint(self._directory, step=step, extra=extra, keep_last=self._keep_last, **self._state)
         waited = time.perf_counter() - started
-        self._last_s += waited  # the steps are timed without it: the model's weights written, the state pinned
+        self._last_s += waited  # the steps are timed without it: the weights and the state held
         self._say(
-            f"checkpoint of step {step} started: the model written and the optimizer state held in {waited:.2f} s"
+            f"checkpoint of step {step} started: the weights and the optimizer state held in {waited:.2f} s"
             f" (training waited), {job.nbytes / 1e9:.2f} GB of it written "
             + ("now (the run's last step)" if last else "beside the next steps")
         )

@@ -1077,9 +1077,11 @@ def _accuracy_notes(m: ModelShape, stream: bool, kind: str, profile: MachineProf
 class CheckpointCost:
     """What a training checkpoint of a plan's run costs (:func:`checkpoint_cost`), one rank's.
 
-    ``model_bytes`` (the weights, written with training stopped: ``stall_s``) and ``state_bytes`` (the
-    optimizer's state files, fp32 per element: two moments and, for 16-bit weights with a master, the master)
-    are the checkpoint's; ``read_bytes``, one generation of the state read from the swap drives (the resident
+    ``model_bytes`` (the weights) and ``state_bytes`` (the optimizer's state files, fp32 per element: two moments
+    and, for 16-bit weights with a master, the master) are the checkpoint's, all written beside the steps;
+    ``stall_s``, what it stops training: at its start, the weights outside the streamed blocks (all of a model on
+    the device) copied into host memory, the rest held where it is; then the next step's updates of the blocks
+    held in the host cache wait for them to be written (first) where that outlasts the forward; ``read_bytes``, one generation of the state read from the swap drives (the resident
     state's part from host memory). ``seconds``: all of it alone on the drives, the state's copy read and
     written through the same drives (a checkpoint directory on them). ``idle_s``: the drives' time free in each
     step of the plan, which the copy fills beside the steps."""
@@ -1097,8 +1099,8 @@ class CheckpointCost:
         return self.model_bytes + self.state_bytes
 
     def run_overhead(self, save_every: int) -> float:
-        """The fraction of a run's time ``--save-every save_every`` adds: the model's weights with training
-        stopped, and what the state's copy does not fit in the drives' idle time of the steps until the next."""
+        """The fraction of a run's time ``--save-every save_every`` adds: training's stop at the checkpoint's
+        start, and what its copy does not fit in the drives' idle time of the steps until the next."""
         background = self.seconds - self.stall_s
         added = self.stall_s + max(0.0, background - save_every * self.idle_s)
         return added / (save_every * self.step_s)
@@ -1116,7 +1118,10 @@ def checkpoint_cost(chosen: Plan, profile: MachineProfile) -> CheckpointCost:
     model_bytes = r.model.params * _DTYPE_BYTES[r.dtype]  # rank 0 writes the model
     drives = profile.nvme(r.swap_dirs)
     write_s = (model_bytes + state_bytes) / (drives.write_gbps * 1e9)
-    stall_s = model_bytes / (drives.write_gbps * 1e9)
+    copied = (r.model.resident_params if chosen.stream else r.model.params) * _DTYPE_BYTES[r.dtype]
+    held = chosen.cached_blocks * r.model.block_params * _DTYPE_BYTES[r.dtype] if chosen.stream else 0
+    held_s = held / (drives.write_gbps * 1e9)  # written first; the next step's updates of them wait until then
+    stall_s = copied / (profile.d2h_gbps * 1e9) + max(0.0, held_s - chosen.phases_s.get("forward", 0.0))
     seconds = write_s + read_bytes / (drives.read_gbps * 1e9)
     idle_s = max(0.0, chosen.step_s - chosen.engine_s.get("nvme", 0.0))
     return CheckpointCost(model_bytes, state_bytes, read_bytes, seconds, stall_s, idle_s, chosen.step_s)
@@ -1128,6 +1133,6 @@ def checkpoint_line(chosen: Plan, profile: MachineProfile) -> str:
     every = ", ".join(f"{100 * c.run_overhead(n):.2g}% every {n} steps" for n in (10, 100, 1000))
     return (
         f"checkpoint: {human_size(c.nbytes)} (model {human_size(c.model_bytes)}, optimizer state"
-        f" {human_size(c.state_bytes)}), {c.seconds:.3g} s on the drives, {c.stall_s:.3g} s of it with training"
-        f" stopped (the model), the rest beside the steps; --save-every adds {every}"
+        f" {human_size(c.state_bytes)}), {c.seconds:.3g} s on the drives beside the steps, training stopped"
+        f" {c.stall_s:.3g} s by it (the weights held); --save-every adds {every}"
     )

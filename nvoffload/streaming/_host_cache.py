@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterable
 
 import torch
 
+from nvoffload.core.deferred import Deferred
 from nvoffload.io import TensorStore
 from nvoffload.memory import MemoryBudgetError
 from nvoffload.streaming._blocks import Block
@@ -24,7 +26,7 @@ class _Entry:
     """A block's host copy: the buffer, the read filling it or the write-back from it (if not settled), and who
     uses it."""
 
-    __slots__ = ("host", "loading", "writing", "written", "dirty", "pins")
+    __slots__ = ("host", "loading", "writing", "written", "dirty", "pins", "holds")
 
     def __init__(self, host: torch.Tensor, loading=None):
         self.host = host  # the block's bytes, flat uint8
@@ -33,6 +35,7 @@ class _Entry:
         self.written: set[int] = set()  # the block's parts that write-back writes
         self.dirty: set[int] = set()  # the block's parts newer than the store (and not being written back)
         self.pins = 0  # users that must not see it evicted
+        self.holds: list[Future] = []  # readers on other threads that hold its weights as they are (HostCache.hold)
 
 
 class HostCache:
@@ -70,6 +73,11 @@ class HostCache:
     twin's own store entries), while forward and backward still read the block;
     :meth:`promote` makes every twin the block's weights (the updates landed), and
     :meth:`drop_next` forgets them (the updates were undone).
+
+    A background checkpoint reads the weights of one step while the next steps change them: :meth:`hold` keeps
+    the cached blocks whose weights the store does not have yet as they are, for a reader on another thread,
+    until it lets each go; their writers (``pin(writing=True)``, :meth:`promote`) wait for it, and a block that
+    needs the room of a held one waits as for a write-back.
     """
 
     def __init__(self, store: TensorStore, transfer: TransferEngine, read_ahead_bytes: int):
@@ -103,12 +111,15 @@ class HostCache:
         with self._lock:
             self._lru[block] = _Entry(host)
 
-    def pin(self, block: Block) -> torch.Tensor:
+    def pin(self, block: Block, *, writing: bool = False) -> torch.Tensor:
         """The block's weights in host memory, its flat bytes (read from the store when not cached); cached until
         :meth:`unpin`. Its read and write-back are waited for outside the cache's lock: the training thread's hooks
-        keep using the cache meanwhile."""
+        keep using the cache meanwhile. ``writing``: the caller changes them, once every :meth:`hold` of them
+        let them go (waited for too)."""
         entry = self._pinned_entry(block)
         try:
+            if writing:
+                _wait_for_holds(block, entry.holds)
             self._settle_write_unlocked(entry)  # the caller may change the bytes being written
             self._settle_unlocked(entry)
         except BaseException:
@@ -170,7 +181,12 @@ class HostCache:
 
     def promote(self) -> None:
         """Every twin's weights become its block's (the delayed updates landed): the block's old host copy is
-        dropped, the twin's is the block's, and so are its store entries (the old ones are the next twin's)."""
+        dropped, the twin's is the block's, and so are its store entries (the old ones are the next twin's); a
+        :meth:`hold` of an old one is waited for first."""
+        with self._lock:
+            old = [(b, self._lru[b].holds) for b in self._next if b in self._lru]
+        for block, holds in old:  # outside the lock: the reader lets go under it
+            _wait_for_holds(block, holds)
         with self._lock:
             self._check_unpinned()
             for block, twin in self._next.items():
@@ -208,10 +224,36 @@ class HostCache:
                 " synchronize())"
             )
 
+    def hold(self, blocks: Iterable[Block]) -> list[tuple[Block, torch.Tensor, Callable[[], None]]]:
+        """Hold the weights of those of ``blocks`` the cache has and the store does not (changed, or their write-back
+        still running) as they are now, for a reader on another thread (a background checkpoint), until the reader
+        calls the let-go returned with each: ``(block, its flat bytes, let go)``, least recently used first. Meanwhile
+        their writers wait (``pin(writing=True)``, :meth:`promote`, :meth:`close`) and they stay cached (a block
+        that needs their room waits, as for a write-back). The other blocks' weights are the store's. Call it
+        between steps, every delayed update landed."""
+        wanted = set(blocks)
+        held = []
+        with self._lock:
+            if self._next:
+                raise RuntimeError("nvoffload: the weights cannot be held while delayed updates are in flight: land them first")
+            for block, entry in self._lru.items():
+                if block in wanted and (entry.dirty or entry.writing is not None):
+                    released = Deferred()
+                    hold = Future([released], what=f"a reader's hold of the weights of {block}")
+                    entry.holds.append(hold)
+                    held.append((block, entry.host, functools.partial(self._let_go, entry, hold, released)))
+        return held
+
+    def _let_go(self, entry: _Entry, hold: Future, released: Deferred) -> None:
+        with self._lock:
+            if hold in entry.holds:  # (idempotent)
+                entry.holds.remove(hold)
+                released.set(Future.completed())
+
     @contextlib.contextmanager
     def pinned(self, block: Block, *, modified: bool = False):
-        """:meth:`pin` and :meth:`unpin` around a ``with`` body."""
-        host = self.pin(block)
+        """:meth:`pin` and :meth:`unpin` around a ``with`` body (``modified``: pinned ``writing``)."""
+        host = self.pin(block, writing=modified)
         try:
             yield host
         finally:
@@ -240,7 +282,12 @@ class HostCache:
                     entry.dirty = set()
 
     def close(self) -> None:
-        """Give back every host copy (changed ones are not written back: the store goes with the streamer)."""
+        """Give back every host copy (changed ones are not written back: the store goes with the streamer), once
+        the readers that :meth:`hold` some let them go."""
+        with self._lock:
+            held = [(b, e.holds) for b, e in self._lru.items() if e.holds]
+        for block, holds in held:
+            _wait_for_holds(block, holds)
         with self._lock:
             self._ahead.clear()
             for block, entry in list(self._lru.items()):
@@ -398,7 +445,7 @@ class HostCache:
                 return None
             if entry.pins:
                 continue
-            running = next((f for f in (entry.writing, entry.loading) if f is not None and not f.done()), None)
+            running = next((f for f in (entry.writing, entry.loading, *entry.holds) if f is not None and not f.done()), None)
             if running is not None:
                 in_flight = in_flight or running
                 continue
@@ -421,6 +468,15 @@ class HostCache:
             f"{block} needs {block.nbytes} bytes of host memory, but {self.slab.available_bytes} are left in "
             f"{self.slab.what} and the cached blocks in use cannot leave (pinned: {', '.join(pinned) or 'none'})"
         )
+
+
+def _wait_for_holds(block: Block, holds: list[Future]) -> None:
+    """Wait (bounded by ``WAIT_LIMIT_S``) until every reader holding ``block``'s weights let them go."""
+    for hold in list(holds):
+        try:
+            hold.result()
+        except TimeoutError as e:
+            raise TimeoutError(f"the weights of {block} waited for a reader that holds them (a background checkpoint): {e}") from None
 
 
 def _wait_for_room(block: Block, blocker: Future) -> None:

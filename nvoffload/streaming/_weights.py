@@ -8,18 +8,21 @@ cache, one block at a time.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from nvoffload.checkpoint import SafetensorsWriter
+from nvoffload.core.buffers import aligned_empty, round_up
 from nvoffload.streaming._blocks import Block, state_tensors
 from nvoffload.streaming._host_cache import HostCache
 from nvoffload.streaming._residency import DeviceResidency
 from nvoffload.transfer import Future
 
-__all__ = ["StreamedWeights"]
+__all__ = ["StreamedWeights", "WeightsSnapshot"]
 
 
 class StreamedWeights:
@@ -56,7 +59,7 @@ class StreamedWeights:
         ``staged``: its next weights instead (a delayed update's, in its block's twin; until :meth:`install_staged`
         the current ones are what forward and backward read)."""
         block, j = self._where[param]
-        host = self._cache.pin_next(block) if staged else self._cache.pin(block)
+        host = self._cache.pin_next(block) if staged else self._cache.pin(block, writing=True)
         return block.view(host, j).view(-1)
 
     def release(self, param: torch.Tensor, *, modified: bool, staged: bool = False) -> None:
@@ -141,6 +144,24 @@ class StreamedWeights:
         with self._cache.pinned(block, modified=True) as host:
             yield block.view(host, j)
 
+    def snapshot(self, params: Iterable[torch.Tensor]) -> WeightsSnapshot:
+        """The current weights of the streamed ``params``, held as they are now for :meth:`WeightsSnapshot.stream`
+        (from any thread) while the next steps change them: the blocks whose weights the store does not have yet
+        stay in the host cache (:meth:`HostCache.hold`: their writers wait until the snapshot let them go), the
+        others' store entries are pinned (:meth:`TensorStore.pin`). Nothing is copied or read here. Call it
+        between steps, every update landed (``optimizer.synchronize()``)."""
+        self._check_between_passes()
+        wanted: dict[Block, list[int]] = {}
+        for p in params:
+            block, j = self._where[p]
+            wanted.setdefault(block, []).append(j)
+        for block in wanted:
+            self._residency.wait_updated(block)
+        held = self._cache.hold(wanted)
+        stored = [block for block in wanted if block not in {b for b, _, _ in held}]
+        pin = self._cache.store.pin([name for block in stored for name, _, _ in block.parts])
+        return WeightsSnapshot(wanted, held, stored, pin)
+
     def save_checkpoint(self, path, metadata: dict[str, str] | None) -> None:
         """The model's state, as ``state_dict()`` names it, to a safetensors file, one tensor in memory at a time."""
         tensors = state_tensors(self.model)
@@ -188,3 +209,82 @@ class StreamedWeights:
             for _, p in owned:
                 block.view(host, self._where[p][1]).copy_(p)
         self._residency.unhold(block, "load_state_dict")
+
+
+WeightSink = Callable[[torch.Tensor, torch.Tensor], Future]
+"""``sink(param, weights)``: ``weights`` (host memory, the parameter's dtype and shape) handed to a writer; the future
+of its writes, until which ``weights`` stays valid."""
+
+
+class WeightsSnapshot:
+    """Streamed parameters' weights of one step (:meth:`StreamedWeights.snapshot`), held while the next steps run,
+    streamed from any thread by :meth:`stream` until :meth:`release`."""
+
+    def __init__(self, wanted: dict[Block, list[int]], held: list, stored: list[Block], pin):
+        self._wanted, self._held, self._stored, self._pin = wanted, held, stored, pin
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the parameters' weights."""
+        return sum(block.param_bytes[j] for block, js in self._wanted.items() for j in js)
+
+    def stream(self, sink: WeightSink, *, max_bytes_in_flight: int) -> None:
+        """Call ``sink`` for every parameter: first those of the blocks held in the host cache, from there (each
+        block let go once the writes ``sink`` returned for it are done: its writers wait until then), then the
+        others, read from the pinned store entries ahead into buffers of their own, at most ``max_bytes_in_flight``
+        bytes in all (at least two blocks'): a buffer is read into again once its writes are done."""
+        writes: collections.deque[tuple[list[Future], Callable[[], None]]] = collections.deque()
+        for block, host, let_go in self._held:
+            while writes and all(f.done() for f in writes[0][0]):
+                self._let_go(writes)
+            writes.append(([sink(block.params[j], block.view(host, j)) for j in self._wanted[block]], let_go))
+        while writes:
+            self._let_go(writes)
+        self._held = []
+        self._stream_stored(sink, max_bytes_in_flight)
+
+    @staticmethod
+    def _let_go(writes: collections.deque) -> None:
+        futures, let_go = writes[0]
+        try:
+            Future.all_of(futures).result()
+        finally:
+            writes.popleft()
+            let_go()
+
+    def _stream_stored(self, sink: WeightSink, max_bytes_in_flight: int) -> None:
+        if not self._stored:
+            return
+        largest = round_up(max(block.nbytes for block in self._stored))
+        depth = max(2, min(len(self._stored), max_bytes_in_flight // largest))
+        free = collections.deque(aligned_empty(largest) for _ in range(depth))
+        reads: collections.deque[tuple[Block, torch.Tensor, Future]] = collections.deque()
+        writes: collections.deque[tuple[torch.Tensor, Future]] = collections.deque()
+
+        def hand_over() -> None:
+            block, buffer, read = reads.popleft()
+            read.result()
+            futures = [sink(block.params[j], block.view(buffer, j)) for j in self._wanted[block]]
+            writes.append((buffer, Future.all_of(futures)))
+
+        for block in self._stored:
+            if not free:
+                if not writes:
+                    hand_over()
+                buffer, done = writes.popleft()
+                done.result()
+                free.append(buffer)
+            buffer = free.popleft()
+            reads.append((block, buffer, Future.all_of([self._pin.get(name, out=buffer[a:b]) for name, a, b in block.parts])))
+            if len(reads) > depth // 2:
+                hand_over()
+        while reads:
+            hand_over()
+        Future.all_of([done for _, done in writes]).result()
+
+    def release(self) -> None:
+        """Let go of whatever it still holds (the blocks in the host cache, the store's entries). Idempotent."""
+        for _, _, let_go in self._held:
+            let_go()
+        self._held = []
+        self._pin.release()
