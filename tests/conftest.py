@@ -1,8 +1,11 @@
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +96,127 @@ def run_forked(root, runs: dict) -> dict:
                                           Path(spec[name]["stderr"]).read_text())
         for name in runs
     }  # fmt: skip
+
+
+# The server of ForkedCLI: it imports what `nvoffload finetune` imports (torch, torch._dynamo that torch.optim imports
+# at its first optimizer, datasets, matplotlib: seconds a run), then for each request line forks a child that runs
+# `python -m nvoffload ARGV` as that command would (its module run as __main__, then ending as a script does: atexit
+# handlers, finalizers), with its output to the request's files; each child's exit is reported as it ends. Single
+# threaded (a fork copies only the forking thread): it waits on its requests and on SIGCHLD in one select.
+_CLI_SERVER = """
+import json, os, runpy, select, signal, sys
+import datasets, matplotlib.backends.backend_agg, matplotlib.figure, torch, torch._dynamo
+import nvoffload.cli, nvoffload.finetune, nvoffload.finetune.run, nvoffload.sft
+
+woken, wake = os.pipe()
+os.set_blocking(wake, False)
+signal.set_wakeup_fd(wake)
+signal.signal(signal.SIGCHLD, lambda *_: None)
+child = None
+while child is None:
+    ready = select.select([0, woken], [], [])[0]
+    if woken in ready:
+        os.read(woken, 4096)
+        while (ended := os.waitpid(-1, os.WNOHANG))[0]:
+            print("exit", ended[0], os.waitstatus_to_exitcode(ended[1]), flush=True)
+    if 0 in ready:
+        line = sys.stdin.readline()
+        if not line:
+            break
+        child = json.loads(line)
+        pid = os.fork()
+        if pid:
+            print("pid", pid, flush=True)
+            child = None
+if child is not None:  # the child: as `python -m nvoffload ARGV` run in the request's cwd
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.close(woken)
+    os.close(wake)
+    os.chdir(child["cwd"])
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    for fd, path in ((1, child["stdout"]), (2, child["stderr"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
+    sys.argv = ["nvoffload", *child["argv"]]
+    runpy.run_module("nvoffload", run_name="__main__", alter_sys=True)
+"""
+
+
+class ForkedCLI:
+    """``python -m nvoffload ARGV`` runs, each a process of its own forked from one server that imported what
+    ``nvoffload finetune`` imports once (seconds of imports a run otherwise), all with the server's environment
+    (``env``): :meth:`start` gives a :class:`ForkedRun` to signal and wait for, as a ``subprocess.Popen``."""
+
+    def __init__(self, env: dict | None = None):
+        self._server = subprocess.Popen([sys.executable, "-c", _CLI_SERVER], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        self._lock = threading.Condition()
+        self._exits: dict[int, int] = {}
+        self._started: list[int] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self._server.stdout:
+            what, pid, *status = line.split()
+            with self._lock:
+                if what == "pid":
+                    self._started.append(int(pid))
+                else:
+                    self._exits[int(pid)] = int(status[0])
+                self._lock.notify_all()
+        with self._lock:
+            self._lock.notify_all()
+
+    def start(self, argv: list[str], stdout, stderr, cwd=".") -> "ForkedRun":
+        """Runs ``nvoffload ARGV`` with its output appended to the files ``stdout`` and ``stderr`` (a FIFO: read
+        as it is written)."""
+        request = {"argv": [str(a) for a in argv], "cwd": str(cwd), "stdout": str(stdout), "stderr": str(stderr)}
+        with self._lock:
+            self._server.stdin.write(json.dumps(request) + "\n")
+            self._server.stdin.flush()
+            assert self._lock.wait_for(lambda: self._started or self._server.poll() is not None, 120), "no fork"
+            assert self._started, "the CLI server ended"
+            return ForkedRun(self, self._started.pop(0))
+
+    def run(self, argv: list[str], root, timeout: float = 300) -> subprocess.CompletedProcess:
+        """``nvoffload ARGV`` to its end, as ``subprocess.run(..., capture_output=True, text=True)``."""
+        out, err = (Path(root) / f"forked-{n}.{time.monotonic_ns()}" for n in ("out", "err"))
+        code = self.start(argv, out, err).wait(timeout)
+        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
+
+    def exit_status(self, pid: int, timeout: float | None) -> int | None:
+        with self._lock:
+            self._lock.wait_for(lambda: pid in self._exits or self._server.poll() is not None, timeout)
+            return self._exits.get(pid)
+
+    def close(self) -> None:
+        self._server.stdin.close()
+        self._server.wait(60)
+        self._reader.join(60)
+        self._server.stdout.close()
+
+
+class ForkedRun:
+    """One run of :class:`ForkedCLI`: its ``pid``, ``send_signal``, ``kill``, ``poll`` and ``wait`` as
+    ``subprocess.Popen``'s (``returncode`` negative when a signal ended it)."""
+
+    def __init__(self, cli: ForkedCLI, pid: int):
+        self._cli, self.pid, self.returncode = cli, pid, None
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # not yet reaped by the server: the pid is still this run's
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def poll(self) -> int | None:
+        return self.wait(0)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._cli.exit_status(self.pid, timeout)
+            if self.returncode is None and timeout:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+        return self.returncode
