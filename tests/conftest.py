@@ -98,16 +98,15 @@ def run_forked(root, runs: dict) -> dict:
     }  # fmt: skip
 
 
-# The server of ForkedCLI: it imports what `nvoffload finetune` imports (torch, torch._dynamo that torch.optim imports
-# at its first optimizer, datasets, matplotlib: seconds a run), then for each request line forks a child that runs
-# `python -m nvoffload ARGV` as that command would (its module run as __main__, then ending as a script does: atexit
-# handlers, finalizers), with its output to the request's files; each child's exit is reported as it ends. Single
-# threaded (a fork copies only the forking thread): it waits on its requests and on SIGCHLD in one select.
-_CLI_SERVER = """
-import json, os, runpy, select, signal, sys
-import datasets, matplotlib.backends.backend_agg, matplotlib.figure, torch, torch._dynamo
-import nvoffload.cli, nvoffload.finetune, nvoffload.finetune.run, nvoffload.sft
 
+# The server of ForkServer: it runs its preload (imports: seconds a run otherwise), then for each request line forks
+# a child that runs a script (``path``) or a module (``module``) as ``python PATH ARGV`` / ``python -m MODULE ARGV``
+# would, with the request's environment added, in its cwd, its output to the request's files, and ends as a script
+# does (atexit handlers, finalizers); each child's exit is reported as it ends. Single threaded (a fork copies only
+# the forking thread): it waits on its requests and on SIGCHLD in one select.
+_FORK_SERVER = """
+import json, os, runpy, select, signal, sys
+exec(sys.argv[1])
 woken, wake = os.pipe()
 os.set_blocking(wake, False)
 signal.set_wakeup_fd(wake)
@@ -117,8 +116,14 @@ while child is None:
     ready = select.select([0, woken], [], [])[0]
     if woken in ready:
         os.read(woken, 4096)
-        while (ended := os.waitpid(-1, os.WNOHANG))[0]:
-            print("exit", ended[0], os.waitstatus_to_exitcode(ended[1]), flush=True)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:  # none left
+                break
+            if not pid:
+                break
+            print("exit", pid, os.waitstatus_to_exitcode(status), flush=True)
     if 0 in ready:
         line = sys.stdin.readline()
         if not line:
@@ -128,27 +133,39 @@ while child is None:
         if pid:
             print("pid", pid, flush=True)
             child = None
-if child is not None:  # the child: as `python -m nvoffload ARGV` run in the request's cwd
+if child is not None:  # the child
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.close(woken)
     os.close(wake)
     os.chdir(child["cwd"])
+    os.environ.update(child["env"])
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     for fd, path in ((1, child["stdout"]), (2, child["stderr"])):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
-    sys.argv = ["nvoffload", *child["argv"]]
-    runpy.run_module("nvoffload", run_name="__main__", alter_sys=True)
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND), fd)
+    if "path" in child:
+        sys.argv, sys.path[0] = [child["path"], *child["argv"]], os.path.dirname(child["path"])
+        runpy.run_path(child["path"], run_name="__main__")
+    else:
+        sys.argv = [child["module"], *child["argv"]]
+        runpy.run_module(child["module"], run_name="__main__", alter_sys=True)
+"""
+
+# What `nvoffload finetune` imports: torch, torch._dynamo (torch.optim's first optimizer imports it), datasets
+# (--data), matplotlib (the loss PNG) and nvoffload's modules.
+CLI_PRELOAD = """
+import datasets, matplotlib.backends.backend_agg, matplotlib.figure, torch, torch._dynamo
+import nvoffload.cli, nvoffload.finetune, nvoffload.finetune.run, nvoffload.sft
 """
 
 
-class ForkedCLI:
-    """``python -m nvoffload ARGV`` runs, each a process of its own forked from one server that imported what
-    ``nvoffload finetune`` imports once (seconds of imports a run otherwise), all with the server's environment
-    (``env``): :meth:`start` gives a :class:`ForkedRun` to signal and wait for, as a ``subprocess.Popen``."""
+class ForkServer:
+    """Scripts and ``python -m`` runs, each a process of its own forked from one server that ran ``preload`` (its
+    imports) once, with the server's environment (``env``, read when it started) and each run's own additions:
+    :meth:`start` gives a :class:`ForkedRun` to signal and wait for, as a ``subprocess.Popen``."""
 
-    def __init__(self, env: dict | None = None):
-        self._server = subprocess.Popen([sys.executable, "-c", _CLI_SERVER], stdin=subprocess.PIPE,
+    def __init__(self, preload: str, env: dict | None = None):
+        self._server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER, preload], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
         self._lock = threading.Condition()
         self._exits: dict[int, int] = {}
@@ -168,21 +185,23 @@ class ForkedCLI:
         with self._lock:
             self._lock.notify_all()
 
-    def start(self, argv: list[str], stdout, stderr, cwd=".") -> "ForkedRun":
-        """Runs ``nvoffload ARGV`` with its output appended to the files ``stdout`` and ``stderr`` (a FIFO: read
-        as it is written)."""
-        request = {"argv": [str(a) for a in argv], "cwd": str(cwd), "stdout": str(stdout), "stderr": str(stderr)}
+    def start(self, target: str, argv: list, stdout, stderr, cwd=".", env: dict | None = None) -> "ForkedRun":
+        """Runs ``target`` (a script's path, or ``-m MODULE``) with ``argv`` and ``env`` added to the environment,
+        its output written to the files ``stdout`` and ``stderr`` (a FIFO: read as it is written)."""
+        request = {"argv": [str(a) for a in argv], "cwd": str(cwd), "stdout": str(stdout), "stderr": str(stderr),
+                   "env": env or {}}  # fmt: skip
+        request.update({"module": target.removeprefix("-m ")} if target.startswith("-m ") else {"path": str(target)})
         with self._lock:
             self._server.stdin.write(json.dumps(request) + "\n")
             self._server.stdin.flush()
             assert self._lock.wait_for(lambda: self._started or self._server.poll() is not None, 120), "no fork"
-            assert self._started, "the CLI server ended"
+            assert self._started, "the fork server ended"
             return ForkedRun(self, self._started.pop(0))
 
-    def run(self, argv: list[str], root, timeout: float = 300) -> subprocess.CompletedProcess:
-        """``nvoffload ARGV`` to its end, as ``subprocess.run(..., capture_output=True, text=True)``."""
+    def run(self, target: str, argv: list, root, timeout: float = 300) -> subprocess.CompletedProcess:
+        """``target`` with ``argv`` to its end, as ``subprocess.run(..., capture_output=True, text=True)``."""
         out, err = (Path(root) / f"forked-{n}.{time.monotonic_ns()}" for n in ("out", "err"))
-        code = self.start(argv, out, err).wait(timeout)
+        code = self.start(target, argv, out, err).wait(timeout)
         return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
 
     def exit_status(self, pid: int, timeout: float | None) -> int | None:
@@ -198,11 +217,11 @@ class ForkedCLI:
 
 
 class ForkedRun:
-    """One run of :class:`ForkedCLI`: its ``pid``, ``send_signal``, ``kill``, ``poll`` and ``wait`` as
+    """One run of :class:`ForkServer`: its ``pid``, ``send_signal``, ``kill``, ``poll`` and ``wait`` as
     ``subprocess.Popen``'s (``returncode`` negative when a signal ended it)."""
 
-    def __init__(self, cli: ForkedCLI, pid: int):
-        self._cli, self.pid, self.returncode = cli, pid, None
+    def __init__(self, server: ForkServer, pid: int):
+        self._server, self.pid, self.returncode = server, pid, None
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # not yet reaped by the server: the pid is still this run's
@@ -216,7 +235,7 @@ class ForkedRun:
 
     def wait(self, timeout: float | None = None) -> int | None:
         if self.returncode is None:
-            self.returncode = self._cli.exit_status(self.pid, timeout)
+            self.returncode = self._server.exit_status(self.pid, timeout)
             if self.returncode is None and timeout:
                 raise subprocess.TimeoutExpired(str(self.pid), timeout)
         return self.returncode
