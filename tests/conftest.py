@@ -139,7 +139,9 @@ if child is not None:  # the child
     os.close(woken)
     os.close(wake)
     os.chdir(child["cwd"])
-    os.environ.update(child["env"])
+    if child["env"] is not None:  # as subprocess.Popen's env: the whole environment
+        os.environ.clear()
+        os.environ.update(child["env"])
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     for fd, path in ((1, child["stdout"]), (2, child["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND), fd)
@@ -159,10 +161,30 @@ import nvoffload.cli, nvoffload.finetune, nvoffload.finetune.run, nvoffload.sft
 """
 
 
+_FORK_SERVERS: dict[tuple, "ForkServer"] = {}
+_SESSION_ENV = dict(os.environ)  # before any test changed it
+
+
+def fork_server(preload: str, **env: str) -> "ForkServer":
+    """The session's server for ``preload`` with ``env`` added to the session's environment (what it read when it
+    started: what modules read at import), started at its first use."""
+    key = (preload, *sorted(env.items()))
+    if key not in _FORK_SERVERS:
+        _FORK_SERVERS[key] = ForkServer(preload, {**_SESSION_ENV, **env})
+    return _FORK_SERVERS[key]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_fork_servers():
+    yield
+    while _FORK_SERVERS:
+        _FORK_SERVERS.popitem()[1].close()
+
+
 class ForkServer:
     """Scripts and ``python -m`` runs, each a process of its own forked from one server that ran ``preload`` (its
-    imports) once, with the server's environment (``env``, read when it started) and each run's own additions:
-    :meth:`start` gives a :class:`ForkedRun` to signal and wait for, as a ``subprocess.Popen``."""
+    imports) once, with the server's environment (``env``, read when it started) or each run's own: :meth:`start`
+    gives a :class:`ForkedRun` to signal and wait for, as a ``subprocess.Popen``."""
 
     def __init__(self, preload: str, env: dict | None = None):
         self._server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER, preload], stdin=subprocess.PIPE,
@@ -186,10 +208,10 @@ class ForkServer:
             self._lock.notify_all()
 
     def start(self, target: str, argv: list, stdout, stderr, cwd=".", env: dict | None = None) -> "ForkedRun":
-        """Runs ``target`` (a script's path, or ``-m MODULE``) with ``argv`` and ``env`` added to the environment,
-        its output written to the files ``stdout`` and ``stderr`` (a FIFO: read as it is written)."""
+        """Runs ``target`` (a script's path, or ``-m MODULE``) with ``argv`` and ``env`` as its environment (None:
+        the server's), its output written to the files ``stdout`` and ``stderr`` (a FIFO: read as it is written)."""
         request = {"argv": [str(a) for a in argv], "cwd": str(cwd), "stdout": str(stdout), "stderr": str(stderr),
-                   "env": env or {}}  # fmt: skip
+                   "env": env}  # fmt: skip
         request.update({"module": target.removeprefix("-m ")} if target.startswith("-m ") else {"path": str(target)})
         with self._lock:
             self._server.stdin.write(json.dumps(request) + "\n")

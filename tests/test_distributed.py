@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ForkedRun, ForkServer
+from conftest import ForkedRun, fork_server
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 MODES = ["optimizer", "streaming"]
@@ -195,23 +195,17 @@ def test_one_ranks_damaged_piece_makes_every_rank_resume_from_the_checkpoint_bef
 
 # The ranks' processes are forked from one server that imported torch and nvoffload once (seconds a rank
 # otherwise); not torch._dynamo, which each rank imports after joining its group (dist_worker, TORCH_GLOO_EXIT).
-RANK_SERVER: list[ForkServer] = []
-
-
-@pytest.fixture(scope="module", autouse=True)
-def rank_server():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    RANK_SERVER.append(ForkServer("import torch, torch.distributed, nvoffload.optim, nvoffload.training", env))
-    yield
-    RANK_SERVER.pop().close()
+RANK_PRELOAD = "import torch, torch.distributed, nvoffload.optim, nvoffload.training"
 
 
 def launch(ranks: int, logs: Path, *args: str) -> list[ForkedRun]:
     """The ranks as plain processes (no torchrun, which would stop the others when one dies): what each
     does about a rank that died or hangs is then its own. Rank ``r`` writes ``logs / f"rank{r}.log"``."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1]),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks)}  # fmt: skip
+    server = fork_server(RANK_PRELOAD, OMP_NUM_THREADS="1", PYTHONPATH=env["PYTHONPATH"])
     return [
-        RANK_SERVER[0].start(str(WORKER), args, log, log, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+        server.start(str(WORKER), args, log, log, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
         for r, log in enumerate(logs / f"rank{r}.log" for r in range(ranks))
     ]
 

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from conftest import CLI_PRELOAD, ForkServer
+from conftest import CLI_PRELOAD, fork_server
 
 from nvoffload.checkpoint import load_file
 from nvoffload.cli import main
@@ -52,8 +52,7 @@ def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical
     for name in ("ref", "run"):
         (tmp_path / f"{name}-swap").mkdir()
     # each run a process of its own, forked from one that imported torch, datasets and nvoffload once
-    cli = ForkServer(CLI_PRELOAD, {**os.environ, "PYTHONUNBUFFERED": "1"})
-    request.addfinalizer(cli.close)
+    cli = fork_server(CLI_PRELOAD, PYTHONUNBUFFERED="1")
     # the reference beside the two runs below
     reference = cli.start("-m nvoffload", _command(tmp_path, "ref", data, steps), os.devnull, tmp_path / "ref.err")
     request.addfinalizer(lambda: reference.kill() or reference.wait(60))  # if a check failed

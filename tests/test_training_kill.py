@@ -14,7 +14,7 @@ import threading
 import time
 
 import torch
-from conftest import CLI_PRELOAD, ForkedRun, ForkServer
+from conftest import CLI_PRELOAD, ForkedRun, ForkServer, fork_server
 
 from nvoffload.checkpoint import load_file
 from nvoffload.training_checkpoint import (
@@ -107,7 +107,7 @@ def test_sigkill_at_chosen_moments_then_resume_is_bit_identical(tmp_path):
     for name in ("ref", "run"):
         (tmp_path / f"{name}-swap").mkdir()
     # each run a process of its own, forked from one that imported torch and nvoffload once
-    cli = ForkServer(CLI_PRELOAD, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    cli = fork_server(CLI_PRELOAD, PYTHONUNBUFFERED="1")
     ref_lines: list[str] = []
     ref, ref_reader = _start(cli, tmp_path, "ref", ref_lines)
 
@@ -139,7 +139,6 @@ def test_sigkill_at_chosen_moments_then_resume_is_bit_identical(tmp_path):
         ref.kill()  # when something above failed
         ref.wait(60)
         ref_reader.join(60)
-        cli.close()
     expected, actual = load_file(tmp_path / "ref.safetensors"), load_file(tmp_path / "run.safetensors")
     assert expected.keys() == actual.keys()
     assert all(torch.equal(expected[k], actual[k]) for k in expected)
