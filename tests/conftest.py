@@ -51,59 +51,25 @@ def flip_stored_byte(store, name: str, at: int = 100) -> None:
         os.close(fd)
 
 
-# The driver of run_forked: it imports torch and nvoffload once, with what torch.optim imports at its first optimizer
-# (torch._dynamo: about 800 modules), then forks a child for each run; the child runs the script as `python -c`
-# would and ends as the script does (atexit handlers, finalizers), its exit status its own. Worth it where a run's
-# imports outweigh its work: three runs of seconds of copies each (test_transfer's exit) took longer forked.
-_FORKING_DRIVER = """
-import json, os, sys
-import torch, torch._dynamo
-import nvoffload, nvoffload.optim, nvoffload.streaming
-
-runs, statuses = json.loads(sys.argv[1]), {}
-for name, run in runs.items():
-    pid = os.fork()
-    if pid == 0:
-        os.chdir(run["cwd"])
-        for fd, path in ((1, run["stdout"]), (2, run["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        sys.argv = ["-c", *run["argv"]]
-        exec(compile(run["script"], name, "exec"), {"__name__": "__main__"})
-        break  # the child ends here, as the script would
-    statuses[name] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-else:
-    print(json.dumps(statuses))
-"""
+# What run_forked's scripts import (torch._dynamo: torch.optim imports it at its first optimizer, about 800 modules).
+SCRIPT_PRELOAD = "import torch, torch._dynamo, nvoffload, nvoffload.optim, nvoffload.streaming"
 
 
 def run_forked(root, runs: dict) -> dict:
     """Each of ``runs`` (name -> (script, argv, cwd)) as ``python -c script *argv`` in ``cwd`` would run it, in a
-    process of its own forked from one driver that imported torch and nvoffload once (seconds of imports a run
-    otherwise); the runs one after the other, their output in files under ``root``. Returns name ->
-    CompletedProcess (a negative returncode: killed by that signal)."""
-    root = Path(root)
-    spec = {
-        name: {"script": script, "argv": [str(a) for a in argv], "cwd": str(cwd), "stdout": str(root / f"{name}.out"),
-               "stderr": str(root / f"{name}.err")}
-        for name, (script, argv, cwd) in runs.items()
-    }  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", _FORKING_DRIVER, json.dumps(spec)], capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    statuses = json.loads(done.stdout)
-    return {
-        name: subprocess.CompletedProcess(spec[name]["argv"], statuses[name], Path(spec[name]["stdout"]).read_text(),
-                                          Path(spec[name]["stderr"]).read_text())
-        for name in runs
-    }  # fmt: skip
-
-
+    process of its own forked from the session's server that imported torch and nvoffload once (seconds of imports
+    a run otherwise); the runs one after the other, their output in files under ``root``. Returns name ->
+    CompletedProcess (a negative returncode: killed by that signal). Worth it where a run's imports outweigh its
+    work."""
+    server = fork_server(SCRIPT_PRELOAD)
+    return {name: server.run(f"-c {script}", argv, root, cwd, 600) for name, (script, argv, cwd) in runs.items()}
 
 # The server of ForkServer: it runs its preload (imports: seconds a run otherwise), then for each request line forks
-# a child that runs a script (``path``) or a module (``module``) as ``python PATH ARGV`` / ``python -m MODULE ARGV``
-# would, with the request's environment added, in its cwd, its output to the request's files, and ends as a script
-# does (atexit handlers, finalizers); each child's exit is reported as it ends. Single threaded (a fork copies only
-# the forking thread): it waits on its requests and on SIGCHLD in one select.
+# a child that runs a script (``path``), a module (``module``) or code (``code``) as ``python PATH ARGV``,
+# ``python -m MODULE ARGV`` or ``python -c CODE ARGV`` would, in the request's cwd and environment, its output to the
+# request's files, and ends as a script does (atexit handlers, finalizers); each child's exit is reported as it
+# ends. Single threaded (a fork copies only the forking thread): it waits on its requests and on SIGCHLD in one
+# select.
 _FORK_SERVER = """
 import json, os, runpy, select, signal, sys
 exec(sys.argv[1])
@@ -148,9 +114,12 @@ if child is not None:  # the child
     if "path" in child:
         sys.argv, sys.path[0] = [child["path"], *child["argv"]], os.path.dirname(child["path"])
         runpy.run_path(child["path"], run_name="__main__")
-    else:
+    elif "module" in child:
         sys.argv = [child["module"], *child["argv"]]
         runpy.run_module(child["module"], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = ["-c", *child["argv"]]
+        exec(compile(child["code"], "<string>", "exec"), {"__name__": "__main__"})
 """
 
 # What `nvoffload finetune` imports: torch, torch._dynamo (torch.optim's first optimizer imports it), datasets
@@ -208,11 +177,13 @@ class ForkServer:
             self._lock.notify_all()
 
     def start(self, target: str, argv: list, stdout, stderr, cwd=".", env: dict | None = None) -> "ForkedRun":
-        """Runs ``target`` (a script's path, or ``-m MODULE``) with ``argv`` and ``env`` as its environment (None:
-        the server's), its output written to the files ``stdout`` and ``stderr`` (a FIFO: read as it is written)."""
+        """Runs ``target`` (a script's path, ``-m MODULE`` or ``-c CODE``) with ``argv`` and ``env`` as its
+        environment (None: the server's), its output written to the files ``stdout`` and ``stderr`` (a FIFO: read
+        as it is written)."""
         request = {"argv": [str(a) for a in argv], "cwd": str(cwd), "stdout": str(stdout), "stderr": str(stderr),
                    "env": env}  # fmt: skip
-        request.update({"module": target.removeprefix("-m ")} if target.startswith("-m ") else {"path": str(target)})
+        kind = {"-m ": "module", "-c ": "code"}.get(str(target)[:3])
+        request.update({kind: target[3:]} if kind else {"path": str(target)})
         with self._lock:
             self._server.stdin.write(json.dumps(request) + "\n")
             self._server.stdin.flush()
@@ -220,10 +191,10 @@ class ForkServer:
             assert self._started, "the fork server ended"
             return ForkedRun(self, self._started.pop(0))
 
-    def run(self, target: str, argv: list, root, timeout: float = 300) -> subprocess.CompletedProcess:
+    def run(self, target: str, argv: list, root, cwd=".", timeout: float = 300) -> subprocess.CompletedProcess:
         """``target`` with ``argv`` to its end, as ``subprocess.run(..., capture_output=True, text=True)``."""
         out, err = (Path(root) / f"forked-{n}.{time.monotonic_ns()}" for n in ("out", "err"))
-        code = self.start(target, argv, out, err).wait(timeout)
+        code = self.start(target, argv, out, err, cwd=cwd).wait(timeout)
         return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
 
     def exit_status(self, pid: int, timeout: float | None) -> int | None:
