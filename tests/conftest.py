@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -55,14 +56,13 @@ def flip_stored_byte(store, name: str, at: int = 100) -> None:
 SCRIPT_PRELOAD = "import torch, torch._dynamo, nvoffload, nvoffload.optim, nvoffload.streaming"
 
 
-def run_forked(root, runs: dict) -> dict:
+def run_forked(runs: dict) -> dict:
     """Each of ``runs`` (name -> (script, argv, cwd)) as ``python -c script *argv`` in ``cwd`` would run it, in a
     process of its own forked from the session's server that imported torch and nvoffload once (seconds of imports
-    a run otherwise); the runs one after the other, their output in files under ``root``. Returns name ->
-    CompletedProcess (a negative returncode: killed by that signal). Worth it where a run's imports outweigh its
-    work."""
+    a run otherwise); the runs one after the other. Returns name -> CompletedProcess (a negative returncode: killed
+    by that signal). Worth it where a run's imports outweigh its work."""
     server = fork_server(SCRIPT_PRELOAD)
-    return {name: server.run(f"-c {script}", argv, root, cwd, 600) for name, (script, argv, cwd) in runs.items()}
+    return {name: server.run(f"-c {script}", argv, cwd, timeout=600) for name, (script, argv, cwd) in runs.items()}
 
 # The server of ForkServer: it runs its preload (imports: seconds a run otherwise), then for each request line forks
 # a child that runs a script (``path``), a module (``module``) or code (``code``) as ``python PATH ARGV``,
@@ -130,6 +130,17 @@ import nvoffload.cli, nvoffload.finetune, nvoffload.finetune.run, nvoffload.sft
 """
 
 
+def cli_server() -> "ForkServer":
+    """The session's server of ``python -m nvoffload`` runs (unbuffered output: read as it is written)."""
+    return fork_server(CLI_PRELOAD, PYTHONUNBUFFERED="1")
+
+
+def run_cli(argv: list, cwd=".", env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m nvoffload ARGV`` as ``subprocess.run(..., capture_output=True, text=True, cwd=cwd, env=env)``
+    runs it, forked from :func:`cli_server`."""
+    return cli_server().run("-m nvoffload", argv, cwd, env, timeout)
+
+
 _FORK_SERVERS: dict[tuple, "ForkServer"] = {}
 _SESSION_ENV = dict(os.environ)  # before any test changed it
 
@@ -163,6 +174,7 @@ class ForkServer:
         self._started: list[int] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        self._outputs = tempfile.TemporaryDirectory(prefix="nvoffload-forked-")  # run's
 
     def _read(self) -> None:
         for line in self._server.stdout:
@@ -191,11 +203,15 @@ class ForkServer:
             assert self._started, "the fork server ended"
             return ForkedRun(self, self._started.pop(0))
 
-    def run(self, target: str, argv: list, root, cwd=".", timeout: float = 300) -> subprocess.CompletedProcess:
-        """``target`` with ``argv`` to its end, as ``subprocess.run(..., capture_output=True, text=True)``."""
-        out, err = (Path(root) / f"forked-{n}.{time.monotonic_ns()}" for n in ("out", "err"))
-        code = self.start(target, argv, out, err, cwd=cwd).wait(timeout)
-        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
+    def run(self, target: str, argv: list, cwd=".", env=None, timeout: float = 300) -> subprocess.CompletedProcess:
+        """``target`` with ``argv`` to its end, as ``subprocess.run(..., capture_output=True, text=True)`` with
+        ``cwd`` and ``env`` (None: the server's environment)."""
+        out, err = (Path(self._outputs.name) / f"{n}.{time.monotonic_ns()}" for n in ("out", "err"))
+        code = self.start(target, argv, out, err, cwd, env).wait(timeout)
+        done = subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
+        out.unlink()
+        err.unlink()
+        return done
 
     def exit_status(self, pid: int, timeout: float | None) -> int | None:
         with self._lock:
@@ -207,6 +223,7 @@ class ForkServer:
         self._server.wait(60)
         self._reader.join(60)
         self._server.stdout.close()
+        self._outputs.cleanup()
 
 
 class ForkedRun:

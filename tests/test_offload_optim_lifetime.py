@@ -200,7 +200,7 @@ def test_exit_without_close_stops_the_worker_first(tmp_path, delayed):
     script.write_text(textwrap.dedent(EXIT_SCRIPT))
     swap = tmp_path / "swap"
     swap.mkdir()
-    out = fork_server(SCRIPT_PRELOAD).run(script, [swap, delayed], tmp_path, timeout=120)  # as python SCRIPT would
+    out = fork_server(SCRIPT_PRELOAD).run(script, [swap, delayed], timeout=120)  # as python SCRIPT would
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "workers=0 swaps=0", out.stdout + out.stderr[-2000:]
     assert not list(swap.glob("*.swap"))

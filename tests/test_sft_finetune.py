@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from conftest import CLI_PRELOAD, fork_server
+from conftest import cli_server
 
 from nvoffload.checkpoint import load_file
 from nvoffload.cli import main
@@ -52,7 +52,7 @@ def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical
     for name in ("ref", "run"):
         (tmp_path / f"{name}-swap").mkdir()
     # each run a process of its own, forked from one that imported torch, datasets and nvoffload once
-    cli = fork_server(CLI_PRELOAD, PYTHONUNBUFFERED="1")
+    cli = cli_server()
     # the reference beside the two runs below
     reference = cli.start("-m nvoffload", _command(tmp_path, "ref", data, steps), os.devnull, tmp_path / "ref.err")
     request.addfinalizer(lambda: reference.kill() or reference.wait(60))  # if a check failed
@@ -79,7 +79,7 @@ def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical
     assert process.wait(60) == -signal.SIGKILL, "".join(lines)[-3000:]  # killed before it could finish
     reader.join(60)
 
-    done = cli.run("-m nvoffload", _command(tmp_path, "run", data, steps), tmp_path, timeout=300)
+    done = cli.run("-m nvoffload", _command(tmp_path, "run", data, steps), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     resumed_at = int(next(line for line in done.stdout.splitlines() if line.startswith("step ")).split(":")[0].removeprefix("step "))
     assert 3 <= resumed_at <= steps  # it went on from a checkpoint at step 2 or later

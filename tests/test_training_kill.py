@@ -14,7 +14,7 @@ import threading
 import time
 
 import torch
-from conftest import CLI_PRELOAD, ForkedRun, ForkServer, fork_server
+from conftest import ForkedRun, ForkServer, cli_server
 
 from nvoffload.checkpoint import load_file
 from nvoffload.training_checkpoint import (
@@ -107,7 +107,7 @@ def test_sigkill_at_chosen_moments_then_resume_is_bit_identical(tmp_path):
     for name in ("ref", "run"):
         (tmp_path / f"{name}-swap").mkdir()
     # each run a process of its own, forked from one that imported torch and nvoffload once
-    cli = fork_server(CLI_PRELOAD, PYTHONUNBUFFERED="1")
+    cli = cli_server()
     ref_lines: list[str] = []
     ref, ref_reader = _start(cli, tmp_path, "ref", ref_lines)
 
@@ -131,7 +131,7 @@ def test_sigkill_at_chosen_moments_then_resume_is_bit_identical(tmp_path):
                 previous = verified.step
         assert previous is not None and previous < STEPS
 
-        done = cli.run("-m nvoffload", _command(tmp_path, "run"), tmp_path, timeout=300)
+        done = cli.run("-m nvoffload", _command(tmp_path, "run"), timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "\nresumed from " in done.stdout and "\nstep 1:" not in done.stdout  # it resumed
         assert ref.wait(300) == 0, "".join(ref_lines)[-3000:]
