@@ -71,8 +71,9 @@ def run_forked(runs: dict) -> dict:
 # ends. Single threaded (a fork copies only the forking thread): it waits on its requests and on SIGCHLD in one
 # select.
 _FORK_SERVER = """
-import json, os, runpy, select, signal, sys
+import gc, json, os, runpy, select, signal, sys
 exec(sys.argv[1])
+gc.freeze()  # what the preload made is never collected: a child's collections and exit copy none of its pages
 woken, wake = os.pipe()
 os.set_blocking(wake, False)
 signal.set_wakeup_fd(wake)
@@ -227,8 +228,8 @@ class ForkServer:
 
 
 class ForkedRun:
-    """One run of :class:`ForkServer`: its ``pid``, ``send_signal``, ``kill``, ``poll`` and ``wait`` as
-    ``subprocess.Popen``'s (``returncode`` negative when a signal ended it)."""
+    """One run of :class:`ForkServer`: its ``pid``, ``send_signal``, ``kill``, ``terminate``, ``poll`` and ``wait``
+    as ``subprocess.Popen``'s (``returncode`` negative when a signal ended it)."""
 
     def __init__(self, server: ForkServer, pid: int):
         self._server, self.pid, self.returncode = server, pid, None
@@ -239,6 +240,9 @@ class ForkedRun:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
 
     def poll(self) -> int | None:
         return self.wait(0)
