@@ -204,6 +204,17 @@ class ForkServer:
             assert self._started, "the fork server ended"
             return ForkedRun(self, self._started.pop(0))
 
+    def start_saying(self, target: str, argv: list, line: str) -> "ForkedRun":
+        """:meth:`start`, returning once the run printed ``line`` first (a FIFO as its output); its stderr
+        dropped."""
+        with tempfile.TemporaryDirectory(prefix="nvoffload-said-") as fifo_dir:
+            said = os.path.join(fifo_dir, "said")
+            os.mkfifo(said)
+            child = self.start(target, argv, said, os.devnull)
+            with open(said) as f:
+                assert f.readline() == line + "\n", f"{target[:200]} did not say {line!r}"
+        return child
+
     def run(self, target: str, argv: list, cwd=".", env=None, timeout: float = 300) -> subprocess.CompletedProcess:
         """``target`` with ``argv`` to its end, as ``subprocess.run(..., capture_output=True, text=True)`` with
         ``cwd`` and ``env`` (None: the server's environment)."""

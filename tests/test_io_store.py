@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import random
-import tempfile
 import threading
 
 import pytest
@@ -538,13 +537,7 @@ time.sleep(120)
 
 def _holder(directory) -> ForkedRun:
     """A process holding ``directory`` (``python -c`` forked from the session's server), once it said so."""
-    with tempfile.TemporaryDirectory() as fifo_dir:
-        said = os.path.join(fifo_dir, "said")
-        os.mkfifo(said)
-        child = fork_server(SCRIPT_PRELOAD).start(f"-c {_HOLD_THE_DIRECTORY}", [directory], said, os.devnull)
-        with open(said) as f:
-            assert f.readline().strip() == "ready"
-    return child
+    return fork_server(SCRIPT_PRELOAD).start_saying(f"-c {_HOLD_THE_DIRECTORY}", [directory], "ready")
 
 
 def test_a_directory_another_live_process_holds_is_refused_and_a_subdirectory_works(tmp_path):
