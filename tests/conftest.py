@@ -64,6 +64,7 @@ def run_forked(runs: dict) -> dict:
     server = fork_server(SCRIPT_PRELOAD)
     return {name: server.run(f"-c {script}", argv, cwd, timeout=600) for name, (script, argv, cwd) in runs.items()}
 
+
 # The server of ForkServer: it runs its preload (imports: seconds a run otherwise), then for each request line forks
 # a child that runs a script (``path``), a module (``module``) or code (``code``) as ``python PATH ARGV``,
 # ``python -m MODULE ARGV`` or ``python -c CODE ARGV`` would, in the request's cwd and environment, its output to the
@@ -178,13 +179,13 @@ class ForkServer:
         self._outputs = tempfile.TemporaryDirectory(prefix="nvoffload-forked-")  # run's
 
     def _read(self) -> None:
-        for line in self._server.stdout:
-            what, pid, *status = line.split()
+        for line in self._server.stdout:  # "pid PID" as a run starts, "exit PID STATUS" as it ends
+            words = line.split()
             with self._lock:
-                if what == "pid":
-                    self._started.append(int(pid))
-                else:
-                    self._exits[int(pid)] = int(status[0])
+                if words[:1] == ["pid"]:
+                    self._started.append(int(words[1]))
+                elif words[:1] == ["exit"]:
+                    self._exits[int(words[1])] = int(words[2])
                 self._lock.notify_all()
         with self._lock:
             self._lock.notify_all()
@@ -226,8 +227,10 @@ class ForkServer:
         return done
 
     def exit_status(self, pid: int, timeout: float | None) -> int | None:
+        """The run's exit status once it ended, None if it runs ``timeout`` seconds on."""
         with self._lock:
             self._lock.wait_for(lambda: pid in self._exits or self._server.poll() is not None, timeout)
+            assert pid in self._exits or self._server.poll() is None, "the fork server ended"
             return self._exits.get(pid)
 
     def close(self) -> None:
