@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -16,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SCRIPT_PRELOAD, fork_server
 from test_training_checkpoint import CFG, SAVE_AT, STEPS, Run, _assert_equal, _batch, _goes_on_as_uninterrupted, _state
 
 import nvoffload
@@ -392,18 +391,18 @@ def test_a_kill_during_a_background_checkpoint_leaves_the_previous_one(tmp_path,
         stop_at=f"{phase}:{marker}",
     )  # fmt: skip
     (tmp_path / "swap").mkdir()
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True)
+    out = tmp_path / "child.out"  # python -c, forked from the session's server that imported torch once
+    child = fork_server(SCRIPT_PRELOAD).start(f"-c {textwrap.dedent(script)}", [], out, os.devnull)
     try:
         deadline = time.monotonic() + 300
         while not marker.exists():  # the writer reached the phase and stopped the process there
-            assert child.poll() is None and time.monotonic() < deadline, child.stdout.read()
+            assert child.poll() is None and time.monotonic() < deadline, out.read_text()
             time.sleep(0.01)
         entries = os.listdir(tmp_path / "ckpt")
         assert any(e.startswith(".checkpoint-3.tmp-") for e in entries), (entries, marker.read_text())
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(60)
-        child.stdout.close()
     assert child.returncode == -signal.SIGKILL
     assert latest_training_checkpoint(tmp_path / "ckpt").step == 2
     assert verify_training_checkpoint(tmp_path / "ckpt").step == 2

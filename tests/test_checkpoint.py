@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from conftest import SCRIPT_PRELOAD, fork_server
 
 from nvoffload.checkpoint import (
     CheckpointError,
@@ -262,11 +263,9 @@ except OSError as exc:
 def test_a_write_past_the_file_size_limit_names_the_file_and_leaves_nothing(tmp_path):
     """A real write error on a real file (RLIMIT_FSIZE: EFBIG, as a full disk's ENOSPC) names the file."""
     import errno
-    import subprocess
-    import sys
 
-    path = tmp_path / "w.safetensors"
-    done = subprocess.run([sys.executable, "-c", _WRITE_PAST_THE_FILE_SIZE_LIMIT, str(path)], capture_output=True, text=True, timeout=120)
+    path = tmp_path / "w.safetensors"  # python -c, forked from the session's server that imported torch once
+    done = fork_server(SCRIPT_PRELOAD).run(f"-c {_WRITE_PAST_THE_FILE_SIZE_LIMIT}", [path], timeout=120)
     assert done.returncode == 0 and done.stdout, done.stderr[-3000:]
     got = json.loads(done.stdout)
     partial = str(tmp_path / ".w.safetensors.tmp")

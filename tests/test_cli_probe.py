@@ -10,10 +10,9 @@ stdout (no step ran), and nothing created: no checkpoint directory, no ``--save-
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
+from conftest import run_cli
 
 from nvoffload.cli import main
 from nvoffload.finetune import max_text_bytes
@@ -207,7 +206,7 @@ def test_python_m_nvoffload_refuses_as_main_does(tmp_path, args, named):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     (tmp_path / "swap").mkdir()
     argv = ["finetune", "--no-progress", "--swap-dir", str(tmp_path / "swap"), "--checkpoint-dir", str(tmp_path / "ckpt"), *args]
-    done = subprocess.run([sys.executable, "-m", "nvoffload", *argv], capture_output=True, text=True, env=env, timeout=120)
+    done = run_cli(argv, env=env, timeout=120)  # forked from a server that imported torch once
     assert done.returncode == 2 and done.stdout == "", done
     assert done.stderr.startswith("nvoffload finetune: error: ") and done.stderr.count("\n") == 1 and named in done.stderr
     assert os.listdir(tmp_path) == ["swap"] and os.listdir(tmp_path / "swap") == []

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ForkedRun, fork_server
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 MODES = ["optimizer", "streaming"]
@@ -192,19 +193,21 @@ def test_one_ranks_damaged_piece_makes_every_rank_resume_from_the_checkpoint_bef
 # deadlock with that same thread (seen with DDP), so the tests accept either non-zero status.
 
 
-def launch(ranks: int, logs: Path, *args: str) -> list[subprocess.Popen]:
+# The ranks' processes are forked from one server that imported torch and nvoffload once (seconds a rank
+# otherwise); not torch._dynamo, which each rank imports after joining its group (dist_worker, TORCH_GLOO_EXIT).
+RANK_PRELOAD = "import torch, torch.distributed, nvoffload.optim, nvoffload.training"
+
+
+def launch(ranks: int, logs: Path, *args: str) -> list[ForkedRun]:
     """The ranks as plain processes (no torchrun, which would stop the others when one dies): what each
     does about a rank that died or hangs is then its own. Rank ``r`` writes ``logs / f"rank{r}.log"``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1]),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks)}  # fmt: skip
-    procs = []
-    for r in range(ranks):
-        with open(logs / f"rank{r}.log", "w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), *args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                stdout=log, stderr=subprocess.STDOUT,
-            ))  # fmt: skip
-    return procs
+    server = fork_server(RANK_PRELOAD, OMP_NUM_THREADS="1", PYTHONPATH=env["PYTHONPATH"])
+    return [
+        server.start(str(WORKER), args, log, log, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+        for r, log in enumerate(logs / f"rank{r}.log" for r in range(ranks))
+    ]
 
 
 def free_port() -> int:

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import torch
-from test_distributed import assert_trained_alike, free_port
+from conftest import ForkedRun, fork_server
+from test_distributed import RANK_PRELOAD, assert_trained_alike, free_port
 
 MiB = 1 << 20
 BATCH = (8, 12, 16)
@@ -86,35 +87,34 @@ def main(argv: list[str]) -> None:
         dist.destroy_process_group()
 
 
-def start(tmp_path: Path, name: str, ranks: int, *args: str) -> list[subprocess.Popen]:
-    """This file run by ``ranks`` gloo ranks (plain processes given torchrun's environment), or alone (``ranks``
-    0: one process on the whole batches), writing under ``tmp_path / name``."""
+def start(tmp_path: Path, name: str, ranks: int, *args: str) -> list[tuple[ForkedRun, Path]]:
+    """This file run by ``ranks`` gloo ranks (plain processes given torchrun's environment, forked as
+    test_distributed's ranks are), or alone (``ranks`` 0: one process on the whole batches), writing under
+    ``tmp_path / name``: each process and its output's file."""
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     if ranks:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks))
-    argv = [sys.executable, __file__, str(tmp_path / name / "out"), str(tmp_path / name / "swap"), *args]
-    return [
-        subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)} if ranks else env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        for r in range(max(ranks, 1))
-    ]
+    argv = [str(tmp_path / name / "out"), str(tmp_path / name / "swap"), *args]
+    server = fork_server(RANK_PRELOAD, OMP_NUM_THREADS="1", PYTHONPATH=env["PYTHONPATH"])
+    outs = [tmp_path / f"{name}-{r}.out" for r in range(max(ranks, 1))]
+    ranks_env = [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} if ranks else env for r in range(len(outs))]
+    return [(server.start(__file__, argv, out, out, env=e), out) for out, e in zip(outs, ranks_env)]
 
 
-def finish(procs: list[subprocess.Popen], timeout_s: float = 240) -> list[tuple[int, str]]:
+def finish(runs: list[tuple[ForkedRun, Path]], timeout_s: float = 240) -> list[tuple[int, str]]:
     """Each process's exit status and output, at most ``timeout_s`` from now: those still running then are killed
     (a hang fails the test, it does not stall it)."""
     deadline = time.monotonic() + timeout_s
     done = []
-    for proc in procs:
+    for proc, out in runs:
         try:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            done.append((proc.wait(max(1.0, deadline - time.monotonic())), out.read_text()))
         except subprocess.TimeoutExpired:
-            for p in procs[len(done):]:
+            for p, _ in runs[len(done):]:
                 p.kill()
-            outs = [p.communicate()[0] for p in procs[len(done):]]
-            raise AssertionError(f"ran over {timeout_s} s; process {len(done)}:\n{outs[0][-3000:]}") from None
-        done.append((proc.returncode, out))
+                p.wait()
+            raise AssertionError(f"ran over {timeout_s} s; process {len(done)}:\n{out.read_text()[-3000:]}") from None
     return done
 
 

@@ -13,11 +13,10 @@ import ast
 import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from nvoffload.cli import build_parser
 
@@ -232,10 +231,7 @@ def test_the_quick_start_main_job_runs_as_typed(tmp_path):
     """The README's first command, ``nvoffload finetune``, as a newcomer types it (a few steps): its default swap
     directory under the cache, emptied at the end."""
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
-    run = subprocess.run(
-        [sys.executable, "-m", "nvoffload", "finetune", "--steps", "3", "--no-progress"], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    run = run_cli(["finetune", "--steps", "3", "--no-progress"], cwd=tmp_path, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "step 3: loss" in run.stdout and "3 steps: loss" in run.stdout
     assert os.listdir(tmp_path / "cache" / "nvoffload") == []

@@ -5,25 +5,20 @@ finalizer unmaps it (:mod:`nvoffload.core.workers`). Before, an optimizer droppe
 worker without joining it, and at exit the slab was unmapped under the worker's reads ahead (issue 54: status
 139 in about half of the runs).
 
-Each run is a fork of one driver process that imported torch and nvoffload once, with what torch.optim imports
-at its first optimizer (seconds of imports per run otherwise): the child runs the script's lines, then ends as a script does (atexit handlers, finalizers).
+Each run is ``python -c SCRIPT`` forked from the session's server that imported torch and nvoffload once, with what
+torch.optim imports at its first optimizer (seconds of imports per run otherwise): the child runs the script's lines,
+then ends as a script does (atexit handlers, finalizers).
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
-
 import pytest
+from conftest import SCRIPT_PRELOAD, fork_server
 
-DRIVER = """
-import json, os, sys, threading
+SCRIPT = """
+import sys, threading
 import torch
-import torch._dynamo  # imported by torch.optim's first optimizer (about 800 modules): once here, not in each run
 import nvoffload
-import nvoffload.streaming
 from nvoffload.optim import NVMeAdamW
 
 torch.set_num_threads(1)
@@ -74,22 +69,9 @@ def streamed(swap):
     t = threading.Thread(target=work); t.start(); t.join()
 
 
-kind, root, runs = sys.argv[1], sys.argv[2], int(sys.argv[3])
-statuses = []
-for i in range(runs):
-    swap = os.path.join(root, f"swap{i}")
-    os.mkdir(swap)
-    pid = os.fork()
-    if pid == 0:
-        out = os.open(os.path.join(root, f"out{i}.txt"), os.O_WRONLY | os.O_CREAT)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        globals()[kind](swap)
-        print("script end", flush=True)
-        break  # the child ends here, as the script would
-    statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-else:
-    print(json.dumps(statuses))
+kind, swap = sys.argv[1], sys.argv[2]
+globals()[kind](swap)
+print("script end", flush=True)
 """
 
 
@@ -97,15 +79,15 @@ else:
 def test_a_script_that_never_closes_exits_cleanly_every_time(tmp_path, kind):
     """Status 0 (not 139: a slab unmapped under a thread still reading into it), "script end" printed and no
     swap file left, in each of 8 runs (on a0d4dc1 the optimizer's runs died with SIGSEGV in 8 of 10)."""
-    script = tmp_path / "driver.py"
-    script.write_text(textwrap.dedent(DRIVER))
+    server = fork_server(SCRIPT_PRELOAD)
     runs = tmp_path / "runs"
     runs.mkdir()
-    argv = [sys.executable, str(script), kind, str(runs), "8"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    statuses = json.loads(done.stdout)
-    outputs = [(runs / f"out{i}.txt").read_text() for i in range(len(statuses))]
+    statuses, outputs = [], []
+    for i in range(8):
+        (runs / f"swap{i}").mkdir()
+        out = runs / f"out{i}.txt"
+        statuses.append(server.start(f"-c {SCRIPT}", [kind, runs / f"swap{i}"], out, out).wait(600))
+        outputs.append(out.read_text())
     assert statuses == [0] * 8, [(s, out[-1500:]) for s, out in zip(statuses, outputs) if s]
     for out in outputs:
         assert out.splitlines()[-2:] == ["trained", "script end"], out[-2000:]

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from conftest import run_cli
 
 from nvoffload.checkpoint import load_file, save_file
 from nvoffload.cli import main
@@ -647,13 +648,10 @@ def test_host_memory_refused_by_the_system_names_the_budget_and_what_is_availabl
 def test_a_warning_is_one_line_in_the_command_lines_words(tmp_path):
     """What a killed run left in the default swap directory is cleaned with a warning: printed as
     ``nvoffload finetune: warning: ...``, one line. It printed a raw ``UserWarning`` with a source line."""
-    import subprocess
-
     root = tmp_path / "nvoffload"
     dead = _killed_runs_files(root)
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    cmd = [sys.executable, "-m", "nvoffload", "finetune", "--preset", "tiny", "--steps", "1", "--batch-size", "2", "--no-progress"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    done = run_cli(["finetune", "--preset", "tiny", "--steps", "1", "--batch-size", "2", "--no-progress"], env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = done.stderr.splitlines()
     assert line.startswith(f"nvoffload finetune: warning: {root}: removed 1 swap file(s) ") and f"process {dead}" in line

@@ -5,12 +5,11 @@ from __future__ import annotations
 import gc
 import os
 import random
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
+from conftest import SCRIPT_PRELOAD, ForkedRun, fork_server
 
 from nvoffload.io import IOConfig, TensorStore, aligned_empty
 
@@ -163,7 +162,7 @@ def test_quantized_tensors_are_refused_naming_the_dtype(tmp_path):
         "            print(exc)\n"
         "    print(len(store), store.used_bytes)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = fork_server(SCRIPT_PRELOAD).run(f"-c {script}", [tmp_path], timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines == [
@@ -433,7 +432,7 @@ def test_swap_files_removed_without_close(tmp_path):
         "assert sorted(__import__('os').listdir(sys.argv[1]))[-1] == 'nvoffload.lock'\n"
         "assert sum(f.endswith('.swap') for f in __import__('os').listdir(sys.argv[1])) == 1\n"
     )
-    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True)
+    assert fork_server(SCRIPT_PRELOAD).run(f"-c {script}", [tmp_path]).returncode == 0
     assert os.listdir(tmp_path) == []
 
 
@@ -508,8 +507,7 @@ def test_sigterm_unwinds_and_removes_the_swap_file_as_sigint_does(tmp_path):
     child = _holder(tmp_path)
     assert any(p.suffix == ".swap" for p in tmp_path.iterdir())
     child.terminate()
-    child.communicate(timeout=60)
-    assert child.returncode == 143
+    assert child.wait(60) == 143
     assert not list(tmp_path.iterdir())
 
 
@@ -537,10 +535,9 @@ time.sleep(120)
 """
 
 
-def _holder(directory):
-    child = subprocess.Popen([sys.executable, "-c", _HOLD_THE_DIRECTORY, str(directory)], stdout=subprocess.PIPE, text=True)
-    assert child.stdout.readline().strip() == "ready"
-    return child
+def _holder(directory) -> ForkedRun:
+    """A process holding ``directory`` (``python -c`` forked from the session's server), once it said so."""
+    return fork_server(SCRIPT_PRELOAD).start_saying(f"-c {_HOLD_THE_DIRECTORY}", [directory], "ready")
 
 
 def test_a_directory_another_live_process_holds_is_refused_and_a_subdirectory_works(tmp_path):
@@ -557,14 +554,14 @@ def test_a_directory_another_live_process_holds_is_refused_and_a_subdirectory_wo
         TensorStore(tmp_path / "mine").close()
     finally:
         child.kill()
-        child.communicate()
+        child.wait()
 
 
 def test_a_killed_processs_lock_and_swap_files_are_cleaned_by_the_next_store(tmp_path):
     """SIGKILL leaves the lock and the swap file; the next store on that directory removes both, saying so."""
     child = _holder(tmp_path)
     child.kill()
-    child.communicate()
+    child.wait()
     left = sorted(os.listdir(tmp_path))
     assert left[-1] == "nvoffload.lock" and left[0].startswith(f"nvoffload-{child.pid}-")
     with pytest.warns(UserWarning, match=rf"removed 1 swap file\(s\) .* left by process {child.pid}, which no longer runs"):

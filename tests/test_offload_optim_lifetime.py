@@ -3,14 +3,13 @@
 import copy
 import ctypes
 import gc
-import subprocess
-import sys
 import textwrap
 import threading
 import weakref
 
 import pytest
 import torch
+from conftest import SCRIPT_PRELOAD, fork_server
 from torch import nn
 
 from nvoffload.io import TensorStore
@@ -201,7 +200,7 @@ def test_exit_without_close_stops_the_worker_first(tmp_path, delayed):
     script.write_text(textwrap.dedent(EXIT_SCRIPT))
     swap = tmp_path / "swap"
     swap.mkdir()
-    out = subprocess.run([sys.executable, str(script), str(swap), delayed], capture_output=True, text=True, timeout=120)
+    out = fork_server(SCRIPT_PRELOAD).run(script, [swap, delayed], timeout=120)  # as python SCRIPT would
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "workers=0 swaps=0", out.stdout + out.stderr[-2000:]
     assert not list(swap.glob("*.swap"))

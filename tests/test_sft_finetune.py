@@ -13,6 +13,7 @@ import threading
 
 import pytest
 import torch
+from conftest import cli_server
 
 from nvoffload.checkpoint import load_file
 from nvoffload.cli import main
@@ -32,7 +33,7 @@ def _pairs(path, count: int = 60) -> str:
 
 def _command(tmp_path, name: str, data: str, steps: int) -> list[str]:
     return [
-        sys.executable, "-m", "nvoffload", "finetune", "--preset", "tiny", "--data", data, "--steps", str(steps),
+        "finetune", "--preset", "tiny", "--data", data, "--steps", str(steps),
         "--batch-size", "2", "--grad-accum", "2", "--max-grad-norm", "1.0", "--eval-fraction", "0.2",
         "--eval-every", "3", "--swap-dir", str(tmp_path / f"{name}-swap"), "--checkpoint-dir",
         str(tmp_path / f"{name}-ckpt"), "--save-every", "1", "--resume", "--no-progress",
@@ -50,22 +51,25 @@ def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical
     data = _pairs(tmp_path / "pairs.jsonl")
     for name in ("ref", "run"):
         (tmp_path / f"{name}-swap").mkdir()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    reference = subprocess.Popen(_command(tmp_path, "ref", data, steps), stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip  (beside the two runs below; its stderr is a few lines)
-    request.addfinalizer(lambda: reference.poll() is None and (reference.kill(), reference.communicate(timeout=60)))  # if a check failed
-    process = subprocess.Popen(_command(tmp_path, "run", data, steps), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=env)  # fmt: skip
+    # each run a process of its own, forked from one that imported torch, datasets and nvoffload once
+    cli = cli_server()
+    # the reference beside the two runs below
+    reference = cli.start("-m nvoffload", _command(tmp_path, "ref", data, steps), os.devnull, tmp_path / "ref.err")
+    request.addfinalizer(lambda: reference.kill() or reference.wait(60))  # if a check failed
+    output = tmp_path / "run.fifo"
+    os.mkfifo(output)
+    process = cli.start("-m nvoffload", _command(tmp_path, "run", data, steps), output, output)
     lines: list[str] = []
     saved = threading.Event()
 
     def read() -> None:
-        for line in process.stdout:
-            lines.append(line)
-            # Step 2's checkpoint is written in the background while step 3 runs (one at a time: it ends before
-            # step 3's starts), so "step 3:" may come before it ends: wait for the line that says it ended.
-            if line.startswith("checkpoint of step 2 written"):
-                saved.set()
+        with open(output) as f:
+            for line in f:
+                lines.append(line)
+                # Step 2's checkpoint is written in the background while step 3 runs (one at a time: it ends
+                # before step 3's starts), so "step 3:" may come before it ends: wait for the line that says it ended.
+                if line.startswith("checkpoint of step 2 written"):
+                    saved.set()
         saved.set()
 
     reader = threading.Thread(target=read, daemon=True)
@@ -74,14 +78,12 @@ def test_resume_after_sigkill_goes_on_at_the_same_example_and_ends_bit_identical
     process.send_signal(signal.SIGKILL)
     assert process.wait(60) == -signal.SIGKILL, "".join(lines)[-3000:]  # killed before it could finish
     reader.join(60)
-    process.stdout.close()
 
-    done = subprocess.run(_command(tmp_path, "run", data, steps), capture_output=True, text=True, env=env, timeout=300)
+    done = cli.run("-m nvoffload", _command(tmp_path, "run", data, steps), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     resumed_at = int(next(line for line in done.stdout.splitlines() if line.startswith("step ")).split(":")[0].removeprefix("step "))
     assert 3 <= resumed_at <= steps  # it went on from a checkpoint at step 2 or later
-    ref_err = reference.communicate(timeout=300)[1]
-    assert reference.returncode == 0, ref_err[-3000:]
+    assert reference.wait(300) == 0, (tmp_path / "ref.err").read_text()[-3000:]
     expected, actual = load_file(tmp_path / "ref.safetensors"), load_file(tmp_path / "run.safetensors")
     assert all(torch.equal(expected[k], actual[k]) for k in expected)
     final = f"checkpoint-{steps}/optimizer.safetensors"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import mapping_size
+from conftest import SCRIPT_PRELOAD, fork_server, mapping_size
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nvoffload
@@ -222,10 +222,8 @@ def test_memory_manager_refuses_past_the_budget():
 def test_scale_benchmark_smoke(tmp_path):
     """The scale benchmark, on the small preset with budgets smaller than its state: loss falls, budgets hold."""
     bench = Path(__file__).resolve().parent.parent / "bench" / "bench_streaming.py"
-    done = subprocess.run(
-        [sys.executable, str(bench), "--quick", "--trace", "--bound", "--results-dir", str(tmp_path), "--swap-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    args = ["--quick", "--trace", "--bound", "--results-dir", tmp_path, "--swap-dir", tmp_path]
+    done = fork_server(SCRIPT_PRELOAD).run(bench, args, timeout=300)  # as python BENCH: forked, torch imported once
     assert done.returncode == 0, done.stderr[-3000:]
     from test_trace import check_trace_events
 

@@ -304,7 +304,7 @@ def accessed(tmp_path_factory) -> dict:
     for name, body in ACCESS.items():
         (root / name).mkdir()
         runs[name] = (PRELUDE + body + "\nprint(json.dumps(out))\n", [root / name], root)
-    return run_forked(root, runs)
+    return run_forked(runs)
 
 
 def run_access(accessed, name: str) -> dict:

@@ -253,27 +253,26 @@ def test_a_resume_with_nothing_to_do_prunes_to_keep_last_and_removes_what_a_kill
 
 
 _HOLD = """
-import sys
+import sys, time
 from nvoffload.training_checkpoint import claim_checkpoint_directory
 claim_checkpoint_directory(sys.argv[1])
 print("held", flush=True)
-sys.stdin.read()
+time.sleep(600)  # until killed
 """
 
 
 def test_a_checkpoint_directory_another_live_run_holds_is_refused_and_a_killed_runs_is_taken_over(tmp_path):
     import errno
     import signal
-    import subprocess
-    import sys
+
+    from conftest import SCRIPT_PRELOAD, fork_server
 
     from nvoffload.finetune import FinetuneConfig, finetune
     from nvoffload.training_checkpoint import claim_checkpoint_directory
 
-    root = tmp_path / "ckpt"
-    other = subprocess.Popen([sys.executable, "-c", _HOLD, str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    root = tmp_path / "ckpt"  # held by python -c, forked from the session's server that imported torch once
+    other = fork_server(SCRIPT_PRELOAD).start_saying(f"-c {_HOLD}", [root], "held")
     try:
-        assert other.stdout.readline() == "held\n"
         (root / ".checkpoint-7.tmp-89abcdef").mkdir()  # the other run's save in progress
         run = Run("torch", tmp_path / "swap")
         run.train(1)
@@ -286,7 +285,7 @@ def test_a_checkpoint_directory_another_live_run_holds_is_refused_and_a_killed_r
         assert sorted(os.listdir(root)) == [".checkpoint-7.tmp-89abcdef", "nvoffload.lock"]  # untouched
     finally:
         other.send_signal(signal.SIGKILL)
-        other.communicate()
+        other.wait()
     with pytest.warns(UserWarning, match=rf"removed 1 partial checkpoint\(s\) left by a run killed while saving.*\.checkpoint-7\.tmp-89abcdef"):
         release = claim_checkpoint_directory(root)
     assert sorted(os.listdir(root)) == ["nvoffload.lock"]

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import torch
+from conftest import ForkedRun, ForkServer, cli_server
 
 from nvoffload.checkpoint import load_file
 from nvoffload.training_checkpoint import (
@@ -31,7 +30,7 @@ MOMENTS = ("writing", ("mid-step", 0.01), "written, not renamed", "removing an o
 
 def _command(tmp_path, name: str) -> list[str]:
     return [
-        sys.executable, "-m", "nvoffload", "finetune", "--preset", "tiny", "--steps", str(STEPS), "--stream",
+        "finetune", "--preset", "tiny", "--steps", str(STEPS), "--stream",
         "--max-grad-norm", "1.0", "--grad-accum", "2", "--batch-size", "4", "--dtype", "bfloat16",
         "--swap-dir", str(tmp_path / f"{name}-swap"), "--checkpoint-dir", str(tmp_path / f"{name}-ckpt"),
         "--save-every", "1", "--keep-last", "2", "--resume", "--no-progress",
@@ -39,16 +38,20 @@ def _command(tmp_path, name: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _read(process: subprocess.Popen, lines: list[str]) -> threading.Thread:
-    """The thread appending the process's output lines to ``lines``."""
+def _start(cli: ForkServer, tmp_path, name: str, lines: list[str]) -> tuple[ForkedRun, threading.Thread]:
+    """``nvoffload`` with ``name``'s arguments, and the thread appending its output lines (stdout and stderr) to
+    ``lines`` as they are written."""
+    output = tmp_path / f"{name}-{len(os.listdir(tmp_path))}.fifo"
+    os.mkfifo(output)
+    process = cli.start("-m nvoffload", _command(tmp_path, name), output, output)
 
     def read() -> None:
-        for line in process.stdout:
-            lines.append(line)
+        with open(output) as f:
+            lines.extend(f)  # line by line, as they come
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    return reader
+    return process, reader
 
 
 def _phase(ckpt_dir) -> str | None:
@@ -71,7 +74,7 @@ def _phase(ckpt_dir) -> str | None:
     return None
 
 
-def _kill_at(process: subprocess.Popen, lines: list[str], ckpt_dir, moment) -> None:
+def _kill_at(process: ForkedRun, lines: list[str], ckpt_dir, moment) -> None:
     """SIGKILL ``process`` at ``moment`` of one of its steps (after its first step, so that it made progress)."""
     deadline = time.monotonic() + 120
     while not any(line.startswith("step ") for line in lines):
@@ -103,29 +106,23 @@ def _kill_at(process: subprocess.Popen, lines: list[str], ckpt_dir, moment) -> N
 def test_sigkill_at_chosen_moments_then_resume_is_bit_identical(tmp_path):
     for name in ("ref", "run"):
         (tmp_path / f"{name}-swap").mkdir()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    ref = subprocess.Popen(
-        _command(tmp_path, "ref"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )  # fmt: skip
+    # each run a process of its own, forked from one that imported torch and nvoffload once
+    cli = cli_server()
     ref_lines: list[str] = []
-    ref_reader = _read(ref, ref_lines)
+    ref, ref_reader = _start(cli, tmp_path, "ref", ref_lines)
 
     try:
         ckpt_dir = tmp_path / "run-ckpt"
         previous = None
         for moment in MOMENTS:
             lines: list[str] = []
-            process = subprocess.Popen(
-                _command(tmp_path, "run"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-            )  # fmt: skip
-            reader = _read(process, lines)
+            process, reader = _start(cli, tmp_path, "run", lines)
             try:
                 _kill_at(process, lines, ckpt_dir, moment)
             finally:
                 process.kill()
                 returncode = process.wait(60)
                 reader.join(60)
-                process.stdout.close()
             assert returncode == -signal.SIGKILL, "".join(lines)[-3000:]  # killed before it could finish
             latest = latest_training_checkpoint(ckpt_dir)
             if latest is not None:
@@ -134,7 +131,7 @@ def test_sigkill_at_chosen_moments_then_resume_is_bit_identical(tmp_path):
                 previous = verified.step
         assert previous is not None and previous < STEPS
 
-        done = subprocess.run(_command(tmp_path, "run"), capture_output=True, text=True, env=env, timeout=300)
+        done = cli.run("-m nvoffload", _command(tmp_path, "run"), timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "\nresumed from " in done.stdout and "\nstep 1:" not in done.stdout  # it resumed
         assert ref.wait(300) == 0, "".join(ref_lines)[-3000:]
@@ -142,7 +139,6 @@ def test_sigkill_at_chosen_moments_then_resume_is_bit_identical(tmp_path):
         ref.kill()  # when something above failed
         ref.wait(60)
         ref_reader.join(60)
-        ref.stdout.close()
     expected, actual = load_file(tmp_path / "ref.safetensors"), load_file(tmp_path / "run.safetensors")
     assert expected.keys() == actual.keys()
     assert all(torch.equal(expected[k], actual[k]) for k in expected)

@@ -1,14 +1,12 @@
 """The transfer engine: futures, the host slab, the stand-in's asynchronous copies, queues, NVMe<->device chains."""
 
 import errno
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
-from conftest import mapping_size
+from conftest import SCRIPT_PRELOAD, fork_server, mapping_size
 
 import nvoffload.trace
 from nvoffload.device import SimDevice
@@ -441,6 +439,6 @@ def test_a_script_that_exits_with_copies_in_flight_exits_cleanly():
     """At exit the workers finish their queued copies and are joined: a daemon thread still inside a torch copy when
     the interpreter finalized aborted the process ("terminate called without an active exception", exit 134; 5 runs
     in 6 before)."""
-    for _ in range(3):
-        done = subprocess.run([sys.executable, "-c", _EXIT_WITH_COPIES_IN_FLIGHT], capture_output=True, text=True, timeout=120)
+    for _ in range(3):  # python -c SCRIPT, forked from the session's server that imported torch and nvoffload once
+        done = fork_server(SCRIPT_PRELOAD).run(f"-c {_EXIT_WITH_COPIES_IN_FLIGHT}", [], timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
