@@ -158,7 +158,8 @@ class StreamedWeights:
         for block in wanted:
             self._residency.wait_updated(block)
         held = self._cache.hold(wanted)
-        stored = [block for block in wanted if block not in {b for b, _, _ in held}]
+        in_cache = {block for block, _, _ in held}
+        stored = [block for block in wanted if block not in in_cache]
         pin = self._cache.store.pin([name for block in stored for name, _, _ in block.parts])
         return WeightsSnapshot(wanted, held, stored, pin)
 
