@@ -12,7 +12,7 @@ import nvoffload.trace
 from nvoffload.device import SimDevice
 from nvoffload.io import StoreIOError, TensorStore
 from nvoffload.memory import MemoryBudgetError
-from nvoffload.transfer import Future, HostSlab, ReadAhead, TransferEngine, WriteBehind
+from nvoffload.transfer import Future, HostSlab, ReadAhead, TransferEngine, WriteBehind, relay
 
 
 # ---------------------------------------------------------------------------- Future
@@ -343,6 +343,56 @@ def test_read_ahead_keeps_what_the_caller_has_within_its_budget():
     ra.pump()
     assert ra.waiting() == ["b"] and ra.take("b").result() == "b"
     assert ra.keep("c", Future.completed(), 10) and ra.take("c") is not None and ra.waiting_bytes == 0
+
+
+def _later(work, delay_s: float) -> Future:
+    """A future done once ``work()`` ran on a timer thread ``delay_s`` from now."""
+    gate = threading.Event()
+    threading.Timer(delay_s, lambda: (work(), gate.set())).start()
+    return Future([_Gate(gate)])
+
+
+def test_relay_reads_ahead_into_a_ring_and_reuses_a_buffer_only_once_its_writes_are_done():
+    """Six items through a ring of three 4 KiB buffers (12 KiB in flight): each write sees its own item's read,
+    no buffer is read into while a write from it runs, at most half the ring is read ahead of the writes, and the
+    call returns with every write done."""
+    busy: set[int] = set()  # buffers between their read and the end of the writes from them
+    written, started, ahead, lock = [], [], [], threading.Lock()
+
+    def read(item, buffer):
+        started.append(item)
+        with lock:
+            assert buffer.data_ptr() not in busy, "a buffer read into while a write from it was running"
+            busy.add(buffer.data_ptr())
+        return _later(lambda: buffer.fill_(item), 0.005)
+
+    def write(item, buffer):
+        assert bool((buffer == item).all()), f"item {item}'s write saw {buffer[0].item()}"
+        ahead.append(len(started) - 1 - item)  # reads started past this item's
+
+        def land():
+            with lock:
+                written.append(item)
+                busy.discard(buffer.data_ptr())
+
+        return _later(land, 0.02)
+
+    relay(list(range(6)), 4096, 3 * 4096, read, write)
+    assert written == list(range(6)) and not busy
+    assert ahead == [1, 1, 1, 1, 1, 0]  # one read ahead of each write: half the ring
+
+
+def test_relay_raises_a_failed_read_and_a_ring_has_two_buffers_at_least():
+    buffers = set()
+
+    def read(item, buffer):
+        buffers.add(buffer.data_ptr())
+        return Future.failed(OSError(errno.EIO, f"read {item} failed")) if item == 3 else Future.completed()
+
+    with pytest.raises(OSError, match="read 3 failed"):
+        relay(list(range(5)), 4096, 1, read, lambda item, buffer: Future.completed())
+    assert len(buffers) == 2
+    relay([], 4096, 1, read, read)  # nothing to move
 
 
 # ---------------------------------------------------------------------------- NVMe <-> device

@@ -9,19 +9,19 @@ worker, so host memory stays within the budget (plus the tensors returned).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from nvoffload.core.buffers import aligned_empty, round_up
+from nvoffload.core.buffers import round_up
 from nvoffload.core.future import Future
 from nvoffload.optim._chunk_io import ChunkIO
 from nvoffload.optim._chunk_state import Chunk, ChunkStore, Slot
 from nvoffload.optim._layout import Record
 from nvoffload.optim._pipeline import Pipeline
 from nvoffload.optim._updates import Update
+from nvoffload.transfer import relay
 
 Sink = Callable[[torch.Tensor, slice, torch.Tensor], None]  # (placeholder, elements, fp32 values)
 Source = Callable[[torch.Tensor, slice, torch.Tensor], None]  # (state tensor or placeholder, elements, out)
@@ -242,33 +242,19 @@ class StateSnapshot:
             return
         largest = round_up(max(self._rows_numel(h) * 4 for h in self._items))
         widest = max(self._widened_numel(h) * 4 for h in self._items)
-        depth = max(2, min(len(self._items), max_bytes_in_flight // (largest + widest)))
-        free: deque[torch.Tensor] = deque(aligned_empty(largest + widest).view(torch.float32) for _ in range(depth))
-        reads: deque[tuple[_Held, torch.Tensor, torch.Tensor, Future]] = deque()
-        writes: deque[tuple[torch.Tensor, list[Future]]] = deque()
 
-        def hand_over() -> None:
-            held, buffer, rows, read = reads.popleft()
-            read.result()
-            values = self._values(held, rows, buffer[largest // 4 :])
+        def rows(held: _Held, buffer: torch.Tensor) -> torch.Tensor:
+            return buffer[:largest].view(torch.float32)[: self._rows_numel(held)].view(-1, held.chunk.numel)
+
+        def write(held: _Held, buffer: torch.Tensor) -> Future:
+            values = self._values(held, rows(held, buffer), buffer[largest:].view(torch.float32))
             futures = [sink(held.state[key], held.chunk.elements, value) for key, value in zip(held.keys, values) if key]
-            writes.append((buffer, [f for f in futures if f is not None]))
+            return Future.all_of([f for f in futures if f is not None])
 
-        for held in self._items:
-            if not free:
-                if not writes:
-                    hand_over()
-                buffer, done = writes.popleft()
-                Future.all_of(done).result()
-                free.append(buffer)
-            buffer = free.popleft()
-            rows = buffer[: self._rows_numel(held)].view(-1, held.chunk.numel)
-            reads.append((held, buffer, rows, self._read(held, rows)))
-            if len(reads) > depth // 2:
-                hand_over()
-        while reads:
-            hand_over()
-        Future.all_of([f for _, done in writes for f in done]).result()
+        def read(held: _Held, buffer: torch.Tensor) -> Future:
+            return self._read(held, rows(held, buffer))
+
+        relay(self._items, largest + widest, max_bytes_in_flight, read, write)
 
     def _read(self, held: _Held, rows: torch.Tensor) -> Future:
         if held.copy is not None:

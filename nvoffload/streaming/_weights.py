@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from nvoffload.checkpoint import SafetensorsWriter
-from nvoffload.core.buffers import aligned_empty, round_up
+from nvoffload.core.buffers import round_up
 from nvoffload.streaming._blocks import Block, state_tensors
 from nvoffload.streaming._host_cache import HostCache
 from nvoffload.streaming._residency import DeviceResidency
-from nvoffload.transfer import Future
+from nvoffload.transfer import Future, relay
 
 __all__ = ["StreamedWeights", "WeightsSnapshot"]
 
@@ -254,34 +254,15 @@ class WeightsSnapshot:
             let_go()
 
     def _stream_stored(self, sink: WeightSink, max_bytes_in_flight: int) -> None:
-        if not self._stored:
-            return
-        largest = round_up(max(block.nbytes for block in self._stored))
-        depth = max(2, min(len(self._stored), max_bytes_in_flight // largest))
-        free = collections.deque(aligned_empty(largest) for _ in range(depth))
-        reads: collections.deque[tuple[Block, torch.Tensor, Future]] = collections.deque()
-        writes: collections.deque[tuple[torch.Tensor, Future]] = collections.deque()
+        def read(block: Block, buffer: torch.Tensor) -> Future:
+            return Future.all_of([self._pin.get(name, out=buffer[a:b]) for name, a, b in block.parts])
 
-        def hand_over() -> None:
-            block, buffer, read = reads.popleft()
-            read.result()
-            futures = [sink(block.params[j], block.view(buffer, j)) for j in self._wanted[block]]
-            writes.append((buffer, Future.all_of(futures)))
+        def write(block: Block, buffer: torch.Tensor) -> Future:
+            return Future.all_of([sink(block.params[j], block.view(buffer, j)) for j in self._wanted[block]])
 
-        for block in self._stored:
-            if not free:
-                if not writes:
-                    hand_over()
-                buffer, done = writes.popleft()
-                done.result()
-                free.append(buffer)
-            buffer = free.popleft()
-            reads.append((block, buffer, Future.all_of([self._pin.get(name, out=buffer[a:b]) for name, a, b in block.parts])))
-            if len(reads) > depth // 2:
-                hand_over()
-        while reads:
-            hand_over()
-        Future.all_of([done for _, done in writes]).result()
+        if self._stored:
+            largest = round_up(max(block.nbytes for block in self._stored))
+            relay(self._stored, largest, max_bytes_in_flight, read, write)
 
     def release(self) -> None:
         """Let go of whatever it still holds (the blocks in the host cache, the store's entries). Idempotent."""

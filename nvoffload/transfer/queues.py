@@ -1,14 +1,21 @@
-"""Read-ahead and write-behind queues with byte budgets: what every engine keeps in flight."""
+"""Read-ahead and write-behind queues with byte budgets: what every engine keeps in flight, and the relay that
+moves a sequence of items from reads to writes through a ring of buffers of its own."""
 
 from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import TypeVar
 
+import torch
+
+from nvoffload.core.buffers import aligned_empty
 from nvoffload.core.future import Future
 
-__all__ = ["ReadAhead", "WriteBehind"]
+__all__ = ["ReadAhead", "WriteBehind", "relay"]
+
+T = TypeVar("T")
 
 
 class WriteBehind:
@@ -209,3 +216,41 @@ class ReadAhead:
         future, nbytes = self._started.pop(key)
         self._bytes -= nbytes
         self._drop(key, future)
+
+
+def relay(
+    items: Sequence[T], buffer_bytes: int, max_bytes_in_flight: int,
+    read: Callable[[T, torch.Tensor], Future], write: Callable[[T, torch.Tensor], Future],
+) -> None:  # fmt: skip
+    """Move every item, in order, from ``read(item, buffer)`` (the future of its read into ``buffer``, bytes of
+    ``buffer_bytes``, 4 KiB-aligned) to ``write(item, buffer)`` (called once that read is done; the future of
+    the writes from it), through a ring of ``max(2, min(len(items), max_bytes_in_flight // buffer_bytes))``
+    buffers of its own: the reads run up to half the ring ahead of the writes, and a buffer is read into again
+    once the writes from it are done. Returns when every write is done; raises the first error met (the
+    buffers of writes still in flight then stay alive with their futures, not reused)."""
+    if not items:
+        return
+    depth = max(2, min(len(items), max_bytes_in_flight // buffer_bytes))
+    free = collections.deque(aligned_empty(buffer_bytes) for _ in range(depth))
+    reads: collections.deque[tuple[T, torch.Tensor, Future]] = collections.deque()
+    writes: collections.deque[tuple[torch.Tensor, Future]] = collections.deque()
+
+    def hand_over() -> None:
+        item, buffer, done = reads.popleft()
+        done.result()
+        writes.append((buffer, write(item, buffer)))
+
+    for item in items:
+        if not free:
+            if not writes:
+                hand_over()
+            buffer, done = writes.popleft()
+            done.result()
+            free.append(buffer)
+        buffer = free.popleft()
+        reads.append((item, buffer, read(item, buffer)))
+        if len(reads) > depth // 2:
+            hand_over()
+    while reads:
+        hand_over()
+    Future.all_of([done for _, done in writes]).result()
