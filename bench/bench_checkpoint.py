@@ -258,6 +258,16 @@ def main(argv=None) -> Path:
             f" Load average (2 cores, shared) {background['load_average'][0]:.1f} before,"
             f" {background['load_average'][1]:.1f} after the measurement."
         )
+        demand = background["drive_demand"]
+        if demand is not None:
+            notes += (
+                f" The drive (its own counters): a step alone moves {demand['step_GB']:.1f} GB, the checkpoint"
+                f" {demand['checkpoint_GB']:.1f} GB of reads and writes; the steps at 0.7x of their rate would ask"
+                f" {demand['steps_at_0.7x_GBps']:.2f} GB/s of it and the checkpoint at 0.8x of the copy rate"
+                f" {demand['checkpoint_at_0.8x_GBps']:.2f} GB/s, {demand['demand_vs_drive']:.2f}x the"
+                f" {demand['drive_GBps_both']:.2f} GB/s it moved while both ran"
+                f" ({demand['demand_vs_drive_writes_only']:.2f}x with the checkpoint's writes only)."
+            )
     return save_report(
         args.name, rows, settings={"preset": args.preset, "repeats": args.repeats}, plot_column="save_GBps",
         notes=notes, results_dir=args.results_dir, extra={"timelines": timelines, "background": background}, plot=plot,

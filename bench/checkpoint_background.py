@@ -8,7 +8,10 @@ its weights and AdamW state on NVMe, in one run:
   flight);
 - ``kills`` SIGKILLs of a child process at random moments of a background checkpoint: after each, the latest
   checkpoint verifies; then a child resumes from it and takes one step, whose weights must equal the
-  uninterrupted run's at that step (a SHA-256 of the state dict).
+  uninterrupted run's at that step (a SHA-256 of the state dict);
+- the drive's own counters (``/sys/dev/block/<dev>/stat``) over the steps alone, over the checkpoint and the
+  steps beside it, and over the copy: the bytes it read and wrote and the time it was busy, so that what the
+  steps and the checkpoint ask of the drive can be set against what it moved.
 """
 
 from __future__ import annotations
@@ -97,6 +100,35 @@ def copy_rate(source: str, directory: Path, nbytes: int, block_bytes: int = 64 <
     return nbytes / seconds
 
 
+class DriveCounters:
+    """The block device holding ``path``: what it did since a :meth:`mark` (``/sys/dev/block/<major>:<minor>/stat``;
+    None where the system has no such file)."""
+
+    def __init__(self, path: Path):
+        dev = os.stat(path).st_dev
+        self._stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+
+    def _read(self) -> tuple[int, int, int] | None:
+        try:
+            fields = [int(f) for f in self._stat.read_text().split()]
+        except (OSError, ValueError):
+            return None
+        return fields[2] * 512, fields[6] * 512, fields[9]  # sectors read, sectors written, io_ticks (ms)
+
+    def mark(self) -> tuple:
+        return self._read(), time.monotonic()
+
+    def since(self, mark: tuple) -> dict | None:
+        """The GB it read and wrote since ``mark``, over how many seconds, its GB a second of both, and the share
+        of the time it had a request in flight."""
+        before, after, seconds = mark[0], self._read(), time.monotonic() - mark[1]
+        if before is None or after is None:
+            return None
+        read, written, busy_ms = (b - a for a, b in zip(before, after))
+        return {"read_GB": read / GB, "written_GB": written / GB, "seconds": seconds,
+                "GBps": (read + written) / seconds / GB, "busy": busy_ms / 1e3 / seconds}  # fmt: skip
+
+
 def measure(args, root: Path) -> dict:
     """Steps with and without a background checkpoint, its rate against the disk's copy rate, in one run; the
     timeline of it all (``(what, start_s, end_s)``, seconds from the first step) and the load average around it."""
@@ -105,6 +137,7 @@ def measure(args, root: Path) -> dict:
     load = [os.getloadavg()[0]]
     model, opt = build(args.preset, swap, args.cpu_memory_bytes, args.state_precision)
     digests, timeline, zero = {}, [], time.monotonic()
+    drive, drive_use = DriveCounters(swap), {}
 
     def timed(what: str, run) -> float:
         start = time.monotonic()
@@ -115,9 +148,13 @@ def measure(args, root: Path) -> dict:
     step = 0
     for _ in range(1 + args.steps):  # the first step is a warm-up
         step += 1
+        if step == 2:
+            counted = drive.mark()
         timed("step" if step > 1 else "warm-up step", lambda: train_step(model, opt, step, args.tokens))
         digests[step] = weights_digest(model)
+    drive_use["steps alone"] = drive.since(counted)
     alone_s = sum(end - start for what, start, end in timeline if what == "step") / args.steps
+    counted = drive.mark()
     start = functools.partial(nvoffload.start_training_checkpoint, ckpt, step=step, model=model, optimizer=opt, keep_last=1)
     job = timed("training waits", start)
     waited_s = timeline[-1][2] - timeline[-1][1]
@@ -128,11 +165,14 @@ def measure(args, root: Path) -> dict:
         beside.append(timeline[-1][2] - timeline[-1][1])
         digests[step] = weights_digest(model)
     job.wait()
+    drive_use["checkpoint and steps beside"] = drive.since(counted)
     timeline.append(("checkpoint written", job.started_s - zero, job.ended_s - zero))
     shutil.rmtree(ckpt)  # room for the copy
     ckpt.mkdir()
     largest = str(max(swap.glob("*.swap"), key=lambda p: p.stat().st_size))
+    counted = drive.mark()
     copy = timed("disk copy of the same bytes", lambda: copy_rate(largest, ckpt, job.nbytes))
+    drive_use["copy"] = drive.since(counted)
     load.append(os.getloadavg()[0])
     beside_s = (sum(beside) + waited_s) / len(beside)
     for _ in range(args.kills + 2):  # the reference run's steps the kills' resumes may reach
@@ -146,8 +186,29 @@ def measure(args, root: Path) -> dict:
         "steps_rate_vs_alone": alone_s / beside_s, "steps_beside": len(beside), "training_waited_s": waited_s,
         "checkpoint_s": job.seconds, "checkpoint_GB": job.nbytes / GB, "checkpoint_GBps": job.nbytes / job.seconds / GB,
         "copy_GBps": copy / GB, "checkpoint_vs_copy": job.nbytes / job.seconds / copy, "digests": digests,
-        "timeline": timeline, "load_average": load,
+        "timeline": timeline, "load_average": load, "drive": drive_use,
+        "drive_demand": drive_demand(drive_use, args.steps, len(beside), job.nbytes, copy),
     }  # fmt: skip
+
+
+def drive_demand(use: dict, steps_alone: int, steps_beside: int, checkpoint_bytes: int, copy_Bps: float) -> dict | None:
+    """What the targets ask of the drive, from its counters: the steps' bytes a second at 0.7x of their rate
+    alone, plus the checkpoint's reads and writes spread over the time it takes at 0.8x of the copy's rate,
+    against the bytes a second the drive moved while the checkpoint and the steps beside it ran (its rate when
+    both keep it busy). Above 1: the drive cannot give both at once, whatever the order of the requests. The same
+    with the checkpoint's writes only (``demand_vs_drive_writes_only``): were its reads those the steps make anyway."""
+    if any(v is None for v in use.values()):
+        return None
+    alone, both = use["steps alone"], use["checkpoint and steps beside"]
+    step_GB = (alone["read_GB"] + alone["written_GB"]) / steps_alone
+    checkpoint_GB = both["read_GB"] + both["written_GB"] - step_GB * steps_beside  # its share of what both moved
+    written_GB = both["written_GB"] - alone["written_GB"] / steps_alone * steps_beside  # the checkpoint's writes
+    steps_GBps = 0.7 * step_GB / (alone["seconds"] / steps_alone)
+    checkpoint_s = checkpoint_bytes / (0.8 * copy_Bps)
+    return {"step_GB": step_GB, "checkpoint_GB": checkpoint_GB, "checkpoint_written_GB": written_GB,
+            "steps_at_0.7x_GBps": steps_GBps, "checkpoint_at_0.8x_GBps": checkpoint_GB / checkpoint_s,
+            "drive_GBps_both": both["GBps"], "demand_vs_drive": (steps_GBps + checkpoint_GB / checkpoint_s) / both["GBps"],
+            "demand_vs_drive_writes_only": (steps_GBps + written_GB / checkpoint_s) / both["GBps"]}  # fmt: skip
 
 
 _CHILD = """

@@ -24,5 +24,9 @@ def test_bench_checkpoint_quick(tmp_path, monkeypatch):
     background = record["background"]  # a streamed model's background checkpoint, and kills during two
     assert background["steps_beside"] >= 1 and background["checkpoint_GBps"] > 0 and background["copy_GBps"] > 0
     assert background["kills"] == 2 and background["resume_bit_identical"], background
+    if os.path.isdir("/sys/dev/block"):  # the drive's counters over each phase: the copy read and wrote its bytes
+        copy = background["drive"]["copy"]
+        assert copy["read_GB"] > 0 and copy["written_GB"] > 0 and 0 <= copy["busy"] <= 1.5, background["drive"]
+        assert background["drive_demand"]["step_GB"] > 0, background["drive_demand"]
     assert (tmp_path / "results" / "bench_checkpoint.png").exists()
     assert os.listdir(tmp_path / "work") == []  # swap file, checkpoints and fio's file removed
