@@ -261,11 +261,11 @@ def main(argv=None) -> Path:
         demand = background["drive_demand"]
         if demand is not None:
             notes += (
-                f" The drive (its own counters): a step alone moves {demand['step_GB']:.1f} GB, the checkpoint"
-                f" {demand['checkpoint_GB']:.1f} GB of reads and writes; the steps at 0.7x of their rate would ask"
-                f" {demand['steps_at_0.7x_GBps']:.2f} GB/s of it and the checkpoint at 0.8x of the copy rate"
-                f" {demand['checkpoint_at_0.8x_GBps']:.2f} GB/s, {demand['demand_vs_drive']:.2f}x the"
-                f" {demand['drive_GBps_both']:.2f} GB/s it moved while both ran"
+                f" The drive (its own counters): a step alone moves {demand['step_GB']:.1f} GB"
+                f" ({demand['step_GBps']:.2f} GB/s), the checkpoint {demand['checkpoint_GB']:.1f} GB of reads and"
+                f" writes; the steps at 0.7x of their rate would ask {demand['steps_at_0.7x_GBps']:.2f} GB/s of it and"
+                f" the checkpoint at 0.8x of the copy rate {demand['checkpoint_at_0.8x_GBps']:.2f} GB/s:"
+                f" {demand['demand_vs_drive']:.2f}x the {demand['drive_GBps']:.2f} GB/s it moves kept busy by the copy"
                 f" ({demand['demand_vs_drive_writes_only']:.2f}x with the checkpoint's writes only)."
             )
     return save_report(

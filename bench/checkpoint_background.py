@@ -187,28 +187,32 @@ def measure(args, root: Path) -> dict:
         "checkpoint_s": job.seconds, "checkpoint_GB": job.nbytes / GB, "checkpoint_GBps": job.nbytes / job.seconds / GB,
         "copy_GBps": copy / GB, "checkpoint_vs_copy": job.nbytes / job.seconds / copy, "digests": digests,
         "timeline": timeline, "load_average": load, "drive": drive_use,
-        "drive_demand": drive_demand(drive_use, args.steps, len(beside), job.nbytes, copy),
+        "drive_demand": drive_demand(drive_use, args.steps, alone_s, len(beside), job.nbytes, copy),
     }  # fmt: skip
 
 
-def drive_demand(use: dict, steps_alone: int, steps_beside: int, checkpoint_bytes: int, copy_Bps: float) -> dict | None:
-    """What the targets ask of the drive, from its counters: the steps' bytes a second at 0.7x of their rate
-    alone, plus the checkpoint's reads and writes spread over the time it takes at 0.8x of the copy's rate,
-    against the bytes a second the drive moved while the checkpoint and the steps beside it ran (its rate when
-    both keep it busy). Above 1: the drive cannot give both at once, whatever the order of the requests. The same
-    with the checkpoint's writes only (``demand_vs_drive_writes_only``): were its reads those the steps make anyway."""
+def drive_demand(
+    use: dict, steps_alone: int, step_s: float, steps_beside: int, checkpoint_bytes: int, copy_Bps: float
+) -> dict | None:
+    """What the targets ask of the drive, from its counters: the bytes a second of a step (``step_s`` long) at 0.7x
+    of its rate alone, plus the checkpoint's reads and writes spread over the time it takes at 0.8x of the copy's
+    rate (``copy_Bps``), against the bytes a second the drive moved during the copy, reads and writes (which kept
+    it busy alone: ``use["copy"]["busy"]``). Above 1: the
+    drive cannot give both at once, whatever the order of the requests. The same with the checkpoint's writes only
+    (``demand_vs_drive_writes_only``): were its reads those the steps make anyway."""
     if any(v is None for v in use.values()):
         return None
     alone, both = use["steps alone"], use["checkpoint and steps beside"]
     step_GB = (alone["read_GB"] + alone["written_GB"]) / steps_alone
     checkpoint_GB = both["read_GB"] + both["written_GB"] - step_GB * steps_beside  # its share of what both moved
     written_GB = both["written_GB"] - alone["written_GB"] / steps_alone * steps_beside  # the checkpoint's writes
-    steps_GBps = 0.7 * step_GB / (alone["seconds"] / steps_alone)
-    checkpoint_s = checkpoint_bytes / (0.8 * copy_Bps)
-    return {"step_GB": step_GB, "checkpoint_GB": checkpoint_GB, "checkpoint_written_GB": written_GB,
-            "steps_at_0.7x_GBps": steps_GBps, "checkpoint_at_0.8x_GBps": checkpoint_GB / checkpoint_s,
-            "drive_GBps_both": both["GBps"], "demand_vs_drive": (steps_GBps + checkpoint_GB / checkpoint_s) / both["GBps"],
-            "demand_vs_drive_writes_only": (steps_GBps + written_GB / checkpoint_s) / both["GBps"]}  # fmt: skip
+    steps_GBps = 0.7 * step_GB / step_s
+    checkpoint_s, drive_GBps = checkpoint_bytes / (0.8 * copy_Bps), 2 * copy_Bps / GB
+    return {"step_GB": step_GB, "step_GBps": step_GB / step_s, "checkpoint_GB": checkpoint_GB,
+            "checkpoint_written_GB": written_GB, "steps_at_0.7x_GBps": steps_GBps,
+            "checkpoint_at_0.8x_GBps": checkpoint_GB / checkpoint_s, "drive_GBps": drive_GBps,
+            "demand_vs_drive": (steps_GBps + checkpoint_GB / checkpoint_s) / drive_GBps,
+            "demand_vs_drive_writes_only": (steps_GBps + written_GB / checkpoint_s) / drive_GBps}  # fmt: skip
 
 
 _CHILD = """
