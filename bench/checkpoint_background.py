@@ -197,9 +197,9 @@ def drive_demand(
     """What the targets ask of the drive, from its counters: the bytes a second of a step (``step_s`` long) at 0.7x
     of its rate alone, plus the checkpoint's reads and writes spread over the time it takes at 0.8x of the copy's
     rate (``copy_Bps``), against the bytes a second the drive moved during the copy, reads and writes (which kept
-    it busy alone: ``use["copy"]["busy"]``). Above 1: the
-    drive cannot give both at once, whatever the order of the requests. The same with the checkpoint's writes only
-    (``demand_vs_drive_writes_only``): were its reads those the steps make anyway."""
+    it busy alone: ``use["copy"]["busy"]``). Above 1: the drive cannot give both at once, whatever the order of
+    the requests. The same with the checkpoint's writes only (``demand_vs_drive_writes_only``): were its reads
+    those the steps make anyway."""
     if any(v is None for v in use.values()):
         return None
     alone, both = use["steps alone"], use["checkpoint and steps beside"]
