@@ -25,6 +25,12 @@ moments of background checkpoints, each leaving the previous one loadable, the r
     python bench/bench_checkpoint.py --quick          # the tiny preset: a smoke run
     python bench/bench_checkpoint.py --repeats 1 --background --background-preset gpt2-1.3b --kills 10 \
         --cpu-memory 6G --dir /work/bench-tmp         # 1.3B parameters: 18 GB a checkpoint, ~72 GB of disk
+    python bench/bench_checkpoint.py --repeats 1 --background --cpu-memory 6G --steps 2 \
+        --bg-state-precision bf16-moments --kills 10  # bench/results/bench_checkpoint_background_1.3b_1024*: ~60 GB
+
+A step of the background run takes one sequence of its preset's length (1024 tokens at 1.3B) unless ``--tokens``
+says otherwise: with a few tokens a step the steps are bound by the drive the checkpoint writes to (see
+docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -143,7 +149,8 @@ def parse_args(argv):
     p.add_argument("--background", action="store_true", help="also measure a background checkpoint (see above)")
     p.add_argument("--background-preset", dest="bg_preset", default="gpt2-1.3b", help="its model (default %(default)s)")
     p.add_argument("--steps", type=int, default=3, help="steps timed without a checkpoint (default %(default)s)")
-    p.add_argument("--tokens", type=int, default=64, help="tokens a step (default %(default)s)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens a step of the background run (default: one sequence of its preset's length)")
     p.add_argument("--kills", type=int, default=10, help="SIGKILLs during background checkpoints (default %(default)s)")
     p.add_argument("--cpu-memory", dest="cpu_memory", default="2G", help="the streamed run's host budget (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="of the kills' moments")
@@ -153,6 +160,13 @@ def parse_args(argv):
     if args.quick:
         args.preset, args.repeats, args.background, args.bg_preset, args.kills = "tiny", 1, True, "small", 2
         args.cpu_memory = "64M"
+    try:
+        seq_len = GPTConfig.preset(args.bg_preset).seq_len
+    except ValueError as exc:
+        p.error(f"--background-preset: {exc}")
+    args.tokens = seq_len if args.tokens is None else args.tokens
+    if not 0 < args.tokens <= seq_len:
+        p.error(f"--tokens: {args.bg_preset} takes 1 to {seq_len} tokens a step, got {args.tokens}")
     args.cpu_memory_bytes = _size(args.cpu_memory)
     return args
 
@@ -249,8 +263,10 @@ def main(argv=None) -> Path:
     if background is not None:
         notes += (
             f" Background checkpoint of a streamed {args.bg_preset} ({background['params'] / 1e6:.0f}M parameters,"
-            f" weights and {args.state_precision} AdamW state on NVMe): steps at {background['steps_rate_vs_alone']:.2f}x their rate beside"
-            f" it; {background['checkpoint_GB']:.2f} GB of weights and state at {background['checkpoint_GBps']:.2f} GB/s,"
+            f" weights and {args.state_precision} AdamW state on NVMe, {args.tokens} tokens a step): steps at"
+            f" {background['steps_rate_vs_alone']:.2f}x their rate beside it ({background['steps_beside']} step(s);"
+            f" at least {background['steps_rate_while_written']:.2f}x while it was written);"
+            f" {background['checkpoint_GB']:.2f} GB of weights and state at {background['checkpoint_GBps']:.2f} GB/s,"
             f" {background['checkpoint_vs_copy']:.2f}x the disk's copy rate ({background['copy_GBps']:.2f} GB/s);"
             f" {background['kills']} kills, resume bit-identical: {background['resume_bit_identical']}. Training waited"
             f" {background['training_waited_s']:.1f} s at its start (the weights and the state held;"

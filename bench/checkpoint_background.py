@@ -184,11 +184,20 @@ def measure(args, root: Path) -> dict:
     return {
         "params": sum(p.numel() for p in model.parameters()), "step_alone_s": alone_s, "step_beside_s": beside_s,
         "steps_rate_vs_alone": alone_s / beside_s, "steps_beside": len(beside), "training_waited_s": waited_s,
+        "steps_rate_while_written": while_written(beside_s, alone_s, len(beside), job.seconds),
         "checkpoint_s": job.seconds, "checkpoint_GB": job.nbytes / GB, "checkpoint_GBps": job.nbytes / job.seconds / GB,
         "copy_GBps": copy / GB, "checkpoint_vs_copy": job.nbytes / job.seconds / copy, "digests": digests,
         "timeline": timeline, "load_average": load, "drive": drive_use,
         "drive_demand": drive_demand(drive_use, args.steps, alone_s, len(beside), job.nbytes, copy),
     }  # fmt: skip
+
+
+def while_written(beside_s: float, alone_s: float, steps_beside: int, checkpoint_s: float) -> float:
+    """The steps' rate while the checkpoint was written, at the least: all the time the ``steps_beside`` steps took
+    above their time alone (``beside_s`` a step against ``alone_s``) counted inside its ``checkpoint_s`` seconds
+    (the steps beside it may outlast it: their rate over all of them is higher)."""
+    lost_s = max(0.0, (beside_s - alone_s) * steps_beside)
+    return max(0.0, 1 - lost_s / checkpoint_s)
 
 
 def drive_demand(
