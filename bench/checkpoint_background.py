@@ -205,9 +205,8 @@ def drive_demand(
 ) -> dict | None:
     """What the targets ask of the drive, from its counters: the bytes a second of a step (``step_s`` long) at 0.7x
     of its rate alone, plus the checkpoint's reads and writes spread over the time it takes at 0.8x of the copy's
-    rate (``copy_Bps``), against the bytes a second the drive moved during the copy, reads and writes (which kept
-    it busy alone: ``use["copy"]["busy"]``). Above 1: the drive cannot give both at once, whatever the order of
-    the requests. The same with the checkpoint's writes only (``demand_vs_drive_writes_only``): were its reads
+    rate (``copy_Bps``), against what the drive moves kept busy by the copy alone: its reads and its writes, twice
+    the copy's rate. Above 1: the drive cannot give both at once, whatever the order of the requests. The same with the checkpoint's writes only (``demand_vs_drive_writes_only``): were its reads
     those the steps make anyway."""
     if any(v is None for v in use.values()):
         return None
@@ -217,10 +216,11 @@ def drive_demand(
     written_GB = both["written_GB"] - alone["written_GB"] / steps_alone * steps_beside  # the checkpoint's writes
     steps_GBps = 0.7 * step_GB / step_s
     checkpoint_s, drive_GBps = checkpoint_bytes / (0.8 * copy_Bps), 2 * copy_Bps / GB
+    checkpoint_GBps = checkpoint_GB / checkpoint_s
     return {"step_GB": step_GB, "step_GBps": step_GB / step_s, "checkpoint_GB": checkpoint_GB,
             "checkpoint_written_GB": written_GB, "steps_at_0.7x_GBps": steps_GBps,
-            "checkpoint_at_0.8x_GBps": checkpoint_GB / checkpoint_s, "drive_GBps": drive_GBps,
-            "demand_vs_drive": (steps_GBps + checkpoint_GB / checkpoint_s) / drive_GBps,
+            "checkpoint_at_0.8x_GBps": checkpoint_GBps, "drive_GBps": drive_GBps,
+            "demand_vs_drive": (steps_GBps + checkpoint_GBps) / drive_GBps,
             "demand_vs_drive_writes_only": (steps_GBps + written_GB / checkpoint_s) / drive_GBps}  # fmt: skip
 
 
